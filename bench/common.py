@@ -1,0 +1,52 @@
+"""Shared by every benchmark: a row format, a timer and the one table they all print.
+
+Each bench/bench_*.py module exposes ``run(quick=False) -> list[dict]``; a row has the keys
+``benchmark`` (what was measured), ``ours`` and ``reference`` (numbers in ``unit``), ``ratio``
+(ours / reference, or None), ``target`` (the goal the issue sets, as text) and ``note``.
+"""
+import time
+
+import torch
+
+
+def row(benchmark, ours, reference=None, unit="", ratio=None, target="", note=""):
+    if ratio is None and reference:
+        ratio = ours / reference
+    return dict(benchmark=benchmark, ours=ours, reference=reference, unit=unit, ratio=ratio,
+                target=target, note=note)
+
+
+def time_it(fn, warmup=2, repeats=5):
+    """Median wall-clock seconds of fn() over `repeats` calls, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _fmt(x):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+def print_table(rows):
+    cols = ["benchmark", "ours", "reference", "unit", "ratio", "target", "note"]
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(line[i]) for line in cells)) if cells else len(c)
+              for i, c in enumerate(cols)]
+    print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for line in cells:
+        print(" | ".join(v.ljust(w) for v, w in zip(line, widths)))
