@@ -1,0 +1,106 @@
+"""Loss curves of one or more runs from their metrics.jsonl: training and validation loss against
+tokens and against wall-clock time, one line per run -- the figures the MARS paper compares optimizers by.
+
+    python plot.py out_mars out_adamw --out curves.png [--labels MARS AdamW] [--ylim 1.0 2.5]
+"""
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed on a cluster node
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+SERIES = ("train/loss", "val/loss")
+
+
+def read_metrics(run_dir):
+    """{'train/loss': [(iter, tokens, time_s, loss)...], 'val/loss': [...]} from run_dir/metrics.jsonl.
+
+    A resumed run logs again the iterations after its checkpoint; the latest record of an iteration wins.
+    """
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist: is {run_dir!r} a training run's out_dir?")
+    latest = {name: {} for name in SERIES}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if not line.endswith("\n"):
+                    continue  # a half-written last line: the run was killed mid-write
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            for name in SERIES:
+                if record.get(name) is None:
+                    continue
+                missing = [k for k in ("iter", "tokens", "time_s") if k not in record]
+                if missing:
+                    raise ValueError(f"{path}, line {lineno}: a {name} record without {', '.join(missing)}")
+                latest[name][record["iter"]] = (record["iter"], record["tokens"], record["time_s"],
+                                                record[name])
+    series = {name: [points[i] for i in sorted(points)] for name, points in latest.items()}
+    if not any(series.values()):
+        raise ValueError(f"{path} has no train/loss or val/loss records yet")
+    return series
+
+
+def default_labels(run_dirs):
+    """Each run's directory name; the whole path where two runs share a name."""
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    return names if len(set(names)) == len(names) else [os.path.normpath(d) for d in run_dirs]
+
+
+def plot_runs(run_dirs, out, labels=None, ylim=None):
+    """Write the PNG and return the figure: a 2x2 grid, rows train/val loss, columns tokens/time."""
+    if not run_dirs:
+        raise ValueError("give at least one run directory")
+    labels = list(labels) if labels else default_labels(run_dirs)
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs; give one label per run")
+    runs = [read_metrics(d) for d in run_dirs]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col", squeeze=False)
+    for row, name in enumerate(SERIES):
+        for col, (x_index, x_label, scale) in enumerate([(1, "tokens (M)", 1e-6), (2, "time (min)", 1 / 60)]):
+            ax = axes[row][col]
+            for series, label in zip(runs, labels):
+                points = series[name]
+                if points:
+                    ax.plot([p[x_index] * scale for p in points], [p[3] for p in points], label=label,
+                            marker="o" if name == "val/loss" and len(points) < 30 else None, markersize=3)
+            ax.set_title(f"{name} vs {x_label.split()[0]}")
+            ax.set_ylabel(name)
+            if row == len(SERIES) - 1:
+                ax.set_xlabel(x_label)
+            if ylim:
+                ax.set_ylim(*ylim)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return fig
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Plot training and validation loss of runs (their metrics.jsonl).")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="out_dir of a training run")
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--labels", nargs="+", help="one legend label per run (default: directory names)")
+    p.add_argument("--ylim", nargs=2, type=float, metavar=("LOW", "HIGH"), help="loss axis range")
+    args = p.parse_args(argv)
+    try:
+        plot_runs(args.run_dirs, args.out, args.labels, args.ylim)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
