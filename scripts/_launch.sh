@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Shared by the run_*.sh scripts: torchrun train.py with the given config files and --key=value
+# arguments, one process per visible GPU of this node (NPROC overrides; 1 without GPUs). Runs from the
+# repository root, so paths are relative to it. TORCHRUN_ARGS replaces --standalone (multinode.sh).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [[ -z "${NPROC:-}" ]]; then
+  # torch counts what CUDA_VISIBLE_DEVICES leaves visible; nvidia-smi is the fallback without torch.
+  gpus=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null) \
+    || gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || gpus=0
+  NPROC=$(( gpus > 0 ? gpus : 1 ))
+fi
+read -r -a launcher <<< "${TORCHRUN_ARGS:---standalone}"
+exec torchrun "${launcher[@]}" --nproc_per_node="$NPROC" train.py "$@"
