@@ -1,0 +1,337 @@
+"""GPT-2 (Small, Medium, Large, XL) as the MARS paper trains it, with Hugging Face GPT-2 interop.
+
+Parameter names follow nanoGPT (transformer.wte, transformer.h.{i}.attn.c_attn, ..., lm_head), which is
+what the paper's reference code is built on, so state dicts move between the two unchanged. This file
+imports nothing from the repository: copy it into another project on its own. transformers is needed
+only by the Hugging Face functions at the bottom, and is imported there.
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# OpenAI's GPT-2 tokenizer has 50257 tokens; the Hugging Face checkpoints have exactly that many rows.
+GPT2_VOCAB_SIZE = 50257
+
+# The four GPT-2 sizes (Radford et al., 2019, Table 2). Counts are with bias=True at vocab 50257.
+PRESETS = {
+    'small': dict(n_layer=12, n_head=12, n_embd=768),    # 124M
+    'medium': dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    'large': dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
+    'xl': dict(n_layer=48, n_head=25, n_embd=1600),      # 1558M
+}
+
+# OpenAI's checkpoints on the Hugging Face hub, by preset.
+HF_CHECKPOINTS = {'gpt2': 'small', 'gpt2-medium': 'medium', 'gpt2-large': 'large', 'gpt2-xl': 'xl'}
+
+# Peak dense bf16 tensor-core throughput (FLOP/s) by the substring that names the GPU.
+PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    # GPT-2's 50257 tokens padded up to a multiple of 64: the embedding and output matmuls then tile
+    # evenly on tensor cores. The 47 extra rows are never targets, so they learn to stay unlikely.
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # bias in Linear and LayerNorm layers, as in GPT-2
+    # Divide layer i's attention logits by (i + 1) on top of 1/sqrt(head_dim) (Mistral's stability
+    # tweak, also in Hugging Face's GPT2Config); the paper's training scripts enable it for every size.
+    scale_attn_by_inverse_layer_idx: bool = False
+
+    def __post_init__(self):
+        for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        # query, key and value for all heads in one matmul
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        # The per-layer factor folds into SDPA's softmax scale, so the fused kernels still apply.
+        self.scale = (config.n_embd // config.n_head) ** -0.5
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scale /= layer_idx + 1
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Flash / memory-efficient kernels on GPU: the T x T attention matrix is never materialised.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True, scale=self.scale)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The reference code keeps its causal mask as a buffer named 'attn.bias' (and Hugging Face's
+        # older GPT-2 did too); SDPA needs no mask, so such checkpoints load without it.
+        state_dict.pop(prefix + 'bias', None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate='tanh')  # GPT-2's GELU is the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm residual block (GPT-2 moved LayerNorm to each sub-block's input)."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying (Press & Wolf, 2017), as in GPT-2: one matrix embeds tokens and scores them.
+        self.transformer.wte.weight = self.lm_head.weight
+
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each block adds two projections to the residual stream, so their weights
+        # get std 0.02/sqrt(2 * n_layer) to keep the stream's variance from growing with depth.
+        for name, p in self.named_parameters():
+            if name.endswith('c_proj.weight'):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameters, the tied embedding counted once. non_embedding drops the position embeddings;
+        the token embedding stays because it is also the output layer's weight."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None):
+        """idx: (B, T) token ids. Returns (logits, loss): with targets, logits for every position and the
+        mean cross-entropy over targets != -1; without, logits for the last position only, loss None."""
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}; "
+                             f"crop the input to its last {self.config.block_size} tokens")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            # generation needs only the next token: skip the (B, T, vocab) output matmul
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def crop_block_size(self, block_size):
+        """Shrink the context window, e.g. to train GPT-2's 1024-token weights at 512."""
+        if not 1 <= block_size <= self.config.block_size:
+            raise ValueError(f"block_size {block_size} must be between 1 and {self.config.block_size}")
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Append max_new_tokens sampled tokens to idx (B, T); the context is cropped to block_size."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth_largest, float('-inf'))
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
+
+    def estimate_mfu(self, tokens_per_iter, dt):
+        """Model FLOPs utilisation: achieved FLOP/s over the peak of the GPU the model is on, or None
+        where that peak is unknown (CPU, other GPUs). FLOPs per token are 6N for the matmuls forward
+        and backward plus 12·L·H·Q·T for attention (PaLM, Chowdhery et al. 2022, Appendix B)."""
+        peak = peak_flops(self.lm_head.weight.device)
+        if peak is None:
+            return None
+        cfg = self.config
+        head_dim = cfg.n_embd // cfg.n_head
+        flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.block_size
+        return flops_per_token * tokens_per_iter / dt / peak
+
+    @classmethod
+    def from_pretrained(cls, name, override_args=None):
+        """OpenAI's GPT-2 ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', from the Hugging Face hub)
+        or a local Hugging Face GPT-2 folder such as export_hf.py writes. override_args may set dropout."""
+        override_args = dict(override_args or {})
+        unknown = set(override_args) - {'dropout'}
+        if unknown:
+            raise ValueError(f"from_pretrained can only override dropout, got {sorted(unknown)}")
+        if name not in HF_CHECKPOINTS and not os.path.isdir(name):
+            raise ValueError(f"unknown pretrained model {name!r}; choose one of "
+                             f"{', '.join(HF_CHECKPOINTS)} or a Hugging Face GPT-2 folder")
+        transformers = _import_transformers()
+        return gpt_from_hf(transformers.GPT2LMHeadModel.from_pretrained(name), **override_args)
+
+
+def peak_flops(device):
+    """Peak dense bf16 FLOP/s of the GPU `device` is on, or None when it is not a GPU we know."""
+    device = torch.device(device)
+    if device.type != 'cuda':
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def param_groups(model, weight_decay):
+    """The paper's reference split: weights of Linear layers decay; embeddings (the tied wte/lm_head
+    matrix counted once, as an embedding), LayerNorm weights and all biases don't. Each group lists its
+    parameters sorted by name, as the reference does, so optimizer state dicts line up with its."""
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decayed = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)} - embeddings
+    named = sorted(model.named_parameters(), key=lambda item: item[0])  # tied tensors appear once
+    return [
+        {'params': [p for _, p in named if id(p) in decayed], 'weight_decay': weight_decay},
+        {'params': [p for _, p in named if id(p) not in decayed], 'weight_decay': 0.0},
+    ]
+
+
+def hidden_matrix_params(model):
+    """The Muon split: (2-D weights inside the transformer blocks, every other parameter). Embeddings,
+    the output head, LayerNorms and biases go to the second list, for AdamW."""
+    hidden = [p for p in model.transformer.h.parameters() if p.ndim == 2]
+    hidden_ids = {id(p) for p in hidden}
+    return hidden, [p for p in model.parameters() if id(p) not in hidden_ids]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hugging Face GPT-2 interop. Its GPT2LMHeadModel uses the same parameter names as ours, but stores the
+# four projection matrices as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in).
+
+_CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("Hugging Face interop needs transformers and safetensors: "
+                          "pip install -r requirements-extra.txt") from None
+    return transformers
+
+
+def _swap_conv1d_layout(state_dict):
+    """Transpose the Conv1D/Linear projection weights: the same operation converts either way."""
+    return {k: v.t() if k.endswith(_CONV1D_WEIGHTS) else v for k, v in state_dict.items()}
+
+
+def config_from_hf(hf_config, dropout=0.0):
+    """Our GPTConfig for a Hugging Face GPT2Config; raises ValueError for variants GPT cannot run."""
+    if hf_config.n_inner not in (None, 4 * hf_config.n_embd):
+        raise ValueError(f"n_inner={hf_config.n_inner} is not supported: the MLP is 4 * n_embd wide")
+    if hf_config.activation_function not in ('gelu_new', 'gelu_pytorch_tanh'):
+        raise ValueError(f"activation_function={hf_config.activation_function!r} is not supported: "
+                         "GPT uses GELU's tanh approximation")
+    if not hf_config.scale_attn_weights:
+        raise ValueError("scale_attn_weights=False is not supported: GPT scales logits by 1/sqrt(head_dim)")
+    return GPTConfig(block_size=hf_config.n_positions, vocab_size=hf_config.vocab_size,
+                     n_layer=hf_config.n_layer, n_head=hf_config.n_head, n_embd=hf_config.n_embd,
+                     dropout=dropout, bias=True,
+                     scale_attn_by_inverse_layer_idx=hf_config.scale_attn_by_inverse_layer_idx)
+
+
+def gpt_from_hf(hf_model, dropout=0.0):
+    """Our GPT with the weights of a Hugging Face GPT2LMHeadModel."""
+    model = GPT(config_from_hf(hf_model.config, dropout=dropout))
+    model.load_state_dict(_swap_conv1d_layout(hf_model.state_dict()))
+    return model
+
+
+def hf_from_gpt(model, vocab_size=GPT2_VOCAB_SIZE):
+    """A Hugging Face GPT2LMHeadModel with our model's weights. Embedding rows past vocab_size (the
+    padding up to 50304) are cropped away; a model trained without biases gets zero biases, which
+    computes the same function in GPT-2's always-biased layout."""
+    transformers = _import_transformers()
+    cfg = model.config
+    vocab_size = min(vocab_size, cfg.vocab_size)
+    eot = GPT2_VOCAB_SIZE - 1 if vocab_size >= GPT2_VOCAB_SIZE else None
+    hf_config = transformers.GPT2Config(
+        vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, activation_function='gelu_new', resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, layer_norm_epsilon=1e-5,
+        scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx, tie_word_embeddings=True,
+        # GPT-2's end-of-text token, where the vocabulary has it
+        bos_token_id=eot, eos_token_id=eot)
+    hf_model = transformers.GPT2LMHeadModel(hf_config)
+    state_dict = _swap_conv1d_layout(model.state_dict())
+    for key in ('transformer.wte.weight', 'lm_head.weight'):
+        state_dict[key] = state_dict[key][:vocab_size]
+    if not cfg.bias:
+        for name, p in hf_model.named_parameters():
+            if name.endswith('.bias'):
+                state_dict[name] = torch.zeros_like(p)
+    hf_model.load_state_dict(state_dict)
+    return hf_model

@@ -1,0 +1,244 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+import model as model_module
+from model import PRESETS, GPT, GPTConfig, hidden_matrix_params, param_groups, peak_flops
+
+
+def tiny_config(**overrides):
+    args = dict(block_size=16, vocab_size=50, n_layer=3, n_head=4, n_embd=32)
+    return GPTConfig(**{**args, **overrides})
+
+
+def tiny_gpt(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+# Parameter counts of OpenAI's GPT-2 checkpoints (vocab 50257, 1024 positions, biases), the tied
+# embedding counted once: what Hugging Face's GPT2LMHeadModel reports for gpt2, gpt2-medium, ...
+GPT2_PARAMS = {'small': 124_439_808, 'medium': 354_823_168, 'large': 774_030_080, 'xl': 1_557_611_200}
+
+
+@pytest.mark.parametrize('preset', list(PRESETS))
+def test_preset_parameter_counts_match_gpt2(preset):
+    config = GPTConfig.from_preset(preset, vocab_size=50257, block_size=1024, bias=True)
+    with torch.device('meta'):  # shapes only: no memory, no init time
+        gpt = GPT(config)
+    assert gpt.get_num_params(non_embedding=False) == GPT2_PARAMS[preset]
+    # non-embedding (nanoGPT's convention): minus the 1024 position embeddings only
+    assert gpt.get_num_params() == GPT2_PARAMS[preset] - 1024 * config.n_embd
+    # ... which is Kaplan et al.'s 12·L·d² (the transformer matrices) up to the biases, the LayerNorms
+    # and the token embedding
+    L, d = config.n_layer, config.n_embd
+    assert gpt.get_num_params() == 12 * L * d * d + 13 * L * d + 2 * d + 50257 * d
+
+
+def test_from_preset_overrides_and_rejects_unknown_names():
+    config = GPTConfig.from_preset('medium', dropout=0.1)
+    assert (config.n_layer, config.n_head, config.n_embd, config.dropout) == (24, 16, 1024, 0.1)
+    with pytest.raises(ValueError, match="'huge'"):
+        GPTConfig.from_preset('huge')
+
+
+def test_config_rejects_n_embd_not_divisible_by_n_head():
+    with pytest.raises(ValueError, match='n_embd=100.*n_head=3'):
+        GPTConfig(n_embd=100, n_head=3)
+
+
+def test_forward_shapes_and_loss():
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 50, (2, 16))
+    logits, loss = gpt(idx)
+    assert logits.shape == (2, 1, 50) and loss is None  # last position only without targets
+    full_logits, loss = gpt(idx, torch.randint(0, 50, (2, 16)))
+    assert full_logits.shape == (2, 16, 50)
+    torch.testing.assert_close(logits[:, 0], full_logits[:, -1])
+    assert loss.item() == pytest.approx(math.log(50), rel=0.05)  # at init: close to uniform
+
+
+def test_loss_ignores_targets_of_minus_one():
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 50, (2, 8))
+    targets = idx.clone()
+    targets[:, :4] = -1
+    logits, loss = gpt(idx, targets)
+    expected = F.cross_entropy(logits[:, 4:].reshape(-1, 50), idx[:, 4:].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_sequence_longer_than_block_size_is_rejected():
+    with pytest.raises(ValueError, match='length 17 exceeds block_size 16'):
+        tiny_gpt()(torch.zeros(1, 17, dtype=torch.long))
+
+
+def explicit_attention(attn, x, layer_idx, scale_by_layer):
+    """softmax(QKᵀ·s)V with a causal mask, written out: s = 1/sqrt(head_dim), / (layer_idx + 1) when
+    scale_attn_by_inverse_layer_idx is on."""
+    B, T, C = x.shape
+    H = attn.n_head
+    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
+    s = 1.0 / math.sqrt(C // H)
+    if scale_by_layer:
+        s /= layer_idx + 1
+    att = (q @ k.transpose(-2, -1)) * s
+    att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float('-inf'))
+    y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
+    return attn.c_proj(y)
+
+
+@pytest.mark.parametrize('scale_by_layer', [False, True])
+def test_sdpa_attention_equals_explicit_softmax(scale_by_layer):
+    gpt = tiny_gpt(scale_attn_by_inverse_layer_idx=scale_by_layer)
+    x = torch.randn(2, 16, 32)
+    for i, block in enumerate(gpt.transformer.h):
+        torch.testing.assert_close(block.attn(x), explicit_attention(block.attn, x, i, scale_by_layer),
+                                   atol=1e-6, rtol=1e-5)
+
+
+def test_scale_attn_by_inverse_layer_idx_changes_the_output():
+    idx = torch.randint(0, 50, (1, 16))
+    plain, _ = tiny_gpt()(idx)
+    scaled, _ = tiny_gpt(scale_attn_by_inverse_layer_idx=True)(idx)
+    assert not torch.allclose(plain, scaled)
+
+
+def test_gpt2_initialisation():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=64, vocab_size=512, n_layer=4, n_head=4, n_embd=256))
+    for name, p in gpt.named_parameters():
+        if name.endswith('c_proj.weight'):
+            assert p.std().item() == pytest.approx(0.02 / math.sqrt(2 * 4), rel=0.05), name
+        elif name.endswith(('c_attn.weight', 'c_fc.weight', 'wte.weight', 'wpe.weight')):
+            assert p.std().item() == pytest.approx(0.02, rel=0.05), name
+        elif 'ln_' in name and name.endswith('weight'):
+            assert torch.all(p == 1), name
+        else:
+            assert name.endswith('bias') and torch.all(p == 0), name
+
+
+def test_output_head_is_tied_to_token_embedding():
+    gpt = tiny_gpt()
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight
+    names = [n for n, _ in gpt.named_parameters()]
+    assert 'transformer.wte.weight' in names and 'lm_head.weight' not in names
+    # the tie survives a state-dict round trip (both names are saved, one tensor is loaded)
+    other = tiny_gpt(seed=1)
+    other.load_state_dict(gpt.state_dict())
+    assert other.lm_head.weight is other.transformer.wte.weight
+    torch.testing.assert_close(other.lm_head.weight, gpt.transformer.wte.weight)
+
+
+def test_state_dict_uses_nanogpt_names():
+    keys = set(tiny_gpt(n_layer=1).state_dict())
+    assert keys == {
+        'transformer.wte.weight', 'transformer.wpe.weight', 'lm_head.weight',
+        'transformer.ln_f.weight', 'transformer.ln_f.bias',
+        *(f'transformer.h.0.{m}.{p}' for m in ('ln_1', 'attn.c_attn', 'attn.c_proj', 'ln_2',
+                                               'mlp.c_fc', 'mlp.c_proj') for p in ('weight', 'bias')),
+    }
+
+
+def test_loads_reference_checkpoints_with_causal_mask_buffer():
+    gpt = tiny_gpt()
+    state_dict = gpt.state_dict()
+    for i in range(3):  # the reference code saves its T×T mask as 'attn.bias'
+        state_dict[f'transformer.h.{i}.attn.bias'] = torch.ones(1, 1, 16, 16).tril()
+    tiny_gpt(seed=1).load_state_dict(state_dict)
+
+
+def test_param_groups_split_like_the_reference():
+    gpt = tiny_gpt()
+    decay, no_decay = param_groups(gpt, weight_decay=0.1)
+    assert (decay['weight_decay'], no_decay['weight_decay']) == (0.1, 0.0)
+    name_of = {id(p): n for n, p in gpt.named_parameters()}
+    decay_names = [name_of[id(p)] for p in decay['params']]
+    no_decay_names = [name_of[id(p)] for p in no_decay['params']]
+    # weights of the four Linear layers in each block decay; the tied embedding/output matrix does not
+    assert decay_names == sorted(f'transformer.h.{i}.{m}.weight' for i in range(3)
+                                 for m in ('attn.c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj'))
+    assert no_decay_names == sorted(no_decay_names)
+    assert set(no_decay_names) == set(name_of.values()) - set(decay_names)
+    assert all(n.endswith('bias') or 'ln_' in n or n in ('transformer.wte.weight', 'transformer.wpe.weight')
+               for n in no_decay_names)
+    assert sum(p.numel() for g in (decay, no_decay) for p in g['params']) == gpt.get_num_params(False)
+
+
+def test_hidden_matrix_params_split():
+    gpt = tiny_gpt()
+    hidden, other = hidden_matrix_params(gpt)
+    assert len(hidden) == 4 * 3 and all(p.ndim == 2 for p in hidden)
+    assert {id(p) for p in other} == {id(p) for p in gpt.parameters()} - {id(p) for p in hidden}
+    assert any(p is gpt.transformer.wte.weight for p in other)
+
+
+def test_generate_length_and_top_k():
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 50, (2, 10))
+    out = gpt.generate(idx, max_new_tokens=12)  # runs past block_size 16: the context is cropped
+    assert out.shape == (2, 22) and torch.equal(out[:, :10], idx)
+    # top_k=1 is greedy: each new token is the argmax of the logits for the context before it
+    out = gpt.generate(idx, max_new_tokens=3, top_k=1)
+    for t in range(10, 13):
+        logits, _ = gpt(out[:, :t][:, -16:])
+        assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
+    with pytest.raises(ValueError, match='temperature'):
+        gpt.generate(idx, 1, temperature=0)
+
+
+def test_generate_samples_only_from_the_top_k():
+    gpt = tiny_gpt()
+    idx = torch.randint(0, 50, (1, 5))
+    logits, _ = gpt(idx)
+    top3 = set(torch.topk(logits[0, -1], 3).indices.tolist())
+    torch.manual_seed(0)
+    samples = {gpt.generate(idx, 1, temperature=10.0, top_k=3)[0, -1].item() for _ in range(50)}
+    assert samples <= top3 and len(samples) > 1
+
+
+def test_estimate_mfu(monkeypatch):
+    gpt = tiny_gpt()
+    assert gpt.estimate_mfu(tokens_per_iter=1000, dt=1.0) is None  # CPU: no peak to compare with
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device: 1e9)
+    flops_per_token = 6 * gpt.get_num_params() + 12 * 3 * 4 * 8 * 16
+    assert gpt.estimate_mfu(tokens_per_iter=1000, dt=2.0) == pytest.approx(flops_per_token * 500 / 1e9)
+
+
+@pytest.mark.parametrize('name, peak', [('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA H100 80GB HBM3', 989e12),
+                                        ('NVIDIA H200', 989e12), ('Tesla V100-SXM2-16GB', None)])
+def test_peak_flops_by_gpu_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
+    assert peak_flops(torch.device('cuda', 0)) == peak
+    assert peak_flops('cpu') is None
+
+
+def test_crop_block_size():
+    gpt = tiny_gpt()
+    gpt.crop_block_size(8)
+    assert gpt.transformer.wpe.weight.shape == (8, 32)
+    with pytest.raises(ValueError, match='length 9 exceeds block_size 8'):
+        gpt(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_dropout_is_used_in_training_only():
+    gpt = tiny_gpt(dropout=0.5)
+    idx = torch.randint(0, 50, (1, 16))
+    torch.testing.assert_close(gpt(idx)[0], gpt(idx)[0])
+    gpt.train()
+    assert not torch.allclose(gpt(idx)[0], gpt(idx)[0])
+
+
+def test_all_layers_get_gradients():
+    gpt = tiny_gpt().train()
+    idx = torch.randint(0, 50, (2, 16))
+    gpt(idx, idx)[1].backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gpt.parameters())
+
+
+def test_gelu_is_the_tanh_approximation():
+    mlp = tiny_gpt().transformer.h[0].mlp
+    assert isinstance(mlp.gelu, nn.GELU) and mlp.gelu.approximate == 'tanh'
