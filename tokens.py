@@ -19,7 +19,6 @@ import socket
 import tempfile
 
 import numpy as np
-import torch
 
 EOT_TOKEN = 50256  # <|endoftext|>: delimits documents
 GPT2_VOCAB_SIZE = 50257
@@ -157,13 +156,13 @@ def write_shard(path, tokens):
     header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
     with atomic_writer(path) as f:
         f.write(header.tobytes())
-        f.write(tokens.tobytes())
+        f.write(memoryview(np.ascontiguousarray(tokens)))  # no copy of a shard-sized buffer
 
 
 def write_bin(path, tokens):
     """Write tokens as a headerless uint16 file (nanoGPT's train.bin / val.bin)."""
     with atomic_writer(path) as f:
-        f.write(_as_uint16(tokens).tobytes())
+        f.write(memoryview(np.ascontiguousarray(_as_uint16(tokens))))
 
 
 def write_meta(path, itos):
@@ -273,6 +272,7 @@ class TokenData:
             if self._max_id is not None:
                 self._check_ids(self.paths[i], start, window)
             batch[row] = window
+        import torch  # here, not at the top: the prepare scripts import this module and need no torch
         batch = torch.from_numpy(batch)
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 

@@ -66,4 +66,5 @@ if __name__ == "__main__":
     try:
         main()
     except DataError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

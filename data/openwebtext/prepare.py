@@ -1,0 +1,80 @@
+"""OpenWebText -> train.bin / val.bin: headerless uint16 GPT-2 tokens, nanoGPT's layout and split.
+
+    python data/openwebtext/prepare.py                               # Skylion007/openwebtext from the Hub
+    python data/openwebtext/prepare.py --data_files owt/*.parquet    # local parquet/jsonl, no network
+
+The split is nanoGPT's (train_test_split(test_size=0.0005, seed=2357), 'test' renamed 'val') and
+<|endoftext|> follows every document, so the bins match nanoGPT's and the MARS reference code's
+token for token, and either side reads the other's. Each bin appears under its final name only
+when complete.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from tokens import EOT_TOKEN, DataError, atomic_writer, get_gpt2_encoding, network_reachable  # noqa: E402
+
+HUB_DATASET = "Skylion007/openwebtext"
+WRITE_BATCH = 1 << 16  # documents per write
+
+
+def load_documents(data_files, num_proc):
+    from datasets import load_dataset
+    if data_files:
+        missing = [p for p in data_files if not os.path.isfile(p)]
+        if missing:
+            raise DataError(f"--data_files: no such file {missing[0]}")
+        builder = "parquet" if data_files[0].endswith(".parquet") else "json"
+        return load_dataset(builder, data_files=data_files, split="train")
+    if not network_reachable("huggingface.co"):
+        raise DataError(f"cannot reach huggingface.co to download {HUB_DATASET}; on a machine without "
+                        f"internet pass --data_files with local parquet or jsonl files of it")
+    return load_dataset(HUB_DATASET, split="train", num_proc=num_proc)
+
+
+def tokenize(example):
+    ids = get_gpt2_encoding().encode_ordinary(example["text"])
+    ids.append(EOT_TOKEN)  # nanoGPT appends the delimiter after each document
+    return {"ids": ids, "len": len(ids)}
+
+
+def write_split(dataset, path):
+    total = int(np.sum(dataset["len"], dtype=np.int64))
+    with atomic_writer(path) as f, tqdm(total=total, unit="tok", unit_scale=True, desc=os.path.basename(path)) as bar:
+        for batch in dataset.with_format("arrow").iter(batch_size=WRITE_BATCH):
+            ids = batch["ids"].combine_chunks().flatten().to_numpy().astype(np.uint16)
+            f.write(memoryview(ids))
+            bar.update(len(ids))
+    return total
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data_files", nargs="+", help="local .parquet/.jsonl files with a 'text' column")
+    parser.add_argument("--output_dir", default=os.path.dirname(os.path.abspath(__file__)))
+    parser.add_argument("--num_proc", type=int, default=max(1, os.cpu_count() // 2))
+    args = parser.parse_args(argv)
+    get_gpt2_encoding()  # fail early (and seed the offline cache once, before the workers fork)
+    dataset = load_documents(args.data_files, args.num_proc)
+    if "text" not in dataset.column_names:
+        raise DataError(f"the dataset has no 'text' column (columns: {', '.join(dataset.column_names)})")
+    split = dataset.train_test_split(test_size=0.0005, seed=2357, shuffle=True)
+    split["val"] = split.pop("test")
+    tokenized = split.map(tokenize, remove_columns=dataset.column_names, desc="tokenizing",
+                          num_proc=args.num_proc)
+    os.makedirs(args.output_dir, exist_ok=True)
+    for name, dset in tokenized.items():
+        count = write_split(dset, os.path.join(args.output_dir, f"{name}.bin"))
+        print(f"{name}.bin: {len(dset):,} documents, {count:,} tokens")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
