@@ -1,0 +1,121 @@
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from checkpoint import save_checkpoint
+from export_hf import export_hf, main
+from model import GPT, GPTConfig, config_from_hf, gpt_from_hf, hf_from_gpt
+
+transformers = pytest.importorskip("transformers")
+
+
+def random_hf_gpt2(scale_attn_by_inverse_layer_idx, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=48, n_layer=3, n_head=4,
+                                     scale_attn_by_inverse_layer_idx=scale_attn_by_inverse_layer_idx,
+                                     bos_token_id=None, eos_token_id=None)
+    hf_model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # HF zero-initialises biases and LayerNorms: make every parameter matter
+        for p in hf_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return hf_model
+
+
+def all_logits(gpt, idx):
+    """Our logits at every position (forward returns them all when given targets)."""
+    return gpt(idx, torch.zeros_like(idx))[0]
+
+
+@pytest.mark.parametrize("scale_by_layer", [False, True])
+def test_hf_to_ours_and_back_gives_the_same_logits(scale_by_layer):
+    hf_model = random_hf_gpt2(scale_by_layer)
+    idx = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        expected = hf_model(idx).logits
+        gpt = gpt_from_hf(hf_model).eval()
+        assert gpt.config.scale_attn_by_inverse_layer_idx == scale_by_layer
+        assert (expected - all_logits(gpt, idx)).abs().max() <= 1e-5
+        back = hf_from_gpt(gpt).eval()
+        assert back.config.scale_attn_by_inverse_layer_idx == scale_by_layer
+        assert (expected - back(idx).logits).abs().max() <= 1e-5
+
+
+def tiny_gpt(**overrides):
+    torch.manual_seed(0)
+    args = dict(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32,
+                scale_attn_by_inverse_layer_idx=True)
+    return GPT(GPTConfig(**{**args, **overrides})).eval()
+
+
+def test_export_folder_loads_in_transformers_and_matches_our_logits(tmp_path):
+    gpt = tiny_gpt()
+    export_hf(gpt, tmp_path)
+    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt"} <= set(os.listdir(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["vocab_size"] == 50257 and config["scale_attn_by_inverse_layer_idx"] is True
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    idx = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        ours = all_logits(gpt, idx)[..., :50257]  # the padded rows are cropped away
+        assert (ours - loaded(idx).logits).abs().max() <= 1e-5
+        # and back: GPT.from_pretrained reads the folder too
+        again = GPT.from_pretrained(str(tmp_path)).eval()
+        assert again.config.vocab_size == 50257
+        assert (ours - all_logits(again, idx)).abs().max() <= 1e-5
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.encode("Hello world") == [15496, 995] and tokenizer.eos_token_id == 50256
+
+
+def test_export_of_a_model_without_biases(tmp_path):
+    gpt = tiny_gpt(bias=False, vocab_size=100)  # a small vocabulary is kept whole, without tokenizer
+    export_hf(gpt, tmp_path)
+    assert "vocab.json" not in os.listdir(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    idx = torch.randint(0, 100, (1, 32))
+    with torch.no_grad():
+        assert (all_logits(gpt, idx) - loaded(idx).logits).abs().max() <= 1e-5
+
+
+def test_command_exports_a_training_checkpoint(tmp_path, capsys):
+    gpt = tiny_gpt()
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    save_checkpoint(str(out_dir / "ckpt.pt"), {"model": gpt.state_dict(), "iter_num": 7,
+                                               "model_args": vars(gpt.config)})
+    assert main([str(out_dir), str(tmp_path / "hf")]) == 0
+    assert "iteration 7" in capsys.readouterr().out
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, 50257, (1, 8))
+    with torch.no_grad():
+        assert (all_logits(gpt, idx)[..., :50257] - loaded(idx).logits).abs().max() <= 1e-5
+
+
+def test_command_reports_a_missing_checkpoint_in_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "nowhere"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nowhere" in err and "Traceback" not in err
+
+
+def test_without_transformers_the_message_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(ImportError, match=r"pip install -r requirements-extra\.txt"):
+        hf_from_gpt(tiny_gpt())
+    with pytest.raises(ImportError, match=r"pip install -r requirements-extra\.txt"):
+        GPT.from_pretrained("gpt2")
+
+
+def test_from_pretrained_rejects_unknown_names_and_overrides():
+    with pytest.raises(ValueError, match="'gpt3'"):
+        GPT.from_pretrained("gpt3")
+    with pytest.raises(ValueError, match="n_layer"):
+        GPT.from_pretrained("gpt2", dict(n_layer=2))
+
+
+def test_unsupported_hf_variants_are_rejected():
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=1, activation_function="relu")
+    with pytest.raises(ValueError, match="relu"):
+        config_from_hf(config)
