@@ -1,0 +1,180 @@
+import filecmp
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import tokens
+from tokens import EOT_TOKEN, DataError, TokenData, read_shard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"prepare_{name}", os.path.join(REPO, "data", name, "prepare.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # so worker processes can unpickle its functions
+    spec.loader.exec_module(module)
+    return module
+
+
+fineweb = load_script("fineweb_edu")
+
+
+def documents(n=120):
+    """Deterministic documents of varied length, with some non-ASCII text."""
+    rng = np.random.default_rng(0)
+    words = ["the", "model", "learns", "Köln", "naïve", "数据", "tokens", "\n\n", "GPT-2", "é", "42", "!"]
+    return [f"Doc {i}: " + " ".join(rng.choice(words, size=int(rng.integers(5, 400)))) for i in range(n)]
+
+
+def write_fineweb_parquet(path, texts, row_group_size=16):
+    n = len(texts)
+    table = pa.table(dict(
+        text=texts, id=[f"<urn:uuid:{i}>" for i in range(n)], dump=["CC-MAIN-2024-10"] * n,
+        url=[f"https://example.com/{i}" for i in range(n)], file_path=["s3://commoncrawl/x.warc.gz"] * n,
+        language=["en"] * n, language_score=[0.95] * n, token_count=[len(t) // 4 for t in texts],
+        score=[3.2] * n, int_score=[3] * n))
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+def run_fineweb(files, out, shard_size=2000, num_proc=1):
+    return fineweb.main(["--data_files", *map(str, files), "--output_dir", str(out),
+                         "--shard_size", str(shard_size), "--num_proc", str(num_proc)])
+
+
+def shard_files(out):
+    return sorted((f for f in os.listdir(out) if f.endswith(".bin")), key=lambda f: f[-10:])  # by index
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    texts = documents()
+    write_fineweb_parquet(tmp_path / "part0.parquet", texts[:70])
+    write_fineweb_parquet(tmp_path / "part1.parquet", texts[70:])
+    return texts, [tmp_path / "part0.parquet", tmp_path / "part1.parquet"]
+
+
+def test_fineweb_parquet_to_shards_decodes_back(tmp_path, corpus):
+    texts, files = corpus
+    run_fineweb(files, tmp_path / "out")
+    names = shard_files(tmp_path / "out")
+    assert names[0] == "fineweb_val_000000.bin" and names[1] == "fineweb_train_000001.bin"
+    assert all(n == fineweb.shard_name(i) for i, n in enumerate(names))
+    stream = np.concatenate([read_shard(tmp_path / "out" / n) for n in names])
+    assert all(len(read_shard(tmp_path / "out" / n)) == 2000 for n in names[:-1])
+    # <|endoftext|> precedes every document, in order; the documents decode back exactly.
+    assert stream[0] == EOT_TOKEN and np.count_nonzero(stream == EOT_TOKEN) == len(texts)
+    decoded = tokens.get_gpt2_encoding().decode(stream.tolist())
+    assert decoded == "".join("<|endoftext|>" + t for t in texts)
+    assert TokenData(str(tmp_path / "out"), "val").num_tokens == 2000
+    assert TokenData(str(tmp_path / "out"), "train").num_tokens == len(stream) - 2000
+
+
+@pytest.mark.slow
+def test_jsonl_input_and_parallel_workers_give_the_same_shards(tmp_path, corpus):
+    texts, files = corpus
+    run_fineweb(files, tmp_path / "serial")
+    with open(tmp_path / "docs.jsonl", "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps(dict(text=text, id=str(i))) + "\n")
+    run_fineweb([tmp_path / "docs.jsonl"], tmp_path / "jsonl")
+    fineweb.CHUNK_CHARS, saved = 3000, fineweb.CHUNK_CHARS  # many small tasks across the workers
+    try:
+        run_fineweb(files, tmp_path / "parallel", num_proc=2)
+    finally:
+        fineweb.CHUNK_CHARS = saved
+    names = shard_files(tmp_path / "serial")
+    for other in ("jsonl", "parallel"):
+        assert shard_files(tmp_path / other) == names
+        assert filecmp.cmpfiles(tmp_path / "serial", tmp_path / other, names, shallow=False)[0] == names
+
+
+def test_interrupted_prepare_resumes_byte_identical(tmp_path, corpus, monkeypatch):
+    texts, files = corpus
+    run_fineweb(files, tmp_path / "reference")
+    reference = shard_files(tmp_path / "reference")
+    assert len(reference) >= 5
+
+    real_write_shard, written = fineweb.write_shard, []
+
+    def write_then_die(path, data):
+        if len(written) == 3:
+            with open(f"{path}.tmp.999", "wb") as f:  # what a SIGKILL mid-write leaves behind
+                f.write(b"partial")
+            raise KeyboardInterrupt
+        written.append(path)
+        real_write_shard(path, data)
+
+    monkeypatch.setattr(fineweb, "write_shard", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_fineweb(files, tmp_path / "resumed")
+    assert shard_files(tmp_path / "resumed") == reference[:3]  # only complete shards have final names
+    progress = json.loads((tmp_path / "resumed" / "progress.json").read_text())
+    assert not progress["done"] and progress["shards"][-1]["doc_offset"] > 0  # stopped mid-document
+
+    monkeypatch.setattr(fineweb, "write_shard", real_write_shard)
+    run_fineweb(files, tmp_path / "resumed")
+    assert sorted(os.listdir(tmp_path / "resumed")) == sorted(reference + ["progress.json"])  # no .tmp
+    assert filecmp.cmpfiles(tmp_path / "reference", tmp_path / "resumed", reference, shallow=False)[0] == reference
+
+    # A finished run is left alone; a lost shard is rebuilt; other flags are refused.
+    os.remove(tmp_path / "resumed" / reference[-2])
+    run_fineweb(files, tmp_path / "resumed")
+    assert filecmp.cmp(tmp_path / "reference" / reference[-2], tmp_path / "resumed" / reference[-2], shallow=False)
+    with pytest.raises(DataError, match="holds shards of another run"):
+        run_fineweb(files, tmp_path / "resumed", shard_size=3000)
+
+
+def test_fineweb_errors(tmp_path, monkeypatch):
+    pq.write_table(pa.table(dict(content=["x"])), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match="no 'text' column"):
+        run_fineweb([tmp_path / "bad.parquet"], tmp_path / "out")
+    with pytest.raises(DataError, match="no such file"):
+        run_fineweb([tmp_path / "missing.parquet"], tmp_path / "out")
+    monkeypatch.setattr(fineweb, "network_reachable", lambda host: False)
+    with pytest.raises(DataError, match="cannot reach huggingface.co.*--data_files"):
+        fineweb.main(["--output_dir", str(tmp_path / "hub")])
+
+
+def test_stdlib_char_quickstart(tmp_path):
+    load_script("stdlib_char").main(["--output_dir", str(tmp_path), "--chars", "200000"])
+    with open(tmp_path / "meta.pkl", "rb") as f:
+        meta = pickle.load(f)
+    train, val = TokenData(str(tmp_path), "train"), TokenData(str(tmp_path), "val")
+    assert train.num_tokens == 180_000 and val.num_tokens == 20_000
+    assert train.vocab_size == meta["vocab_size"] < 128
+    text = "".join(meta["itos"][i] for i in train.arrays[0][:50_000].tolist())
+    assert "def " in text and "import" in text
+
+
+def test_shakespeare_char_from_a_local_file(tmp_path):
+    (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
+    load_script("shakespeare_char").main(["--input", str(tmp_path / "input.txt"), "--output_dir", str(tmp_path)])
+    data = TokenData(str(tmp_path), "train")
+    assert "".join(data.meta["itos"][i] for i in data.arrays[0][:14].tolist()) == "First Citizen:"
+
+
+@pytest.mark.slow
+def test_openwebtext_local_files_nanogpt_split(tmp_path):
+    texts = [f"Document {i} says hello." for i in range(4000)]
+    pq.write_table(pa.table(dict(text=texts)), tmp_path / "owt.parquet")
+    env = dict(os.environ, HF_DATASETS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    subprocess.run([sys.executable, os.path.join(REPO, "data", "openwebtext", "prepare.py"), "--data_files",
+                    str(tmp_path / "owt.parquet"), "--output_dir", str(tmp_path / "out"), "--num_proc", "1"],
+                   check=True, env=env, capture_output=True)
+    enc = tokens.get_gpt2_encoding()
+    val = TokenData(str(tmp_path / "out"), "val").arrays[0]
+    train = TokenData(str(tmp_path / "out"), "train").arrays[0]
+    docs = enc.decode(val.tolist()).split("<|endoftext|>")
+    assert len(docs) == 3 and docs[-1] == ""  # ceil(4000 * 0.0005) = 2 val documents, EOT after each
+    assert val[-1] == train[-1] == EOT_TOKEN
+    assert np.count_nonzero(train == EOT_TOKEN) == 3998
+    assert sorted(docs[:2] + enc.decode(train.tolist()).split("<|endoftext|>")[:-1]) == sorted(texts)
