@@ -5,8 +5,8 @@ mars  -- mars.MARS over model.param_groups, constructed as the paper's reference
          lr=learning_rate, betas=(beta1, beta2) and the MARS keys; 1-D tensors take lr_1d.
 adamw -- torch.optim.AdamW over the same two groups, betas=(beta1, beta2), fused on CUDA.
 muon  -- torch.optim.Muon on the hidden 2-D matrices (lr muon_lr, weight decay 0) chained with AdamW
-         on embeddings, head and 1-D tensors (lr muon_adamw_lr, betas=(beta1, beta2), weight_decay on
-         the decayed group), as one object.
+         on embeddings, head and 1-D tensors (lr muon_adamw_lr, betas=(beta1, beta2), weight_decay),
+         as one object.
 
 Every group keeps 'initial_lr'; set_lr(optimizer, lr_factor(it, cfg)) applies the schedule to all of
 them, so MARS's 1-D lr and both halves of Muon follow the same curve.
@@ -66,12 +66,10 @@ def _muon(model, cfg, fused):
     # torch's adjust_lr_fn="original" is that rule ("match_rms_adamw" would change the lr scale).
     muon = torch.optim.Muon(hidden, lr=cfg.muon_lr, weight_decay=0.0, momentum=0.95, nesterov=True,
                             adjust_lr_fn='original')
-    decayed = {id(p) for p in param_groups(model, cfg.weight_decay)[0]['params']}
-    adamw_groups = [
-        {'params': [p for p in other if id(p) in decayed], 'weight_decay': cfg.weight_decay},
-        {'params': [p for p in other if id(p) not in decayed], 'weight_decay': 0.0},
-    ]
-    adamw = torch.optim.AdamW(adamw_groups, lr=cfg.muon_adamw_lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    # As the Muon baseline: AdamW decays everything it holds (embeddings, head, 1-D tensors).
+    # The reference's Muon also took the embeddings, leaving AdamW only the 1-D tensors, at the same 0.1.
+    adamw = torch.optim.AdamW(other, lr=cfg.muon_adamw_lr, betas=(cfg.beta1, cfg.beta2),
+                              weight_decay=cfg.weight_decay, fused=fused)
     return ChainedOptimizer(muon, adamw)
 
 

@@ -12,7 +12,7 @@ eval_interval, eval_iters, log_interval = 1000, 200, 10
 optimizer_name = 'muon'
 muon_lr = 1e-2
 learning_rate = muon_adamw_lr = 1.5e-3
-weight_decay = 1e-1  # AdamW's decayed group; Muon itself runs without weight decay
+weight_decay = 1e-1  # AdamW (embeddings, head, 1-D); Muon itself runs without weight decay
 beta1, beta2 = 0.9, 0.95
 # The reference Muon trainer ignores `schedule`: 2000 warmup steps, constant, then linear to 0 over
 # the last 2000 steps (2% of max_iters).
