@@ -37,8 +37,8 @@ def newton_schulz(G, steps=5, eps=1e-7):
         X = X.T
     for _ in range(steps):
         A = X @ X.T
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        B = A @ X
+        X = a * X + b * B + c * (A @ B)
     if tall:
         X = X.T
     return X.to(G.dtype)
@@ -120,11 +120,6 @@ class MARS(torch.optim.Optimizer):
                                  "undefined; construct with the peak lr (a schedule may start at 0)")
             # Fixed at construction: a schedule changes group['lr'] and the 1-D lr follows its shape.
             group["lr_1d_factor"] = group["lr_1d"] / group["lr"] if group["lr"] else 1.0
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("foreach", None)
 
     @staticmethod
     def _is_mars_tensor(p, group):
@@ -276,10 +271,11 @@ class _TensorLists:
 
 def _single_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_approx, mars_type):
     beta1, beta2 = betas
+    k = gamma * beta1 / (1 - beta1)
     for p, state in tl.entries:
         g, t = p.grad, state["step"]
         m, g_prev = state["exp_avg"], state["last_grad"]
-        c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)        # variance-reduced gradient
+        c = torch.lerp(g_prev, g, 1 + k)                          # g + k (g - g_prev), as foreach
         c = c / c.norm().clamp_min(1.0)                           # clip to Frobenius norm <= 1
         m.lerp_(c, 1 - beta1)                                     # m = β1 m + (1 - β1) c
         if mars_type == "mars-lion":
@@ -346,7 +342,8 @@ def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_a
         else:
             for p, state in b.subset(lambda p: p.ndim == 2).entries:
                 u = newton_schulz(state["exp_avg"] / (1 - beta1), eps=eps)
-                p.mul_(1 - lr * weight_decay)
+                if weight_decay != 0:
+                    p.mul_(1 - lr * weight_decay)
                 p.add_(u, alpha=-lr * math.sqrt(max(1.0, p.size(0) / p.size(1))))
             is_other = [p.ndim != 2 for p in b.params]
             if any(is_other):
