@@ -63,7 +63,11 @@ def _parquet_rows(path):
 
 
 def _parquet_documents(path, skip):
+    import pyarrow as pa
     import pyarrow.parquet as pq
+    # Every row group's buffers come and go; arrow's default mimalloc pool keeps the freed pages and the
+    # process would grow with the corpus. The system allocator returns them.
+    pa.set_memory_pool(pa.system_memory_pool())
     parquet = pq.ParquetFile(path)
     if "text" not in parquet.schema_arrow.names:
         raise DataError(f"{path}: no 'text' column (columns: {', '.join(parquet.schema_arrow.names)})")
