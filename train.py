@@ -446,10 +446,9 @@ class MetricsLog:
         self.file = open(self.path, "a")
         if cfg.wandb_log:
             import wandb
-            if not progress.wandb_run_id:
-                progress.wandb_run_id = wandb.util.generate_id()
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, id=progress.wandb_run_id,
-                                    resume="allow", config=config_to_dict(cfg))
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
+                                    id=progress.wandb_run_id or None, resume="allow", config=config_to_dict(cfg))
+            progress.wandb_run_id = self.wandb.id  # saved in every checkpoint: resume continues this run
             self.wandb.define_metric("iter")
             self.wandb.define_metric("*", step_metric="iter")
 
@@ -611,7 +610,7 @@ def fit(run, progress, resumed):
 def record_skip(run, progress, result, time_s):
     progress.bad_steps += 1
     progress.skipped_steps += 1
-    it = progress.iter_num - 1
+    it = progress.iter_num
     if run.dist.is_master:
         print(f"iter {it}: non-finite loss or gradient norm ({result.grad_norm}); step skipped "
               f"({progress.bad_steps} in a row, {progress.skipped_steps} in the run)", flush=True)
@@ -619,7 +618,7 @@ def record_skip(run, progress, result, time_s):
                            "skipped_steps": progress.skipped_steps})
     if progress.bad_steps >= run.cfg.max_bad_steps:
         latest = os.path.join(run.cfg.out_dir, checkpoint.CKPT_NAME)
-        raise TrainingStopped(f"{progress.bad_steps} consecutive steps (up to iteration {it}) had a non-finite "
+        raise TrainingStopped(f"{progress.bad_steps} consecutive steps (up to iter {it}) had a non-finite "
                               f"loss or gradient norm (max_bad_steps={run.cfg.max_bad_steps}); stopped. The last "
                               f"good checkpoint is {latest}: resume it with --init_from=resume and a lower "
                               f"learning_rate, or check the data")

@@ -1,0 +1,112 @@
+"""Shared by the train.py tests: a tiny character corpus, tiny-run arguments, and a fault-injecting launcher.
+
+    python tests/train_helpers.py [train.py arguments]
+
+runs train.main with the faults the environment asks for -- test-only hooks patched in from outside,
+so train.py and checkpoint.py carry no test code:
+
+    TEST_SLOW_SAVE=N       the N-th rename of a finished ckpt.pt prints 'renaming <path>' and sleeps
+                           60 s first (the test kills the process in that window)
+    TEST_FAIL=RANK:ITER:MODE   on rank RANK, just before step ITER: MODE 'raise' (the rank dies)
+                           or 'hang' (the rank stops answering collectives)
+"""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("def", "return", "self", "import", "class", "for", "in", "if", "else", "None", "True", "x", "y",
+         "print", "(", ")", ":", "=", "+", "lambda", "with", "as", "yield")
+
+
+def make_char_data(root, name="tiny", train_chars=40_000, val_chars=6_000, seed=0):
+    """A word-salad character corpus in nanoGPT's layout (train.bin, val.bin, meta.pkl) under root/name."""
+    sys.path.insert(0, ROOT)
+    from tokens import write_bin, write_meta
+    rng = np.random.default_rng(seed)
+    text = " ".join(rng.choice(WORDS, size=(train_chars + val_chars) // 3))
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    data_dir = os.path.join(root, name)
+    os.makedirs(data_dir, exist_ok=True)
+    write_bin(os.path.join(data_dir, "train.bin"), ids[:train_chars])
+    write_bin(os.path.join(data_dir, "val.bin"), ids[train_chars:train_chars + val_chars])
+    write_meta(os.path.join(data_dir, "meta.pkl"), chars)
+    return str(root)
+
+
+def tiny_args(data_path, out_dir, **overrides):
+    """train.py arguments for a 2-layer, 64-wide model on make_char_data's corpus: ~20 ms a step."""
+    args = dict(data_path=data_path, dataset="tiny", out_dir=out_dir, n_layer=2, n_head=2, n_embd=64,
+                block_size=32, batch_size=4, gradient_accumulation_steps=2, max_iters=20, eval_interval=5,
+                eval_iters=4, log_interval=1, learning_rate=3e-3, lr_1d=3e-3, warmup_iters=2,
+                lr_decay_iters=20, min_lr=3e-4, device="cpu", compile=False, seed=1)
+    args.update(overrides)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def subprocess_env(**extra):
+    """One thread per process: the numbers do not depend on the thread count, and 2 shared cores stay usable."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def launch(args, env=None, **popen):
+    """Start `python tests/train_helpers.py args` (train.py under the hooks) in the repository root."""
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], cwd=ROOT,
+                            env=env or subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **popen)
+
+
+def wait_for_line(proc, prefix, timeout=120):
+    """Read proc's output until a line starts with `prefix`; return everything read."""
+    seen, deadline = [], time.time() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(prefix):
+            return "".join(seen)
+        if time.time() > deadline:
+            break
+    raise AssertionError(f"no line starting with {prefix!r} in:\n{''.join(seen)}")
+
+
+def _install_hooks():
+    import checkpoint
+    import train
+
+    slow_save = int(os.environ.get("TEST_SLOW_SAVE", "0"))
+    if slow_save:
+        real_replace, renames = os.replace, [0]
+
+        def replace(src, dst):
+            if str(dst).endswith(checkpoint.CKPT_NAME):
+                renames[0] += 1
+                if renames[0] == slow_save:
+                    print(f"renaming {dst}", flush=True)
+                    time.sleep(60)
+            real_replace(src, dst)
+        checkpoint.os.replace = replace  # the os module: only this process, only for this test
+
+    if os.environ.get("TEST_FAIL"):
+        rank, fail_iter, mode = os.environ["TEST_FAIL"].split(":")
+        real_step = train.train_step
+
+        def train_step(run, it):
+            if run.dist.rank == int(rank) and it == int(fail_iter):
+                if mode == "raise":
+                    raise RuntimeError(f"injected failure on rank {rank} at step {it}")
+                time.sleep(3600)
+            return real_step(run, it)
+        train.train_step = train_step
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    _install_hooks()
+    import train
+    sys.exit(train.main(sys.argv[1:]))
