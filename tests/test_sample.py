@@ -1,0 +1,93 @@
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import sample
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
+from tokens import get_gpt2_encoding, write_meta
+
+CHARS = sorted(set("def main():\n    return 42\n"))
+
+
+def save_tiny_checkpoint(out_dir, vocab_size, data_path="", dataset="", block_size=16, seed=0):
+    """A 1-layer GPT saved as train.py saves it (the keys load_model reads); returns the model."""
+    torch.manual_seed(seed)
+    config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(config)
+    os.makedirs(out_dir, exist_ok=True)
+    save_checkpoint(os.path.join(out_dir, "ckpt.pt"), dict(
+        model=model.state_dict(), model_args=dataclasses.asdict(config), iter_num=0,
+        config=dict(data_path=str(data_path), dataset=dataset)))
+    return model
+
+
+@pytest.fixture
+def char_run(tmp_path):
+    os.makedirs(tmp_path / "data" / "tiny_char")
+    write_meta(tmp_path / "data" / "tiny_char" / "meta.pkl", CHARS)
+    save_tiny_checkpoint(tmp_path / "out", len(CHARS), tmp_path / "data", "tiny_char")
+    return tmp_path / "out"
+
+
+def test_char_checkpoint_samples_in_its_vocabulary(char_run, capsys):
+    args = ["--out_dir", str(char_run), "--start", "def", "--num_samples", "2", "--max_new_tokens", "20"]
+    assert sample.main(args) == 0
+    out = capsys.readouterr().out
+    samples = out.split("---------------\n")[:-1]
+    assert len(samples) == 2
+    for text in samples:
+        assert text.startswith("def") and len(text) == len("def") + 20 + 1  # + print's newline
+        assert set(text[:-1]) <= set(CHARS)
+
+
+def test_seed_makes_samples_reproducible(char_run):
+    args = sample.parse_args(["--out_dir", str(char_run), "--start", "main", "--max_new_tokens", "30",
+                              "--num_samples", "1", "--temperature", "2.0"])
+    first, again = sample.generate(args), sample.generate(args)
+    args.seed += 1
+    assert first == again and sample.generate(args) != first
+
+
+def test_prompt_from_file_and_top_k_one_is_greedy(char_run, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("return ")
+    args = sample.parse_args(["--out_dir", str(char_run), "--start", f"FILE:{prompt}", "--top_k", "1",
+                              "--max_new_tokens", "10", "--num_samples", "2"])
+    first, second = sample.generate(args)
+    assert first.startswith("return ") and first == second  # top_k=1 leaves no randomness
+
+
+def test_bpe_checkpoint_decodes_with_gpt2(tmp_path):
+    save_tiny_checkpoint(tmp_path / "out", 50304)  # no dataset meta.pkl: GPT-2 BPE
+    args = sample.parse_args(["--out_dir", str(tmp_path / "out"), "--start", "Hello world",
+                              "--max_new_tokens", "5", "--num_samples", "1"])
+    [text] = sample.generate(args)
+    assert text.startswith("Hello world")
+    assert get_gpt2_encoding().encode_ordinary(text)[:2] == [15496, 995]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out_dir", "{tmp}/nowhere"], "no checkpoint at"),
+    (["--start", "FILE:{tmp}/missing.txt"], "prompt file"),
+    (["--start", "xyz"], "outside the dataset's vocabulary: ['x', 'y', 'z']"),
+])
+def test_errors_are_one_line_and_exit_2(char_run, tmp_path, capsys, args, message):
+    argv = ["--out_dir", str(char_run)] + [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert sample.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_char_model_without_its_meta_is_refused(tmp_path, capsys):
+    save_tiny_checkpoint(tmp_path / "out", len(CHARS), tmp_path / "gone", "tiny_char")
+    assert sample.main(["--out_dir", str(tmp_path / "out")]) == 2
+    assert "meta.pkl was not found" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2():
+    with pytest.raises(SystemExit) as e:
+        sample.parse_args(["--temperature", "0"])
+    assert e.value.code == 2
