@@ -50,9 +50,8 @@ def tiny_args(data_path, out_dir, **overrides):
 
 def subprocess_env(**extra):
     """One thread per process: the numbers do not depend on the thread count, and 2 shared cores stay usable."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
     return env
 
 

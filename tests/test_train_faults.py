@@ -1,0 +1,154 @@
+"""train.py across processes: kill -9 and resume, a kill during a save, DDP equivalence, dead and hung ranks.
+
+Every run is a subprocess with one thread (train_helpers.subprocess_env), so runs compare bit for bit.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from train_helpers import ROOT, launch, make_char_data, subprocess_env, tiny_args, wait_for_line
+
+pytestmark = pytest.mark.slow
+
+# Dropout on, so the test also covers the dropout masks; checkpoints at 0, 4, 8, 12, 16.
+RESUME_RUN = dict(max_iters=16, eval_interval=4, dropout=0.1, log_interval=2)
+# Exact MARS: the look-ahead pass goes through DDP too; checkpoints at 0, 3, 6.
+DDP_RUN = dict(max_iters=6, eval_interval=3, is_approx=False, log_interval=1)
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory):
+    return make_char_data(tmp_path_factory.mktemp("data"))
+
+
+def run_to_end(args, env=None, timeout=180):
+    proc = launch(args, env=env)
+    output, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, output
+    return output
+
+
+def torchrun(args, nproc=2, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "tests", "train_helpers.py"), *args]
+    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def final_state(out_dir):
+    ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)
+    return ckpt["model"], ckpt["optimizer"]
+
+
+def losses(out_dir):
+    """Every record of metrics.jsonl without its wall-clock fields."""
+    timing = {"time_s", "tokens_per_sec", "step_ms", "mfu"}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in f]
+
+
+def assert_same_run(out_a, out_b):
+    assert losses(out_a) == losses(out_b)
+    model_a, optimizer_a = final_state(out_a)
+    model_b, optimizer_b = final_state(out_b)
+    assert model_a.keys() == model_b.keys()
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+    for index, state in optimizer_a["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(optimizer_b["state"][index][key])), key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_path, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("uninterrupted"))
+    run_to_end(tiny_args(data_path, out, **RESUME_RUN))
+    return out
+
+
+def test_kill_9_mid_run_then_resume_ends_identical(data_path, uninterrupted, tmp_path):
+    out = str(tmp_path / "out")
+    proc = launch(tiny_args(data_path, out, **RESUME_RUN))
+    wait_for_line(proc, "iter 10:")  # past the checkpoint at 8, somewhere in steps 10..11
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 8
+    run_to_end(tiny_args(data_path, out, init_from="resume", **RESUME_RUN))
+    assert_same_run(out, uninterrupted)
+
+
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint_and_resumes_identical(data_path, uninterrupted,
+                                                                                    tmp_path):
+    out = str(tmp_path / "out")
+    proc = launch(tiny_args(data_path, out, **RESUME_RUN), env=subprocess_env(TEST_SLOW_SAVE="3"))
+    wait_for_line(proc, "renaming")  # the step-8 checkpoint is written and fsync'ed, not yet renamed
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert any(name.startswith("ckpt.pt.tmp.") for name in os.listdir(out))
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 4
+    run_to_end(tiny_args(data_path, out, init_from="resume", **RESUME_RUN))
+    assert_same_run(out, uninterrupted)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(data_path, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ddp"))
+    output = torchrun(tiny_args(data_path, out, **DDP_RUN))
+    assert "world size 2 on cpu; 1 micro-batches per rank per step" in output
+    return out
+
+
+def test_two_ranks_train_the_same_model_as_one_process(data_path, ddp_run, tmp_path):
+    single = str(tmp_path / "single")
+    run_to_end(tiny_args(data_path, single, **DDP_RUN))
+    model_ddp, optimizer_ddp = final_state(ddp_run)
+    model_single, _ = final_state(single)
+    for key in model_single:  # the same windows; only the order of float additions differs
+        torch.testing.assert_close(model_ddp[key], model_single[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert any("last_grad" in s for s in optimizer_ddp["state"].values())
+    val = [r["val/loss"] for r in losses(single) if "val/loss" in r]
+    val_ddp = [r["val/loss"] for r in losses(ddp_run) if "val/loss" in r]
+    assert val_ddp == pytest.approx(val, abs=1e-5)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(args, fail, timeout_s):
+    """Two gloo ranks started by hand (no torchrun agent to clean up after them), one of them failing."""
+    port = str(free_port())
+    return [launch(args + [f"--ddp_timeout_s={timeout_s}"],
+                   env=subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank),
+                                      LOCAL_RANK=str(rank), TEST_FAIL=fail))
+            for rank in range(2)]
+
+
+def test_a_dead_rank_ends_the_job_which_then_resumes(data_path, ddp_run, tmp_path):
+    out = str(tmp_path / "out")
+    procs = launch_ranks(tiny_args(data_path, out, **DDP_RUN), fail="1:4:raise", timeout_s=60)
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert all(proc.returncode != 0 for proc in procs), outputs
+    assert "injected failure on rank 1 at step 4" in outputs[1]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 3
+    torchrun(tiny_args(data_path, out, init_from="resume", **DDP_RUN))
+    assert_same_run(out, ddp_run)
+
+
+def test_a_hung_rank_times_out_instead_of_hanging(data_path, tmp_path):
+    out = str(tmp_path / "out")
+    rank0, rank1 = launch_ranks(tiny_args(data_path, out, **DDP_RUN), fail="1:2:hang", timeout_s=5)
+    try:
+        output = rank0.communicate(timeout=90)[0]
+        assert rank0.returncode != 0, output
+    finally:
+        rank1.kill()
+        rank1.communicate()
