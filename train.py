@@ -75,6 +75,10 @@ class Progress:
     wandb_run_id: str = ""
 
 
+# What resuming needs beyond the weights: the rest of checkpoint.py's list.
+RESUME_KEYS = ("optimizer", "scaler", "rng", *(f.name for f in dataclasses.fields(Progress)))
+
+
 @dataclasses.dataclass
 class Run:
     """The objects one training run is built from."""
@@ -231,6 +235,10 @@ def setup(cfg, dist_info):
     optimizer = build_optimizer(model, cfg, dist_info.device_type)
     progress = Progress()
     if ckpt is not None:
+        missing = [key for key in RESUME_KEYS if key not in ckpt]
+        if missing:
+            raise CheckpointError(f"{ckpt_path} lacks {', '.join(missing)}: it was not written by this train.py, "
+                                  f"so it cannot be resumed (init_from=resume); load its weights instead")
         optimizer.load_state_dict(ckpt["optimizer"])
         if scaler.is_enabled() and ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
@@ -557,7 +565,7 @@ def evaluate_and_save(run, progress, time_s):
 
 def evaluate_hellaswag(run, progress, time_s):
     import hellaswag
-    result = hellaswag.evaluate(run.eval_model, run.hellaswag_examples, run.dist.device, rank=run.dist.rank,
+    result = hellaswag.evaluate(run.model, run.hellaswag_examples, run.dist.device, rank=run.dist.rank,
                                 world_size=run.dist.world_size, ctx=run.autocast)
     if run.dist.is_master:
         print(f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (n={result['n']})", flush=True)

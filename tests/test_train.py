@@ -121,6 +121,7 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     assert checked == sum(p.ndim >= 2 for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_its_run_and_resume_continues_it(data_path, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -246,6 +247,33 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
+@pytest.mark.slow
+def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
+    from tokens import write_bin
+    data_dir = tmp_path / "bpe"
+    data_dir.mkdir()
+    ids = torch.randint(0, 50257, (4000,), generator=torch.Generator().manual_seed(0)).numpy()
+    write_bin(data_dir / "train.bin", ids)
+    write_bin(data_dir / "val.bin", ids[:1000])
+    examples = tmp_path / "hellaswag.jsonl"
+    example = dict(ctx="A man is sitting on a roof. He", label=1,
+                   endings=["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                            "is holding a rubik's cube.", "starts pulling up roofing on a roof."])
+    examples.write_text(json.dumps(example) + "\n" + json.dumps(dict(example, label=3)) + "\n")
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(str(tmp_path), out, dataset="bpe", n_embd=32, max_iters=2, eval_interval=2,
+                     hellaswag_interval=2, hellaswag_path=str(examples)), capsys)
+    scores = [r for r in read_metrics(out) if "hellaswag/acc_norm" in r]
+    assert [r["iter"] for r in scores] == [0, 2]
+    assert all(r["hellaswag/acc_norm"] in (0.0, 0.5, 1.0) for r in scores)
+
+
+def test_hellaswag_on_a_char_dataset_warns_once_and_trains(data_path, tmp_path, capsys):
+    run_ok(tiny_args(data_path, str(tmp_path / "out"), max_iters=2, hellaswag_interval=1), capsys)
+    err = capsys.readouterr().err
+    assert err.count("warning: HellaSwag evaluation disabled: the dataset tiny is not GPT-2-tokenized") == 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input: one line on stderr, exit 2, before any work.
 
@@ -273,6 +301,16 @@ def mismatching_checkpoint(tmp_path):
     return dict(data_path=str(tmp_path), out_dir=str(tmp_path / "out"), init_from="resume", n_layer=3)
 
 
+def foreign_checkpoint(tmp_path):
+    """A checkpoint as the reference train_mars.py writes one: weights, no resume state."""
+    make_char_data(tmp_path, name="tiny")
+    assert train.main(tiny_args(str(tmp_path), str(tmp_path / "out"), max_iters=1, eval_interval=1)) == 0
+    ckpt = checkpoint.load_checkpoint(str(tmp_path / "out"))
+    keep = ("model", "model_args", "optimizer", "iter_num", "best_val_loss", "config")
+    torch.save({k: ckpt[k] for k in keep}, tmp_path / "out" / "ckpt.pt")
+    return dict(data_path=str(tmp_path), out_dir=str(tmp_path / "out"), init_from="resume")
+
+
 def corrupt_checkpoint(tmp_path):
     make_char_data(tmp_path, name="tiny")
     (tmp_path / "out").mkdir()
@@ -290,8 +328,9 @@ def corrupt_checkpoint(tmp_path):
     (lambda p: dict(init_from="resume"), "no checkpoint at"),
     (corrupt_checkpoint, "ckpt.pt is not a readable checkpoint"),
     (mismatching_checkpoint, "was trained with n_layer=2 but the config gives n_layer=3"),
+    (foreign_checkpoint, "ckpt.pt lacks scaler, rng, tokens"),
 ], ids=["unknown-key", "wrong-type", "missing-data", "truncated-shard", "token-beyond-vocab",
-        "resume-without-checkpoint", "corrupt-checkpoint", "shape-mismatch"])
+        "resume-without-checkpoint", "corrupt-checkpoint", "shape-mismatch", "foreign-checkpoint"])
 def test_bad_input_is_one_line_and_exit_2(make_input, message, data_path, tmp_path, capsys):
     overrides = make_input(tmp_path)
     argv = tiny_args(overrides.pop("data_path", data_path), overrides.pop("out_dir", str(tmp_path / "new")),
