@@ -7,8 +7,9 @@ Self-contained: imports nothing from this repository, so the file can be copied 
 
 The class owns parameter groups, state and dispatch; the update rule lives in two functional kernels
 beside each other: ``_single_tensor_mars`` (the readable reference, ``foreach=False``) and
-``_multi_tensor_mars`` (the default, ``torch._foreach_*`` ops per device and dtype). Tests hold the two
-equal and hold both to a float64 transcription of the rule.
+``_multi_tensor_mars`` (the default, ``torch._foreach_*`` ops per device and dtype; on CPU the AdamW part
+of the rule runs in torch's fused AdamW kernel). Tests hold the paths equal and hold each to a float64
+transcription of the rule.
 """
 import math
 
@@ -256,9 +257,6 @@ class _TensorLists:
     def get(self, key):
         return [s[key] for _, s in self.entries]
 
-    def subset(self, keep):
-        return _TensorLists([(p, s) for p, s in self.entries if keep(p)])
-
     def by_device_and_dtype(self):
         buckets = {}
         for p, s in self.entries:
@@ -310,7 +308,7 @@ def _adam_direction(state, x, beta2, t, eps, amsgrad):
 # ---------------------------------------------------------------------------------------------------
 # Multi-tensor path: the same rule with torch._foreach_* ops, one call per op per (device, dtype).
 # Every per-tensor scalar (bias corrections) is a Python float from the Python-int step, and the clip
-# divides by a device tensor, so nothing here waits on the device.
+# divides by max(norm, 1) kept on the device, so nothing here waits on the device.
 
 def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_approx, mars_type):
     beta1, beta2 = betas
@@ -328,29 +326,29 @@ def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_a
         norms = torch._foreach_norm(c)
         torch._foreach_clamp_min_(norms, 1.0)
         torch._foreach_div_(c, norms)                             # clip to Frobenius norm <= 1
-        torch._foreach_lerp_(b.get("exp_avg"), c, 1 - beta1)
 
-        if mars_type == "mars-adamw":
-            _foreach_adam_update(b, c, c, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                 weight_decay=weight_decay, amsgrad=amsgrad)
-        elif mars_type == "mars-lion":
+        if mars_type == "mars-lion":
+            torch._foreach_lerp_(b.get("exp_avg"), c, 1 - beta1)
             torch._foreach_copy_(c, b.get("exp_avg"))
             torch._foreach_sign_(c)
             if weight_decay != 0:
                 torch._foreach_mul_(b.params, 1 - lr * weight_decay)
             torch._foreach_add_(b.params, c, alpha=-lr)
         else:
-            for p, state in b.subset(lambda p: p.ndim == 2).entries:
-                u = newton_schulz(state["exp_avg"] / (1 - beta1), eps=eps)
-                if weight_decay != 0:
-                    p.mul_(1 - lr * weight_decay)
-                p.add_(u, alpha=-lr * math.sqrt(max(1.0, p.size(0) / p.size(1))))
-            is_other = [p.ndim != 2 for p in b.params]
-            if any(is_other):
-                c_other = [ci for ci, other in zip(c, is_other) if other]
-                _foreach_adam_update(b.subset(lambda p: p.ndim != 2), c_other, c_other, lr=lr,
-                                     beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                     amsgrad=amsgrad)
+            # mars-shampoo's 2-D tensors take Newton-Schulz; every other tensor the AdamW rule on c̃.
+            is_ns = [mars_type == "mars-shampoo" and p.ndim == 2 for p in b.params]
+            for (p, state), c_i, ns in zip(b.entries, c, is_ns):
+                if ns:
+                    m = state["exp_avg"].lerp_(c_i, 1 - beta1)
+                    u = newton_schulz(m / (1 - beta1), eps=eps)
+                    if weight_decay != 0:
+                        p.mul_(1 - lr * weight_decay)
+                    p.add_(u, alpha=-lr * math.sqrt(max(1.0, p.size(0) / p.size(1))))
+            if not all(is_ns):
+                adam = _TensorLists([e for e, ns in zip(b.entries, is_ns) if not ns])
+                c_adam = [c_i for c_i, ns in zip(c, is_ns) if not ns]
+                _foreach_adam(adam, c_adam, c_adam, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=weight_decay, amsgrad=amsgrad)
         if is_approx:
             torch._foreach_copy_(last_grads, grads)
 
@@ -358,24 +356,37 @@ def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_a
 def _multi_tensor_adamw(tl, *, lr, betas, eps, weight_decay, amsgrad):
     beta1, beta2 = betas
     for b in tl.by_device_and_dtype():
-        grads = b.grads
-        torch._foreach_lerp_(b.get("exp_avg"), grads, 1 - beta1)
-        _foreach_adam_update(b, grads, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                             weight_decay=weight_decay, amsgrad=amsgrad)
+        _foreach_adam(b, b.grads, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=weight_decay, amsgrad=amsgrad)
 
 
-def _foreach_adam_update(b, x, scratch, *, lr, beta1, beta2, eps, weight_decay, amsgrad):
-    """v ← β2 v + (1-β2) x², then p ← p - lr (m̂ / (sqrt(v̂) + eps) + λ p) for the params of b.
+# Devices where torch's fused AdamW kernel runs on the tensors MARS gives it: one pass over p, m, v and
+# the input instead of eight foreach passes. On CUDA the kernel wants its step counts as device tensors,
+# and building those from the Python-int steps would sync with the host, so CUDA takes the foreach ops.
+_FUSED_ADAM_DEVICES = ("cpu",)
 
-    m must already be updated. scratch receives the denominator (it may be x itself: x is dead once v
-    is updated); None allocates it. m̂ / (sqrt(v̂) + eps) is computed as m·s/(1-β1^t) / (sqrt(v) + eps·s)
-    with s = sqrt(1-β2^t), which saves a pass over the denominator.
+
+def _foreach_adam(b, x, scratch, *, lr, beta1, beta2, eps, weight_decay, amsgrad):
+    """AdamW on input x for the params of b: the mars-adamw rule with x = c̃, or plain AdamW with x = g.
+
+    The update x_p ← x_p(1 - lr λ) - lr·m̂/(sqrt(v̂) + eps) is exactly torch.optim.AdamW's, which is why
+    its fused kernel can take it where one exists.
+
+    scratch receives the denominator (it may be x itself: x is dead once v is updated); None allocates
+    it. m̂ / (sqrt(v̂) + eps) is computed as m·s/(1-β1^t) / (sqrt(v) + eps·s) with s = sqrt(1-β2^t),
+    which saves a pass over the denominator.
     """
-    v = b.get("exp_avg_sq")
+    params, m, v = b.params, b.get("exp_avg"), b.get("exp_avg_sq")
+    v_max = b.get("max_exp_avg_sq") if amsgrad else []
+    if params[0].device.type in _FUSED_ADAM_DEVICES:
+        steps = [torch.tensor(float(t)) for t in b.steps]
+        torch._fused_adamw_(params, x, m, v, v_max, steps, lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False)
+        return
+    torch._foreach_lerp_(m, x, 1 - beta1)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, x, x, value=1 - beta2)
     if amsgrad:
-        v_max = b.get("max_exp_avg_sq")
         torch._foreach_maximum_(v_max, v)
         v = v_max
     if scratch is None:
@@ -386,8 +397,6 @@ def _foreach_adam_update(b, x, scratch, *, lr, beta1, beta2, eps, weight_decay, 
         torch._foreach_sqrt_(denom)
     s = [math.sqrt(1 - beta2 ** t) for t in b.steps]
     torch._foreach_add_(denom, [eps * si for si in s])
-    params = b.params
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_addcdiv_(params, b.get("exp_avg"), denom,
-                            [-lr * si / (1 - beta1 ** t) for si, t in zip(s, b.steps)])
+    torch._foreach_addcdiv_(params, m, denom, [-lr * si / (1 - beta1 ** t) for si, t in zip(s, b.steps)])

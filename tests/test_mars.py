@@ -134,16 +134,21 @@ def test_matches_float64_transcription(mars_type, optimize_1d, amsgrad, weight_d
     x0s, grads, lookaheads = make_problem()
     for steps in (1, len(LRS)):                      # the first step on its own, then several
         expected = spec_run(x0s, grads[:steps], lookaheads, hp)
-        for foreach in (False, True):
-            params, _ = run_mars(x0s, grads[:steps], lookaheads, foreach=foreach,
-                                 **{k: v for k, v in hp.items() if k != "lr"})
+        for foreach, fused_devices in ((False, ()), (True, ()), (True, ("cpu",))):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(mars, "_FUSED_ADAM_DEVICES", fused_devices)
+                params, _ = run_mars(x0s, grads[:steps], lookaheads, foreach=foreach,
+                                     **{k: v for k, v in hp.items() if k != "lr"})
             for p, e in zip(params, expected):
                 torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
 @pytest.mark.parametrize("is_approx", [True, False])
-def test_foreach_equals_single_tensor_reference(mars_type, is_approx):
+@pytest.mark.parametrize("fused_devices", [("cpu",), ()])
+def test_foreach_equals_single_tensor_reference(mars_type, is_approx, fused_devices, monkeypatch):
+    """The multi-tensor path, with CPU's fused AdamW kernel and with the foreach ops CUDA uses."""
+    monkeypatch.setattr(mars, "_FUSED_ADAM_DEVICES", fused_devices)
     x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=6)
     lrs = [1e-2] * 6
     kw = dict(mars_type=mars_type, is_approx=is_approx, weight_decay=0.1, amsgrad=True)
