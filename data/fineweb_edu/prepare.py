@@ -109,7 +109,10 @@ def text_chunks(texts, chunk_chars=CHUNK_CHARS):
 
 def tokenize(texts):
     """[EOT, doc tokens...] for every text, concatenated as uint16, and each document's length."""
-    docs = get_gpt2_encoding().encode_ordinary_batch(texts, num_threads=1)
+    # One call per text: encode_ordinary_batch would start a thread pool on every call, and the
+    # parallelism here comes from the worker processes.
+    encoding = get_gpt2_encoding()
+    docs = [encoding.encode_ordinary(text) for text in texts]
     lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
     tokens = np.empty(int(lengths.sum()), dtype=np.uint16)
     starts = np.cumsum(lengths) - lengths
