@@ -601,18 +601,23 @@ def fit(run, progress, resumed):
             window.restart()
         if it >= cfg.max_iters:
             break
-        result = train_step(run, it)
-        progress.iter_num = it + 1
-        progress.tokens += run.tokens_per_step
-        progress.clip_count += result.clipped
-        window.add(result)
-        if result.skipped:
-            record_skip(run, progress, result, time_s())
-        else:
-            progress.bad_steps = 0
-        if progress.iter_num % cfg.log_interval == 0:
-            log_train(run, progress, window, result, time_s())
-            window.restart()
+        step_and_log(run, progress, window, time_s)
+
+
+def step_and_log(run, progress, window, time_s):
+    """Optimizer step progress.iter_num, its bookkeeping, and a train line every log_interval steps."""
+    result = train_step(run, progress.iter_num)
+    progress.iter_num += 1
+    progress.tokens += run.tokens_per_step
+    progress.clip_count += result.clipped
+    window.add(result)
+    if result.skipped:
+        record_skip(run, progress, result, time_s())
+    else:
+        progress.bad_steps = 0
+    if progress.iter_num % run.cfg.log_interval == 0:
+        log_train(run, progress, window, result, time_s())
+        window.restart()
 
 
 def record_skip(run, progress, result, time_s):
