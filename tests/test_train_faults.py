@@ -1,4 +1,4 @@
-"""train.py across processes: kill -9 and resume, a kill during a save, DDP equivalence, dead and hung ranks.
+"""train.py across processes: kill -9 (also during a save) and resume, DDP equivalence, dead and hung ranks.
 
 Every run is a subprocess with one thread (train_helpers.subprocess_env), so runs compare bit for bit.
 """
@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import train
 from train_helpers import ROOT, launch, make_char_data, subprocess_env, tiny_args, wait_for_line
 
 pytestmark = pytest.mark.slow
@@ -72,27 +73,24 @@ def uninterrupted(data_path, tmp_path_factory):
     return out
 
 
-def test_kill_9_mid_run_then_resume_ends_identical(data_path, uninterrupted, tmp_path):
+def test_kill_9_during_a_save_and_mid_run_then_resume_ends_identical(data_path, uninterrupted, tmp_path):
     out = str(tmp_path / "out")
-    proc = launch(tiny_args(data_path, out, **RESUME_RUN))
-    wait_for_line(proc, "iter 10:")  # past the checkpoint at 8, somewhere in steps 10..11
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 8
-    run_to_end(tiny_args(data_path, out, init_from="resume", **RESUME_RUN))
-    assert_same_run(out, uninterrupted)
-
-
-def test_kill_9_during_a_save_keeps_the_previous_checkpoint_and_resumes_identical(data_path, uninterrupted,
-                                                                                    tmp_path):
-    out = str(tmp_path / "out")
-    proc = launch(tiny_args(data_path, out, **RESUME_RUN), env=subprocess_env(TEST_SLOW_SAVE="3"))
-    wait_for_line(proc, "renaming")  # the step-8 checkpoint is written and fsync'ed, not yet renamed
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    # 1. killed while the step-8 checkpoint is written and fsync'ed but not yet renamed over ckpt.pt
+    proc = launch(args, env=subprocess_env(TEST_SLOW_SAVE="3"))
+    wait_for_line(proc, "renaming")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert any(name.startswith("ckpt.pt.tmp.") for name in os.listdir(out))
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 4
-    run_to_end(tiny_args(data_path, out, init_from="resume", **RESUME_RUN))
+    # 2. resumed from step 4, killed again between steps, past the checkpoint at 12
+    proc = launch(args + ["--init_from=resume"], env=subprocess_env(TEST_FAIL="0:14:hang"))
+    wait_for_line(proc, "hanging before step 14")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 12
+    # 3. resumed from step 12 to the end: the same losses, weights and optimizer state as never killed
+    run_to_end(args + ["--init_from=resume"])
     assert_same_run(out, uninterrupted)
 
 
@@ -106,7 +104,12 @@ def ddp_run(data_path, tmp_path_factory):
 
 def test_two_ranks_train_the_same_model_as_one_process(data_path, ddp_run, tmp_path):
     single = str(tmp_path / "single")
-    run_to_end(tiny_args(data_path, single, **DDP_RUN))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train.main(tiny_args(data_path, single, **DDP_RUN)) == 0
+    finally:
+        torch.set_num_threads(threads)
     model_ddp, optimizer_ddp = final_state(ddp_run)
     model_single, _ = final_state(single)
     for key in model_single:  # the same windows; only the order of float additions differs
@@ -124,7 +127,7 @@ def free_port():
 
 
 def launch_ranks(args, fail, timeout_s):
-    """Two gloo ranks started by hand (no torchrun agent to clean up after them), one of them failing."""
+    """Two gloo ranks started by hand (no torchrun agent to clean up after them); `fail` as TEST_FAIL."""
     port = str(free_port())
     return [launch(args + [f"--ddp_timeout_s={timeout_s}"],
                    env=subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank),
@@ -139,7 +142,9 @@ def test_a_dead_rank_ends_the_job_which_then_resumes(data_path, ddp_run, tmp_pat
     assert all(proc.returncode != 0 for proc in procs), outputs
     assert "injected failure on rank 1 at step 4" in outputs[1]
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 3
-    torchrun(tiny_args(data_path, out, init_from="resume", **DDP_RUN))
+    procs = launch_ranks(tiny_args(data_path, out, init_from="resume", **DDP_RUN), fail="", timeout_s=60)
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outputs
     assert_same_run(out, ddp_run)
 
 

@@ -8,7 +8,8 @@ so train.py and checkpoint.py carry no test code:
     TEST_SLOW_SAVE=N       the N-th rename of a finished ckpt.pt prints 'renaming <path>' and sleeps
                            60 s first (the test kills the process in that window)
     TEST_FAIL=RANK:ITER:MODE   on rank RANK, just before step ITER: MODE 'raise' (the rank dies)
-                           or 'hang' (the rank stops answering collectives)
+                           or 'hang' (prints 'hanging before step ITER' and stops: no more steps,
+                           no answer to collectives)
 """
 import os
 import subprocess
@@ -99,6 +100,7 @@ def _install_hooks():
             if run.dist.rank == int(rank) and it == int(fail_iter):
                 if mode == "raise":
                     raise RuntimeError(f"injected failure on rank {rank} at step {it}")
+                print(f"hanging before step {it}", flush=True)
                 time.sleep(3600)
             return real_step(run, it)
         train.train_step = train_step
