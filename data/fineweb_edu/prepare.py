@@ -226,8 +226,8 @@ def main(argv=None):
     parser.add_argument("--data_files", nargs="+", help="local .parquet/.jsonl files (no network is touched)")
     parser.add_argument("--output_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__))))
     parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard")
-    parser.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="tokenizer processes (default: cores - 1; the main process reads and writes)")
+    parser.add_argument("--num_proc", type=int, default=os.cpu_count() or 1,
+                        help="tokenizer processes (default: one per core; the main process mostly waits)")
     parser.add_argument("--subset", default="sample-10BT", help="sample-10BT, sample-100BT, sample-350BT, ...")
     args = parser.parse_args(argv)
     if args.shard_size < 1:
