@@ -105,7 +105,7 @@ def load_checkpoint(path):
         raise CheckpointError(f"no checkpoint at {path}; train with --init_from=scratch first, or point "
                               f"out_dir at the run to resume")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # ranks share pages
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is not a readable checkpoint ({reason}); it may be truncated or "
