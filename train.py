@@ -227,6 +227,10 @@ def setup(cfg, dist_info):
     ckpt, ckpt_path = None, checkpoint.checkpoint_path(cfg.out_dir)
     if cfg.init_from == "resume":
         ckpt = checkpoint.load_checkpoint(ckpt_path)
+        missing = [key for key in RESUME_KEYS if key not in ckpt]
+        if missing:
+            raise CheckpointError(f"{ckpt_path} lacks {', '.join(missing)}: it was not written by this train.py, "
+                                  f"so it cannot be resumed (init_from=resume); load its weights instead")
     hellaswag_examples = setup_hellaswag(cfg, train_data, dist_info)
 
     model, model_args = build_model(cfg, vocab_size, ckpt, ckpt_path)
@@ -235,10 +239,6 @@ def setup(cfg, dist_info):
     optimizer = build_optimizer(model, cfg, dist_info.device_type)
     progress = Progress()
     if ckpt is not None:
-        missing = [key for key in RESUME_KEYS if key not in ckpt]
-        if missing:
-            raise CheckpointError(f"{ckpt_path} lacks {', '.join(missing)}: it was not written by this train.py, "
-                                  f"so it cannot be resumed (init_from=resume); load its weights instead")
         optimizer.load_state_dict(ckpt["optimizer"])
         if scaler.is_enabled() and ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
