@@ -24,5 +24,5 @@ weight_decay = 1e-2
 warmup_iters = 30
 lr_decay_iters = 300
 min_lr = 6e-4
-device = 'cpu'
+# device 'auto': a GPU when there is one. No torch.compile: its start-up would outlast this short run.
 compile = False
