@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_model
 from model import GPT
+from sample import autocast
 from tokens import DataError, get_gpt2_encoding
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -167,13 +168,6 @@ def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_exam
     return dict(acc_norm=correct_norm / n, acc=correct / n, n=n)
 
 
-def _autocast(device, dtype):
-    device_type = "cuda" if str(device).startswith("cuda") else "cpu"
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.amp.autocast(device_type=device_type, dtype=getattr(torch, dtype))
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="HellaSwag accuracy of a checkpoint (or of GPT-2 weights).")
     source = p.add_mutually_exclusive_group(required=True)
@@ -183,11 +177,11 @@ def main(argv=None):
     p.add_argument("--data", default="", help="hellaswag_val.jsonl (default: download into data/hellaswag/)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU)")
+                   help="autocast dtype (default: bfloat16 on CUDA where supported, else float16; "
+                        "float32 on CPU)")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples (0 = all)")
     p.add_argument("--batch_examples", type=int, default=4, help="examples per forward pass")
     args = p.parse_args(argv)
-    dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     try:
         path = ensure_data(args.data)
         if path is None:
@@ -201,7 +195,7 @@ def main(argv=None):
         else:
             model = GPT.from_pretrained(args.init_from).to(args.device)
         t0 = time.time()
-        result = evaluate(model, examples, args.device, ctx=_autocast(args.device, dtype),
+        result = evaluate(model, examples, args.device, ctx=autocast(args.device, args.dtype),
                           batch_examples=args.batch_examples)
     except (ValueError, OSError, ImportError, CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
