@@ -1,7 +1,7 @@
 """Training-step throughput: train.py's loop against a loop built like the paper's reference train_mars.py.
 
-    python bench/bench_train.py            # CPU rows (20 timed steps per round), CUDA rows when a GPU is present
-    python bench/bench_train.py --quick    # 6 timed steps per round
+    python bench/bench_train.py            # CPU rows (8 rounds of 10 steps), CUDA rows when a GPU is present
+    python bench/bench_train.py --quick    # 2 rounds
 
 CPU, the quickstart model (config/quickstart.py: 4 layers, 256 wide, 8 x 256 tokens a micro-batch, MARS)
 with 2 micro-batches a step, on a synthetic character corpus:
@@ -125,11 +125,11 @@ class ReferenceStyleLoop:
 
 
 def cpu_rows(quick, tmp):
-    steps = 6 if quick else 20
-    rounds = 2 if quick else 3
+    steps = LOG_INTERVAL  # one log line per round for both loops
+    rounds = 2 if quick else 8
     data_path = synthetic_data(tmp, vocab_size=96, num_tokens=2_000_000, char_level=True)
     argv = [os.path.join(REPO, "config", "quickstart.py"), f"--data_path={data_path}", "--dataset=bench",
-            "--gradient_accumulation_steps=2", "--eval_iters=1", f"--log_interval={LOG_INTERVAL}",
+            "--device=cpu", "--gradient_accumulation_steps=2", "--eval_iters=1", f"--log_interval={LOG_INTERVAL}",
             "--max_iters=100000", "--lr_decay_iters=100000"]
     run, progress = build_run(argv + [f"--out_dir={os.path.join(tmp, 'ours')}"])
     tokens_per_step = run.tokens_per_step
@@ -169,7 +169,8 @@ def cuda_rows(quick, tmp):
         seconds = time_ours(run, progress, steps)
         torch.cuda.synchronize()
         mfu = run.model.estimate_mfu(run.tokens_per_step, seconds)
-        optimizer_seconds = time_it(run.optimizer.step, warmup=2, repeats=10)  # the last step's gradients
+        train.forward_backward(run, 0)  # gradients for the optimizer to step on (step_and_log cleared them)
+        optimizer_seconds = time_it(run.optimizer.step, warmup=2, repeats=10)
         note = f"GPT-2 small, {run.tokens_per_step} tokens/step, bf16, compiled, {torch.cuda.get_device_name()}"
         rows += [row(f"train step tokens/s, {optimizer_name} (CUDA)", run.tokens_per_step / seconds,
                      unit="tokens/s", note=note),
