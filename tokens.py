@@ -171,6 +171,21 @@ def write_meta(path, itos):
     atomic_write_bytes(path, pickle.dumps(meta))
 
 
+def write_char_corpus(output_dir, text):
+    """A character-level dataset as nanoGPT's shakespeare_char: the sorted set of characters is the
+    vocabulary (meta.pkl), and the ids split 90/10 by position into train.bin and val.bin."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    vocab = np.unique(codes)
+    ids = np.searchsorted(vocab, codes).astype(np.uint16)
+    split = int(0.9 * len(ids))
+    os.makedirs(output_dir, exist_ok=True)
+    write_bin(os.path.join(output_dir, "train.bin"), ids[:split])
+    write_bin(os.path.join(output_dir, "val.bin"), ids[split:])
+    write_meta(os.path.join(output_dir, "meta.pkl"), [chr(c) for c in vocab])
+    print(f"{len(ids):,} characters, vocabulary {len(vocab)}: train {split:,} tokens, "
+          f"val {len(ids) - split:,} tokens in {output_dir}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Reading.
 

@@ -9,7 +9,7 @@ import sys
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from tokens import DataError, network_reachable, write_bin, write_meta  # noqa: E402
+from tokens import DataError, network_reachable, write_char_corpus  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -38,17 +38,7 @@ def main(argv=None):
         raise DataError(f"--input: no such file {path}")
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    itos = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(itos)}
-    ids = [stoi[c] for c in text]
-    split = int(0.9 * len(ids))  # nanoGPT's 90/10 split by position
-    os.makedirs(args.output_dir, exist_ok=True)
-    write_bin(os.path.join(args.output_dir, "train.bin"), ids[:split])
-    write_bin(os.path.join(args.output_dir, "val.bin"), ids[split:])
-    write_meta(os.path.join(args.output_dir, "meta.pkl"), itos)
-    print(f"{len(text):,} characters, vocabulary {len(itos)}: train {split:,} tokens, "
-          f"val {len(ids) - split:,} tokens in {args.output_dir}")
-
+    write_char_corpus(args.output_dir, text)
 
 if __name__ == "__main__":
     try:

@@ -13,9 +13,7 @@ import sys
 import sysconfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-import numpy as np  # noqa: E402
-
-from tokens import DataError, write_bin, write_meta  # noqa: E402
+from tokens import DataError, write_char_corpus  # noqa: E402
 
 SKIPPED_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 
@@ -48,19 +46,7 @@ def main(argv=None):
     parser.add_argument("--output_dir", default=os.path.dirname(os.path.abspath(__file__)))
     parser.add_argument("--chars", type=int, default=5_000_000, help="corpus size in characters")
     args = parser.parse_args(argv)
-    text = stdlib_sources(args.chars)
-    itos = sorted(set(text))
-    lookup = np.zeros(128, dtype=np.uint16)
-    lookup[[ord(c) for c in itos]] = np.arange(len(itos))
-    ids = lookup[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
-    split = int(0.9 * len(ids))
-    os.makedirs(args.output_dir, exist_ok=True)
-    write_bin(os.path.join(args.output_dir, "train.bin"), ids[:split])
-    write_bin(os.path.join(args.output_dir, "val.bin"), ids[split:])
-    write_meta(os.path.join(args.output_dir, "meta.pkl"), itos)
-    print(f"{len(text):,} characters, vocabulary {len(itos)}: train {split:,} tokens, "
-          f"val {len(ids) - split:,} tokens in {args.output_dir}")
-
+    write_char_corpus(args.output_dir, stdlib_sources(args.chars))
 
 if __name__ == "__main__":
     try:
