@@ -34,7 +34,9 @@ class TrainConfig:
     log_interval: int = 1
     eval_iters: int = 200
     eval_only: bool = False  # stop right after the first evaluation
-    always_save_checkpoint: bool = False  # save ckpt.pt at every evaluation, not only on a new best
+    # Accepted for the reference's configs; ckpt.pt is written at every evaluation regardless, because an
+    # exact resume needs the latest state (best.pt keeps the best one).
+    always_save_checkpoint: bool = False
     init_from: str = 'scratch'  # 'scratch', 'resume' or a GPT-2 name ('gpt2', 'gpt2-medium', ...)
     save_best: bool = True  # also keep the best-validation checkpoint
     keep_every_n_evals: int = 0  # keep a periodic checkpoint every N evaluations; 0 = off
@@ -68,6 +70,11 @@ class TrainConfig:
     beta1: float = 0.95
     beta2: float = 0.99
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
+    # The gradient of a step is grad_multiplier x the mean over its micro-batches. The paper's code
+    # summed each GPU's micro-batch gradients instead of averaging them, i.e. used (micro-batches per GPU)
+    # x the mean: 4 for small/medium (15 x 4 x 8 GPUs), 12 for large/xl (5 x 12 x 8). The paper configs
+    # set it so, which reproduces that scale (it matters to grad_clip and MARS's clip) on any GPU count.
+    grad_multiplier: float = 1.0
     max_bad_steps: int = 10  # stop after this many consecutive non-finite steps
     # MARS (mars.py): see its docstring for what each one does
     gamma: float = 0.025
@@ -110,7 +117,7 @@ ALLOWED = {
     'init_from': ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'),
 }
 POSITIVE = ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
-            'eval_interval', 'log_interval', 'eval_iters', 'max_bad_steps', 'ddp_timeout_s')
+            'eval_interval', 'log_interval', 'eval_iters', 'max_bad_steps', 'ddp_timeout_s', 'grad_multiplier')
 NON_NEGATIVE = ('max_iters', 'warmup_iters', 'lr_decay_iters', 'hellaswag_interval', 'keep_every_n_evals',
                 'learning_rate', 'min_lr', 'lr_1d', 'muon_lr', 'muon_adamw_lr', 'weight_decay',
                 'weight_decay_1d', 'gamma', 'grad_clip')

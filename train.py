@@ -299,7 +299,8 @@ def forward_backward(run, step):
     """Accumulate this rank's gradients for step `step`; return its mean micro-batch loss (a tensor).
 
     Each loss is divided by this rank's number of micro-batches and DDP averages across ranks, so the
-    gradient is the mean over all gradient_accumulation_steps micro-batches. DDP all-reduces only in
+    gradient is the mean over all gradient_accumulation_steps micro-batches, times grad_multiplier (the
+    paper's gradient scale, see configurator.py; the returned loss stays the mean). DDP all-reduces only in
     the last micro-batch's backward (no_sync before it). Nothing here waits for the device.
     """
     cfg, info = run.cfg, run.dist
@@ -321,7 +322,7 @@ def forward_backward(run, step):
                 loss = loss / len(micro_steps)
             if not last:
                 x, y = fetch(micro_steps[i + 1])  # while the device works on this forward
-            run.scaler.scale(loss).backward()
+            run.scaler.scale(loss * cfg.grad_multiplier).backward()
         loss_sum += loss.detach()
     return loss_sum
 

@@ -121,6 +121,18 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     assert checked == sum(p.ndim >= 2 for p in model.parameters())
 
 
+def test_grad_multiplier_scales_the_gradient_not_the_loss(data_path, tmp_path):
+    """The paper's configs reproduce its summed (not averaged) micro-batch gradients with grad_multiplier."""
+    first_lines = {}
+    for multiplier in (1, 4):
+        out = str(tmp_path / f"x{multiplier}")
+        run_ok(tiny_args(data_path, out, max_iters=1, eval_interval=1, grad_clip=0.0,
+                         grad_multiplier=multiplier))
+        first_lines[multiplier] = next(r for r in read_metrics(out) if "train/loss" in r)
+    assert first_lines[4]["train/loss"] == first_lines[1]["train/loss"]
+    assert first_lines[4]["grad_norm"] == pytest.approx(4 * first_lines[1]["grad_norm"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_wandb_offline_writes_its_run_and_resume_continues_it(data_path, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
