@@ -97,10 +97,10 @@ def run(quick=False):
     for mars_type in ("mars-adamw", "mars-lion", "mars-shampoo"):
         opt = MARS(params, lr=6e-3, weight_decay=0.1, mars_type=mars_type)
         if mars_type == "mars-shampoo" and device == "cpu":
-            # Five Newton-Schulz iterations on every matrix (the 50304x768 embedding alone is ~0.6
+            # Five Newton-Schulz iterations on every matrix (the 50304x768 embedding alone is ~0.9
             # TFLOP) make one 124M step tens of seconds on 2 CPU cores, too long to repeat here.
             rows.append(row(f"{mars_type} step", None, unit="ms",
-                            note="not timed on CPU: ~1.9 TFLOP of Newton-Schulz a step; time it on CUDA"))
+                            note="not timed on CPU: ~2.9 TFLOP of Newton-Schulz a step; time it on CUDA"))
             for group in opt.param_groups:
                 for p in group["params"]:
                     opt._init_state(p, group)
