@@ -16,6 +16,7 @@ import hashlib
 import os
 import pickle
 import socket
+import sys
 import tempfile
 
 import numpy as np
@@ -43,6 +44,15 @@ _FULL_SCAN_LIMIT = 1 << 30
 
 class DataError(Exception):
     """A problem with the token data; the message is the one line the user sees."""
+
+
+def run_prepare(main):
+    """Run a prepare script's main(): a DataError becomes one `error: ...` line and exit status 2."""
+    try:
+        main()
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def network_reachable(host, port=443, timeout=3.0):

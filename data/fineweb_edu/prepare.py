@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from tokens import (EOT_TOKEN, HEADER_BYTES, DataError, atomic_write_bytes,  # noqa: E402
-                    get_gpt2_encoding, network_reachable, write_shard)
+                    get_gpt2_encoding, network_reachable, run_prepare, write_shard)
 
 HUB_DATASET = "HuggingFaceFW/fineweb-edu"
 PROGRESS_FILE = "progress.json"
@@ -245,8 +245,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_prepare(main)

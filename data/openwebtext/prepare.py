@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tokens import EOT_TOKEN, DataError, atomic_writer, get_gpt2_encoding, network_reachable  # noqa: E402
+from tokens import (EOT_TOKEN, DataError, atomic_writer, get_gpt2_encoding,  # noqa: E402
+                    network_reachable, run_prepare)
 
 HUB_DATASET = "Skylion007/openwebtext"
 WRITE_BATCH = 1 << 16  # documents per write
@@ -73,8 +74,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_prepare(main)

@@ -9,7 +9,7 @@ import sys
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from tokens import DataError, network_reachable, write_char_corpus  # noqa: E402
+from tokens import DataError, network_reachable, run_prepare, write_char_corpus  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -41,8 +41,4 @@ def main(argv=None):
     write_char_corpus(args.output_dir, text)
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_prepare(main)

@@ -13,7 +13,7 @@ import sys
 import sysconfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from tokens import DataError, write_char_corpus  # noqa: E402
+from tokens import DataError, run_prepare, write_char_corpus  # noqa: E402
 
 SKIPPED_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 
@@ -49,8 +49,4 @@ def main(argv=None):
     write_char_corpus(args.output_dir, stdlib_sources(args.chars))
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_prepare(main)
