@@ -21,6 +21,7 @@ loading one cannot run code: every value is a tensor, a number, a string or a li
 The batches need no state of their own: tokens.TokenData.get_batch is a pure function of
 (seed, step, micro_step), so iter_num and the config are all the sampler needs.
 """
+
 import os
 import pickle
 import random
@@ -62,8 +63,10 @@ def save_checkpoint(path, state):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; the previous one is "
-                              f"kept (free disk space in {directory} and resume)") from None
+        raise CheckpointError(
+            f"cannot write checkpoint {path}: {e.strerror or e}; the previous one is "
+            f"kept (free disk space in {directory} and resume)"
+        ) from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -102,17 +105,18 @@ def load_checkpoint(path):
     """The checkpoint dict at `path` (a file, or a directory holding ckpt.pt), loaded onto the CPU."""
     path = checkpoint_path(path)
     if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path}; train with --init_from=scratch first, or point "
-                              f"out_dir at the run to resume")
+        raise CheckpointError(
+            f"no checkpoint at {path}; train with --init_from=scratch first, or point out_dir at the run to resume"
+        )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is not a readable checkpoint ({reason}); it may be truncated or "
-                              f"from an incompatible version") from None
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint ({reason}); it may be truncated or from an incompatible version"
+        ) from None
     if not isinstance(ckpt, dict) or any(key not in ckpt for key in REQUIRED_KEYS):
-        raise CheckpointError(f"{path} is not a training checkpoint (expected the keys "
-                              f"{', '.join(REQUIRED_KEYS)})")
+        raise CheckpointError(f"{path} is not a training checkpoint (expected the keys {', '.join(REQUIRED_KEYS)})")
     return ckpt
 
 
@@ -126,15 +130,21 @@ def load_model_state(model, state_dict, path):
     expected = model.state_dict()
     for key, value in expected.items():
         if key not in state_dict:
-            raise CheckpointError(f"{path}: the checkpoint has no '{key}' (the model was built with a "
-                                  f"different shape; resume with the config it was trained with)")
+            raise CheckpointError(
+                f"{path}: the checkpoint has no '{key}' (the model was built with a "
+                f"different shape; resume with the config it was trained with)"
+            )
         if tuple(state_dict[key].shape) != tuple(value.shape):
-            raise CheckpointError(f"{path}: '{key}' has shape {tuple(state_dict[key].shape)} in the "
-                                  f"checkpoint but {tuple(value.shape)} in the model built from the config")
+            raise CheckpointError(
+                f"{path}: '{key}' has shape {tuple(state_dict[key].shape)} in the "
+                f"checkpoint but {tuple(value.shape)} in the model built from the config"
+            )
     extra = [key for key in state_dict if key not in expected]
     if extra:
-        raise CheckpointError(f"{path}: the checkpoint has '{extra[0]}', which the model built from the "
-                              f"config lacks (a different number of layers?)")
+        raise CheckpointError(
+            f"{path}: the checkpoint has '{extra[0]}', which the model built from the "
+            f"config lacks (a different number of layers?)"
+        )
     model.load_state_dict(state_dict)
 
 
@@ -154,12 +164,18 @@ def load_model(path_or_out_dir, device="cpu"):
 # ---------------------------------------------------------------------------------------------------
 # Random number generator states, in forms weights_only loading accepts (numpy's array becomes a tensor).
 
+
 def rng_state():
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "numpy": {
+            "name": np_name,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -171,8 +187,15 @@ def set_rng_state(state):
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     np_state = state["numpy"]
-    np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            np_state["name"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])

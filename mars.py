@@ -11,6 +11,7 @@ beside each other: ``_single_tensor_mars`` (the readable reference, ``foreach=Fa
 of the rule runs in torch's fused AdamW kernel). Tests hold the paths equal and hold each to a float64
 transcription of the rule.
 """
+
 import math
 
 import torch
@@ -108,12 +109,38 @@ class MARS(torch.optim.Optimizer):
         foreach: None or True use the multi-tensor path; False the single-tensor reference.
     """
 
-    def __init__(self, params, lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, amsgrad=False,
-                 gamma=0.025, is_approx=True, mars_type="mars-adamw", optimize_1d=False, lr_1d=3e-3,
-                 betas_1d=(0.9, 0.95), weight_decay_1d=0.1, foreach=None):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        gamma=gamma, is_approx=is_approx, mars_type=mars_type, optimize_1d=optimize_1d,
-                        lr_1d=lr_1d, betas_1d=betas_1d, weight_decay_1d=weight_decay_1d, foreach=foreach)
+    def __init__(
+        self,
+        params,
+        lr=3e-3,
+        betas=(0.95, 0.99),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        gamma=0.025,
+        is_approx=True,
+        mars_type="mars-adamw",
+        optimize_1d=False,
+        lr_1d=3e-3,
+        betas_1d=(0.9, 0.95),
+        weight_decay_1d=0.1,
+        foreach=None,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            gamma=gamma,
+            is_approx=is_approx,
+            mars_type=mars_type,
+            optimize_1d=optimize_1d,
+            lr_1d=lr_1d,
+            betas_1d=betas_1d,
+            weight_decay_1d=weight_decay_1d,
+            foreach=foreach,
+        )
         _validate(defaults)
         super().__init__(params, defaults)
 
@@ -123,8 +150,10 @@ class MARS(torch.optim.Optimizer):
         _validate(group)
         if "lr_1d_factor" not in group:
             if group["lr"] == 0 and not group["optimize_1d"]:
-                raise ValueError("lr=0 with optimize_1d=False leaves the 1-D learning rate lr*lr_1d/lr "
-                                 "undefined; construct with the peak lr (a schedule may start at 0)")
+                raise ValueError(
+                    "lr=0 with optimize_1d=False leaves the 1-D learning rate lr*lr_1d/lr "
+                    "undefined; construct with the peak lr (a schedule may start at 0)"
+                )
             # Fixed at construction: a schedule changes group['lr'] and the 1-D lr follows its shape.
             group["lr_1d_factor"] = group["lr_1d"] / group["lr"] if group["lr"] else 1.0
 
@@ -201,14 +230,26 @@ class MARS(torch.optim.Optimizer):
             kernel_mars = _multi_tensor_mars if foreach else _single_tensor_mars
             kernel_adamw = _multi_tensor_adamw if foreach else _single_tensor_adamw
             if mars.params:
-                kernel_mars(mars, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                            weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-                            gamma=group["gamma"], is_approx=group["is_approx"],
-                            mars_type=group["mars_type"])
+                kernel_mars(
+                    mars,
+                    lr=group["lr"],
+                    betas=group["betas"],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    amsgrad=group["amsgrad"],
+                    gamma=group["gamma"],
+                    is_approx=group["is_approx"],
+                    mars_type=group["mars_type"],
+                )
             if adamw.params:
-                kernel_adamw(adamw, lr=group["lr"] * group["lr_1d_factor"], betas=group["betas_1d"],
-                             eps=group["eps"], weight_decay=group["weight_decay_1d"],
-                             amsgrad=group["amsgrad"])
+                kernel_adamw(
+                    adamw,
+                    lr=group["lr"] * group["lr_1d_factor"],
+                    betas=group["betas_1d"],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay_1d"],
+                    amsgrad=group["amsgrad"],
+                )
         return loss
 
 
@@ -219,8 +260,11 @@ def _validate(hp):
             raise ValueError(f"invalid {name}: {value!r} (must be a number >= 0)")
     for name in ("betas", "betas_1d"):
         betas = hp[name]
-        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        if (
+            not isinstance(betas, (tuple, list))
+            or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+        ):
             raise ValueError(f"invalid {name}: {betas!r} (must be two numbers in [0, 1))")
     if hp["mars_type"] not in MARS_TYPES:
         raise ValueError(f"invalid mars_type: {hp['mars_type']!r} (allowed: {', '.join(MARS_TYPES)})")
@@ -230,8 +274,9 @@ def _validate(hp):
 
 def _check_dense(grad):
     if grad.is_sparse:
-        raise RuntimeError("MARS does not support sparse gradients (e.g. nn.Embedding(sparse=True)); "
-                           "use dense gradients")
+        raise RuntimeError(
+            "MARS does not support sparse gradients (e.g. nn.Embedding(sparse=True)); use dense gradients"
+        )
 
 
 def _uses_second_moment(p, mars_type):
@@ -273,21 +318,22 @@ class _TensorLists:
 # ---------------------------------------------------------------------------------------------------
 # Single-tensor reference: the rule of the class docstring, line by line.
 
+
 def _single_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_approx, mars_type):
     beta1, beta2 = betas
     k = gamma * beta1 / (1 - beta1)
     for p, state in tl.entries:
         g, t = p.grad, state["step"]
         m, g_prev = state["exp_avg"], state["last_grad"]
-        c = torch.lerp(g_prev, g, 1 + k)                          # g + k (g - g_prev), as foreach
-        c = c / c.norm().clamp_min(1.0)                           # clip to Frobenius norm <= 1
-        m.lerp_(c, 1 - beta1)                                     # m = β1 m + (1 - β1) c
+        c = torch.lerp(g_prev, g, 1 + k)  # g + k (g - g_prev), as foreach
+        c = c / c.norm().clamp_min(1.0)  # clip to Frobenius norm <= 1
+        m.lerp_(c, 1 - beta1)  # m = β1 m + (1 - β1) c
         if mars_type == "mars-lion":
             u = m.sign()
         elif mars_type == "mars-shampoo" and p.ndim == 2:
             u = newton_schulz(m / (1 - beta1), eps=eps) * math.sqrt(max(1.0, p.size(0) / p.size(1)))
         else:
-            u = _adam_direction(state, c, beta2, t, eps, amsgrad) / (1 - beta1 ** t)
+            u = _adam_direction(state, c, beta2, t, eps, amsgrad) / (1 - beta1**t)
         p.sub_(lr * (u + weight_decay * p))
         if is_approx:
             g_prev.copy_(g)
@@ -298,7 +344,7 @@ def _single_tensor_adamw(tl, *, lr, betas, eps, weight_decay, amsgrad):
     for p, state in tl.entries:
         g, t = p.grad, state["step"]
         state["exp_avg"].lerp_(g, 1 - beta1)
-        u = _adam_direction(state, g, beta2, t, eps, amsgrad) / (1 - beta1 ** t)
+        u = _adam_direction(state, g, beta2, t, eps, amsgrad) / (1 - beta1**t)
         p.sub_(lr * (u + weight_decay * p))
 
 
@@ -308,13 +354,14 @@ def _adam_direction(state, x, beta2, t, eps, amsgrad):
     v.mul_(beta2).addcmul_(x, x, value=1 - beta2)
     if amsgrad:
         v = torch.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
-    return state["exp_avg"] / ((v / (1 - beta2 ** t)).sqrt() + eps)
+    return state["exp_avg"] / ((v / (1 - beta2**t)).sqrt() + eps)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Multi-tensor path: the same rule with torch._foreach_* ops, one call per op per (device, dtype).
 # Every per-tensor scalar (bias corrections) is a Python float from the Python-int step, and the clip
 # divides by max(norm, 1) kept on the device, so nothing here waits on the device.
+
 
 def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_approx, mars_type):
     beta1, beta2 = betas
@@ -325,13 +372,13 @@ def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_a
             # g_prev is replaced by g at the end of the step, so its buffer holds c meanwhile: the
             # step's one gradient-sized buffer, and no allocation.
             c = last_grads
-            torch._foreach_lerp_(c, grads, 1 + k)                 # g + k (g - g_prev)
+            torch._foreach_lerp_(c, grads, 1 + k)  # g + k (g - g_prev)
         else:
             # Exact MARS: g_prev belongs to the loop's protocol (update_last_grad); c gets its own buffer.
             c = torch._foreach_lerp(last_grads, grads, 1 + k)
         norms = torch._foreach_norm(c)
         torch._foreach_clamp_min_(norms, 1.0)
-        torch._foreach_div_(c, norms)                             # clip to Frobenius norm <= 1
+        torch._foreach_div_(c, norms)  # clip to Frobenius norm <= 1
 
         if mars_type == "mars-lion":
             torch._foreach_lerp_(b.get("exp_avg"), c, 1 - beta1)
@@ -353,8 +400,17 @@ def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_a
             if not all(is_ns):
                 adam = _TensorLists([e for e, ns in zip(b.entries, is_ns) if not ns])
                 c_adam = [c_i for c_i, ns in zip(c, is_ns) if not ns]
-                _foreach_adam(adam, c_adam, c_adam, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                              weight_decay=weight_decay, amsgrad=amsgrad)
+                _foreach_adam(
+                    adam,
+                    c_adam,
+                    c_adam,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=eps,
+                    weight_decay=weight_decay,
+                    amsgrad=amsgrad,
+                )
         if is_approx:
             torch._foreach_copy_(last_grads, grads)
 
@@ -362,8 +418,9 @@ def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_a
 def _multi_tensor_adamw(tl, *, lr, betas, eps, weight_decay, amsgrad):
     beta1, beta2 = betas
     for b in tl.by_device_and_dtype():
-        _foreach_adam(b, b.grads, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                      weight_decay=weight_decay, amsgrad=amsgrad)
+        _foreach_adam(
+            b, b.grads, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad
+        )
 
 
 # Devices where torch's fused AdamW kernel runs on the tensors MARS gives it: one pass over p, m, v and
@@ -386,8 +443,21 @@ def _foreach_adam(b, x, scratch, *, lr, beta1, beta2, eps, weight_decay, amsgrad
     v_max = b.get("max_exp_avg_sq") if amsgrad else []
     if params[0].device.type in _FUSED_ADAM_DEVICES:
         steps = [torch.tensor(float(t)) for t in b.steps]
-        torch._fused_adamw_(params, x, m, v, v_max, steps, lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False)
+        torch._fused_adamw_(
+            params,
+            x,
+            m,
+            v,
+            v_max,
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=False,
+        )
         return
     torch._foreach_lerp_(m, x, 1 - beta1)
     torch._foreach_mul_(v, beta2)
@@ -401,8 +471,8 @@ def _foreach_adam(b, x, scratch, *, lr, beta1, beta2, eps, weight_decay, amsgrad
         denom = scratch
         torch._foreach_copy_(denom, v)
         torch._foreach_sqrt_(denom)
-    s = [math.sqrt(1 - beta2 ** t) for t in b.steps]
+    s = [math.sqrt(1 - beta2**t) for t in b.steps]
     torch._foreach_add_(denom, [eps * si for si in s])
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_addcdiv_(params, m, denom, [-lr * si / (1 - beta1 ** t) for si, t in zip(s, b.steps)])
+    torch._foreach_addcdiv_(params, m, denom, [-lr * si / (1 - beta1**t) for si, t in zip(s, b.steps)])

@@ -5,6 +5,7 @@ what the paper's reference code is built on, so state dicts move between the two
 imports nothing from the repository: copy it into another project on its own. transformers is needed
 only by the Hugging Face functions at the bottom, and is imported there.
 """
+
 import math
 import os
 from dataclasses import dataclass
@@ -18,17 +19,17 @@ GPT2_VOCAB_SIZE = 50257
 
 # The four GPT-2 sizes (Radford et al., 2019, Table 2). Counts are with bias=True at vocab 50257.
 PRESETS = {
-    'small': dict(n_layer=12, n_head=12, n_embd=768),    # 124M
-    'medium': dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
-    'large': dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
-    'xl': dict(n_layer=48, n_head=25, n_embd=1600),      # 1558M
+    "small": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
 
 # OpenAI's checkpoints on the Hugging Face hub, by preset.
-HF_CHECKPOINTS = {'gpt2': 'small', 'gpt2-medium': 'medium', 'gpt2-large': 'large', 'gpt2-xl': 'xl'}
+HF_CHECKPOINTS = {"gpt2": "small", "gpt2-medium": "medium", "gpt2-large": "large", "gpt2-xl": "xl"}
 
 # Peak dense bf16 tensor-core throughput (FLOP/s) by the substring that names the GPU.
-PEAK_BF16_FLOPS = {'A100': 312e12, 'H100': 989e12, 'H200': 989e12}
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
 
 @dataclass
@@ -47,7 +48,7 @@ class GPTConfig:
     scale_attn_by_inverse_layer_idx: bool = False
 
     def __post_init__(self):
-        for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -64,7 +65,6 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-
     def __init__(self, config, layer_idx):
         super().__init__()
         self.n_head = config.n_head
@@ -85,24 +85,24 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         # Flash / memory-efficient kernels on GPU: the T x T attention matrix is never materialised.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True, scale=self.scale)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True, scale=self.scale
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The reference code keeps its causal mask as a buffer named 'attn.bias' (and Hugging Face's
         # older GPT-2 did too); SDPA needs no mask, so such checkpoints load without it.
-        state_dict.pop(prefix + 'bias', None)
+        state_dict.pop(prefix + "bias", None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class MLP(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate='tanh')  # GPT-2's GELU is the tanh approximation
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU is the tanh approximation
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -126,17 +126,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf, 2017), as in GPT-2: one matrix embeds tokens and scores them.
         self.transformer.wte.weight = self.lm_head.weight
@@ -145,7 +146,7 @@ class GPT(nn.Module):
         # GPT-2's scaled init: each block adds two projections to the residual stream, so their weights
         # get std 0.02/sqrt(2 * n_layer) to keep the stream's variance from growing with depth.
         for name, p in self.named_parameters():
-            if name.endswith('c_proj.weight'):
+            if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
@@ -170,8 +171,10 @@ class GPT(nn.Module):
         mean cross-entropy over targets != -1; without, logits for the last position only, loss None."""
         T = idx.size(1)
         if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}; "
-                             f"crop the input to its last {self.config.block_size} tokens")
+            raise ValueError(
+                f"sequence length {T} exceeds block_size {self.config.block_size}; "
+                f"crop the input to its last {self.config.block_size} tokens"
+            )
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
@@ -199,11 +202,11 @@ class GPT(nn.Module):
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
+            logits, _ = self(idx[:, -self.config.block_size :])
             logits = logits[:, -1, :] / temperature
             if top_k is not None:
                 kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth_largest, float('-inf'))
+                logits = logits.masked_fill(logits < kth_largest, float("-inf"))
             next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
@@ -225,12 +228,14 @@ class GPT(nn.Module):
         """OpenAI's GPT-2 ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', from the Hugging Face hub)
         or a local Hugging Face GPT-2 folder such as export_hf.py writes. override_args may set dropout."""
         override_args = dict(override_args or {})
-        unknown = set(override_args) - {'dropout'}
+        unknown = set(override_args) - {"dropout"}
         if unknown:
             raise ValueError(f"from_pretrained can only override dropout, got {sorted(unknown)}")
         if name not in HF_CHECKPOINTS and not os.path.isdir(name):
-            raise ValueError(f"unknown pretrained model {name!r}; choose one of "
-                             f"{', '.join(HF_CHECKPOINTS)} or a Hugging Face GPT-2 folder")
+            raise ValueError(
+                f"unknown pretrained model {name!r}; choose one of "
+                f"{', '.join(HF_CHECKPOINTS)} or a Hugging Face GPT-2 folder"
+            )
         transformers = _import_transformers()
         return gpt_from_hf(transformers.GPT2LMHeadModel.from_pretrained(name), **override_args)
 
@@ -238,7 +243,7 @@ class GPT(nn.Module):
 def peak_flops(device):
     """Peak dense bf16 FLOP/s of the GPU `device` is on, or None when it is not a GPU we know."""
     device = torch.device(device)
-    if device.type != 'cuda':
+    if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
@@ -254,8 +259,8 @@ def param_groups(model, weight_decay):
     decayed = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)} - embeddings
     named = sorted(model.named_parameters(), key=lambda item: item[0])  # tied tensors appear once
     return [
-        {'params': [p for _, p in named if id(p) in decayed], 'weight_decay': weight_decay},
-        {'params': [p for _, p in named if id(p) not in decayed], 'weight_decay': 0.0},
+        {"params": [p for _, p in named if id(p) in decayed], "weight_decay": weight_decay},
+        {"params": [p for _, p in named if id(p) not in decayed], "weight_decay": 0.0},
     ]
 
 
@@ -271,15 +276,16 @@ def hidden_matrix_params(model):
 # Hugging Face GPT-2 interop. Its GPT2LMHeadModel uses the same parameter names as ours, but stores the
 # four projection matrices as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in).
 
-_CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def _import_transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError("Hugging Face interop needs transformers and safetensors: "
-                          "pip install -r requirements-extra.txt") from None
+        raise ImportError(
+            "Hugging Face interop needs transformers and safetensors: pip install -r requirements-extra.txt"
+        ) from None
     return transformers
 
 
@@ -292,15 +298,23 @@ def config_from_hf(hf_config, dropout=0.0):
     """Our GPTConfig for a Hugging Face GPT2Config; raises ValueError for variants GPT cannot run."""
     if hf_config.n_inner not in (None, 4 * hf_config.n_embd):
         raise ValueError(f"n_inner={hf_config.n_inner} is not supported: the MLP is 4 * n_embd wide")
-    if hf_config.activation_function not in ('gelu_new', 'gelu_pytorch_tanh'):
-        raise ValueError(f"activation_function={hf_config.activation_function!r} is not supported: "
-                         "GPT uses GELU's tanh approximation")
+    if hf_config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(
+            f"activation_function={hf_config.activation_function!r} is not supported: "
+            "GPT uses GELU's tanh approximation"
+        )
     if not hf_config.scale_attn_weights:
         raise ValueError("scale_attn_weights=False is not supported: GPT scales logits by 1/sqrt(head_dim)")
-    return GPTConfig(block_size=hf_config.n_positions, vocab_size=hf_config.vocab_size,
-                     n_layer=hf_config.n_layer, n_head=hf_config.n_head, n_embd=hf_config.n_embd,
-                     dropout=dropout, bias=True,
-                     scale_attn_by_inverse_layer_idx=hf_config.scale_attn_by_inverse_layer_idx)
+    return GPTConfig(
+        block_size=hf_config.n_positions,
+        vocab_size=hf_config.vocab_size,
+        n_layer=hf_config.n_layer,
+        n_head=hf_config.n_head,
+        n_embd=hf_config.n_embd,
+        dropout=dropout,
+        bias=True,
+        scale_attn_by_inverse_layer_idx=hf_config.scale_attn_by_inverse_layer_idx,
+    )
 
 
 def gpt_from_hf(hf_model, dropout=0.0):
@@ -319,19 +333,29 @@ def hf_from_gpt(model, vocab_size=GPT2_VOCAB_SIZE):
     vocab_size = min(vocab_size, cfg.vocab_size)
     eot = GPT2_VOCAB_SIZE - 1 if vocab_size >= GPT2_VOCAB_SIZE else None
     hf_config = transformers.GPT2Config(
-        vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, activation_function='gelu_new', resid_pdrop=cfg.dropout,
-        embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, layer_norm_epsilon=1e-5,
-        scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        activation_function="gelu_new",
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        layer_norm_epsilon=1e-5,
+        scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx,
+        tie_word_embeddings=True,
         # GPT-2's end-of-text token, where the vocabulary has it
-        bos_token_id=eot, eos_token_id=eot)
+        bos_token_id=eot,
+        eos_token_id=eot,
+    )
     hf_model = transformers.GPT2LMHeadModel(hf_config)
     state_dict = _swap_conv1d_layout(model.state_dict())
-    for key in ('transformer.wte.weight', 'lm_head.weight'):
+    for key in ("transformer.wte.weight", "lm_head.weight"):
         state_dict[key] = state_dict[key][:vocab_size]
     if not cfg.bias:
         for name, p in hf_model.named_parameters():
-            if name.endswith('.bias'):
+            if name.endswith(".bias"):
                 state_dict[name] = torch.zeros_like(p)
     hf_model.load_state_dict(state_dict)
     return hf_model

@@ -48,10 +48,10 @@ class ChainedOptimizer:
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        return {'optimizers': [opt.state_dict() for opt in self.optimizers]}
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
     def load_state_dict(self, state_dict):
-        saved = state_dict['optimizers']
+        saved = state_dict["optimizers"]
         if len(saved) != len(self.optimizers):
             raise ValueError(f"state_dict holds {len(saved)} optimizers, this one chains {len(self.optimizers)}")
         for opt, sd in zip(self.optimizers, saved):
@@ -64,33 +64,45 @@ def _muon(model, cfg, fused):
         raise ValueError("hidden_matrix_params returned a tensor that is not 2-D; Muon takes matrices only")
     # The reference's Muon (modded-nanogpt) scales each update by sqrt(max(1, rows/cols));
     # torch's adjust_lr_fn="original" is that rule ("match_rms_adamw" would change the lr scale).
-    muon = torch.optim.Muon(hidden, lr=cfg.muon_lr, weight_decay=0.0, momentum=0.95, nesterov=True,
-                            adjust_lr_fn='original')
+    muon = torch.optim.Muon(
+        hidden, lr=cfg.muon_lr, weight_decay=0.0, momentum=0.95, nesterov=True, adjust_lr_fn="original"
+    )
     # As the issue's Muon baseline: AdamW decays everything it holds (embeddings, head, 1-D tensors).
     # The reference's Muon also took the embeddings, leaving AdamW only the 1-D tensors, at the same 0.1.
-    adamw = torch.optim.AdamW(other, lr=cfg.muon_adamw_lr, betas=(cfg.beta1, cfg.beta2),
-                              weight_decay=cfg.weight_decay, fused=fused)
+    adamw = torch.optim.AdamW(
+        other, lr=cfg.muon_adamw_lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, fused=fused
+    )
     return ChainedOptimizer(muon, adamw)
 
 
 def build_optimizer(model, cfg, device_type):
     """The optimizer cfg.optimizer_name names, over model's parameters (already on their device)."""
-    fused = device_type == 'cuda'
-    if cfg.optimizer_name == 'mars':
+    fused = device_type == "cuda"
+    if cfg.optimizer_name == "mars":
         from mars import MARS
-        optimizer = MARS(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                         gamma=cfg.gamma, is_approx=cfg.is_approx, mars_type=cfg.mars_type,
-                         optimize_1d=cfg.optimize_1d, lr_1d=cfg.lr_1d, betas_1d=tuple(cfg.betas_1d),
-                         weight_decay_1d=cfg.weight_decay_1d)
-    elif cfg.optimizer_name == 'adamw':
-        optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
-                                      betas=(cfg.beta1, cfg.beta2), fused=fused)
-    elif cfg.optimizer_name == 'muon':
+
+        optimizer = MARS(
+            param_groups(model, cfg.weight_decay),
+            lr=cfg.learning_rate,
+            betas=(cfg.beta1, cfg.beta2),
+            gamma=cfg.gamma,
+            is_approx=cfg.is_approx,
+            mars_type=cfg.mars_type,
+            optimize_1d=cfg.optimize_1d,
+            lr_1d=cfg.lr_1d,
+            betas_1d=tuple(cfg.betas_1d),
+            weight_decay_1d=cfg.weight_decay_1d,
+        )
+    elif cfg.optimizer_name == "adamw":
+        optimizer = torch.optim.AdamW(
+            param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused
+        )
+    elif cfg.optimizer_name == "muon":
         optimizer = _muon(model, cfg, fused)
     else:
         raise ValueError(f"optimizer_name={cfg.optimizer_name!r} is not one of: mars, adamw, muon")
     for group in optimizer.param_groups:
-        group['initial_lr'] = group['lr']
+        group["initial_lr"] = group["lr"]
     return optimizer
 
 
@@ -110,9 +122,9 @@ def lr_factor(it, cfg):
     if it < cfg.warmup_iters:
         return it / cfg.warmup_iters
     floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 0.0
-    if cfg.schedule == 'constant':
+    if cfg.schedule == "constant":
         return 1.0
-    if cfg.schedule == 'wsd':
+    if cfg.schedule == "wsd":
         decay_start = (1.0 - cfg.wsd_decay_frac) * cfg.max_iters
         if it < decay_start:
             return 1.0
@@ -128,4 +140,4 @@ def lr_factor(it, cfg):
 def set_lr(optimizer, factor):
     """Every group's lr = its initial_lr * factor."""
     for group in optimizer.param_groups:
-        group['lr'] = group['initial_lr'] * factor
+        group["lr"] = group["initial_lr"] * factor

@@ -3,6 +3,7 @@ tokens and against wall-clock time, one line per run -- the figures the MARS pap
 
     python plot.py out_mars out_adamw --out curves.png [--labels MARS AdamW] [--ylim 1.0 2.5]
 """
+
 import argparse
 import json
 import os
@@ -41,8 +42,7 @@ def read_metrics(run_dir):
                 missing = [k for k in ("iter", "tokens", "time_s") if k not in record]
                 if missing:
                     raise ValueError(f"{path}, line {lineno}: a {name} record without {', '.join(missing)}")
-                latest[name][record["iter"]] = (record["iter"], record["tokens"], record["time_s"],
-                                                record[name])
+                latest[name][record["iter"]] = (record["iter"], record["tokens"], record["time_s"], record[name])
     series = {name: [points[i] for i in sorted(points)] for name, points in latest.items()}
     if not any(series.values()):
         raise ValueError(f"{path} has no train/loss or val/loss records yet")
@@ -70,8 +70,13 @@ def plot_runs(run_dirs, out, labels=None, ylim=None):
             for series, label in zip(runs, labels):
                 points = series[name]
                 if points:
-                    ax.plot([p[x_index] * scale for p in points], [p[3] for p in points], label=label,
-                            marker="o" if name == "val/loss" and len(points) < 30 else None, markersize=3)
+                    ax.plot(
+                        [p[x_index] * scale for p in points],
+                        [p[3] for p in points],
+                        label=label,
+                        marker="o" if name == "val/loss" and len(points) < 30 else None,
+                        markersize=3,
+                    )
             ax.set_title(f"{name} vs {x_label.split()[0]}")
             ax.set_ylabel(name)
             if row == len(SERIES) - 1:

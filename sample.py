@@ -6,6 +6,7 @@
 Text is encoded with the character vocabulary of the checkpoint's dataset (its meta.pkl) when the
 dataset has one, else with GPT-2's BPE.
 """
+
 import argparse
 import contextlib
 import os
@@ -18,12 +19,16 @@ from checkpoint import CheckpointError, load_model
 from model import GPT
 from tokens import DataError, get_gpt2_encoding
 
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dir", default="out", help="the training run's out_dir (or a checkpoint file)")
-    p.add_argument("--init_from", default="resume",
-                   help="'resume' samples from --out_dir's checkpoint; gpt2, gpt2-medium, gpt2-large, "
-                        "gpt2-xl or a Hugging Face GPT-2 folder (export_hf.py's) from those weights")
+    p.add_argument(
+        "--init_from",
+        default="resume",
+        help="'resume' samples from --out_dir's checkpoint; gpt2, gpt2-medium, gpt2-large, "
+        "gpt2-xl or a Hugging Face GPT-2 folder (export_hf.py's) from those weights",
+    )
     p.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=300)
@@ -31,9 +36,12 @@ def parse_args(argv):
     p.add_argument("--top_k", type=int, default=200, help="keep only the k likeliest tokens (0 = all)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="autocast dtype (default: bfloat16 on CUDA where supported, else float16; "
-                        "float32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="autocast dtype (default: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
+    )
     args = p.parse_args(argv)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -76,15 +84,17 @@ def checkpoint_codec(ckpt, vocab_size):
         return char_codec(meta)
     enc = get_gpt2_encoding()
     if vocab_size < enc.n_vocab:
-        raise ValueError(f"the model's vocabulary has {vocab_size} tokens, so it was trained on a "
-                         f"character dataset, but its meta.pkl was not found at {meta_path!r}; run "
-                         "from the directory you trained in (the checkpoint's data_path is relative)")
+        raise ValueError(
+            f"the model's vocabulary has {vocab_size} tokens, so it was trained on a "
+            f"character dataset, but its meta.pkl was not found at {meta_path!r}; run "
+            "from the directory you trained in (the checkpoint's data_path is relative)"
+        )
     return bpe_codec()
 
 
 def read_prompt(start):
     if start.startswith("FILE:"):
-        path = start[len("FILE:"):]
+        path = start[len("FILE:") :]
         if not os.path.isfile(path):
             raise ValueError(f"prompt file {path!r} does not exist")
         with open(path, encoding="utf-8") as f:
@@ -121,8 +131,7 @@ def generate(args):
     samples = []
     with torch.no_grad(), autocast(args.device, args.dtype):
         for _ in range(args.num_samples):
-            y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k or None)
+            y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
             samples.append(decode(y[0].tolist()))
     return samples
 

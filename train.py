@@ -16,6 +16,7 @@ next steps depend on (see checkpoint.py); batches and dropout masks are pure fun
 (seed, step, micro-batch); evaluation windows are fixed. A run killed at any moment and restarted with
 --init_from=resume ends with the same losses and parameters as one left alone.
 """
+
 import contextlib
 import dataclasses
 import datetime
@@ -65,6 +66,7 @@ class Dist:
 @dataclasses.dataclass
 class Progress:
     """What the loop carries from step to step; saved in every checkpoint under these names."""
+
     iter_num: int = 0
     best_val_loss: float = math.inf
     tokens: int = 0
@@ -82,6 +84,7 @@ RESUME_KEYS = ("optimizer", "scaler", "rng", *(f.name for f in dataclasses.field
 @dataclasses.dataclass
 class Run:
     """The objects one training run is built from."""
+
     cfg: object
     dist: Dist
     model: torch.nn.Module  # the plain GPT: parameters, state_dict, estimate_mfu
@@ -110,13 +113,16 @@ class Run:
 # ---------------------------------------------------------------------------------------------------
 # Setup: every check on the user's input happens here, before the first step.
 
+
 def setup_distributed(cfg):
     """Dist for this process; joins the process group under torchrun (NCCL on CUDA, gloo on CPU)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.gradient_accumulation_steps % world_size:
-        raise ValueError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (micro-batches per step "
-                         f"across all ranks) is not divisible by the world size {world_size}; use a multiple "
-                         f"of {world_size} or a different number of processes")
+        raise ValueError(
+            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (micro-batches per step "
+            f"across all ranks) is not divisible by the world size {world_size}; use a multiple "
+            f"of {world_size} or a different number of processes"
+        )
     ddp = "RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -152,8 +158,9 @@ def setup_precision(cfg, device_type):
         torch.set_float32_matmul_precision("high")  # TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    autocast = (contextlib.nullcontext() if ptdtype == torch.float32
-                else torch.autocast(device_type=device_type, dtype=ptdtype))
+    autocast = (
+        contextlib.nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
+    )
     return autocast, torch.amp.GradScaler(device_type, enabled=(ptdtype == torch.float16))
 
 
@@ -168,9 +175,16 @@ def model_vocab_size(data):
 
 
 def model_args_from_config(cfg, vocab_size):
-    return dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
-                bias=cfg.bias, vocab_size=vocab_size, dropout=cfg.dropout,
-                scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx)
+    return dict(
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+        block_size=cfg.block_size,
+        bias=cfg.bias,
+        vocab_size=vocab_size,
+        dropout=cfg.dropout,
+        scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx,
+    )
 
 
 def build_model(cfg, vocab_size, ckpt, ckpt_path):
@@ -185,9 +199,11 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path):
     if ckpt is not None:
         for key in SHAPE_ARGS:
             if ckpt["model_args"].get(key) != model_args[key]:
-                raise CheckpointError(f"{ckpt_path} was trained with {key}={ckpt['model_args'].get(key)!r} but "
-                                      f"the config gives {key}={model_args[key]!r}; resume with the same "
-                                      f"model settings (--{key}={ckpt['model_args'].get(key)!r})")
+                raise CheckpointError(
+                    f"{ckpt_path} was trained with {key}={ckpt['model_args'].get(key)!r} but "
+                    f"the config gives {key}={model_args[key]!r}; resume with the same "
+                    f"model settings (--{key}={ckpt['model_args'].get(key)!r})"
+                )
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = GPT(GPTConfig(**model_args))
     if ckpt is not None:
@@ -200,6 +216,7 @@ def setup_hellaswag(cfg, train_data, dist_info):
     if cfg.hellaswag_interval == 0:
         return None
     import hellaswag
+
     reason = None
     if train_data.meta is not None:
         reason = f"the dataset {cfg.dataset} is not GPT-2-tokenized"
@@ -229,8 +246,10 @@ def setup(cfg, dist_info):
         ckpt = checkpoint.load_checkpoint(ckpt_path)
         missing = [key for key in RESUME_KEYS if key not in ckpt]
         if missing:
-            raise CheckpointError(f"{ckpt_path} lacks {', '.join(missing)}: it was not written by this train.py, "
-                                  f"so it cannot be resumed (init_from=resume); load its weights instead")
+            raise CheckpointError(
+                f"{ckpt_path} lacks {', '.join(missing)}: it was not written by this train.py, "
+                f"so it cannot be resumed (init_from=resume); load its weights instead"
+            )
     hellaswag_examples = setup_hellaswag(cfg, train_data, dist_info)
 
     model, model_args = build_model(cfg, vocab_size, ckpt, ckpt_path)
@@ -253,15 +272,29 @@ def setup(cfg, dist_info):
         train_model = DDP(eval_model, device_ids=[dist_info.local_rank] if dist_info.device_type == "cuda" else None)
 
     def my_share(batches):  # every rank scores every world_size-th window; evaluate() all-reduces
-        return batches[dist_info.rank::dist_info.world_size]
+        return batches[dist_info.rank :: dist_info.world_size]
+
     val_batches = my_share(val_data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size))
     train_batches = my_share(train_data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size))
 
     metrics = MetricsLog(cfg, dist_info, progress, resume_iter=progress.iter_num if ckpt else None)
-    run = Run(cfg=cfg, dist=dist_info, model=model, train_model=train_model, eval_model=eval_model,
-              model_args=model_args, optimizer=optimizer, scaler=scaler, autocast=autocast,
-              train_data=train_data, val_data=val_data, val_batches=val_batches, train_batches=train_batches,
-              hellaswag_examples=hellaswag_examples, metrics=metrics)
+    run = Run(
+        cfg=cfg,
+        dist=dist_info,
+        model=model,
+        train_model=train_model,
+        eval_model=eval_model,
+        model_args=model_args,
+        optimizer=optimizer,
+        scaler=scaler,
+        autocast=autocast,
+        train_data=train_data,
+        val_data=val_data,
+        val_batches=val_batches,
+        train_batches=train_batches,
+        hellaswag_examples=hellaswag_examples,
+        metrics=metrics,
+    )
     return run, progress, ckpt is not None
 
 
@@ -271,10 +304,14 @@ def describe(run):
     config = config_to_dict(cfg)
     for key, value in config.items():
         print(f"{key} = {value!r}")
-    print(f"world size {run.dist.world_size} on {run.dist.device}; "
-          f"{cfg.gradient_accumulation_steps // run.dist.world_size} micro-batches per rank per step")
-    print(f"tokens per optimizer step: {run.tokens_per_step:,} = batch_size {cfg.batch_size} x "
-          f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} x block_size {cfg.block_size}")
+    print(
+        f"world size {run.dist.world_size} on {run.dist.device}; "
+        f"{cfg.gradient_accumulation_steps // run.dist.world_size} micro-batches per rank per step"
+    )
+    print(
+        f"tokens per optimizer step: {run.tokens_per_step:,} = batch_size {cfg.batch_size} x "
+        f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} x block_size {cfg.block_size}"
+    )
     print(f"total tokens: {run.tokens_per_step * cfg.max_iters:,} over max_iters {cfg.max_iters:,}")
     print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -283,6 +320,7 @@ def describe(run):
 
 # ---------------------------------------------------------------------------------------------------
 # One optimizer step.
+
 
 def to_device(x, y, device):
     if torch.device(device).type == "cuda":  # pinned memory lets the copy overlap the running kernels
@@ -391,6 +429,7 @@ def train_step(run, it):
 # ---------------------------------------------------------------------------------------------------
 # Evaluation, checkpoints, metrics.
 
+
 def all_reduce_sum(run, tensor):
     if run.dist.ddp:
         dist.all_reduce(tensor)
@@ -412,9 +451,15 @@ def evaluate(run, batches):
 
 
 def checkpoint_state(run, progress):
-    return dict(model=run.model.state_dict(), model_args=run.model_args, optimizer=run.optimizer.state_dict(),
-                scaler=run.scaler.state_dict(), config=config_to_dict(run.cfg), rng=checkpoint.rng_state(),
-                **dataclasses.asdict(progress))
+    return dict(
+        model=run.model.state_dict(),
+        model_args=run.model_args,
+        optimizer=run.optimizer.state_dict(),
+        scaler=run.scaler.state_dict(),
+        config=config_to_dict(run.cfg),
+        rng=checkpoint.rng_state(),
+        **dataclasses.asdict(progress),
+    )
 
 
 def save_checkpoints(run, progress, is_best):
@@ -425,8 +470,12 @@ def save_checkpoints(run, progress, is_best):
     it = progress.iter_num
     if is_best and cfg.save_best:
         checkpoint.keep_copy(latest, os.path.join(cfg.out_dir, checkpoint.BEST_NAME))
-    if cfg.keep_every_n_evals and it > 0 and it % cfg.eval_interval == 0 \
-            and (it // cfg.eval_interval) % cfg.keep_every_n_evals == 0:
+    if (
+        cfg.keep_every_n_evals
+        and it > 0
+        and it % cfg.eval_interval == 0
+        and (it // cfg.eval_interval) % cfg.keep_every_n_evals == 0
+    ):
         checkpoint.keep_copy(latest, os.path.join(cfg.out_dir, f"ckpt_{it:07d}.pt"))
 
 
@@ -455,8 +504,14 @@ class MetricsLog:
         self.file = open(self.path, "a")
         if cfg.wandb_log:
             import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
-                                    id=progress.wandb_run_id or None, resume="allow", config=config_to_dict(cfg))
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.wandb_run_name,
+                id=progress.wandb_run_id or None,
+                resume="allow",
+                config=config_to_dict(cfg),
+            )
             progress.wandb_run_id = self.wandb.id  # saved in every checkpoint: resume continues this run
             self.wandb.define_metric("iter")
             self.wandb.define_metric("*", step_metric="iter")
@@ -497,6 +552,7 @@ class MetricsLog:
 @dataclasses.dataclass
 class LogWindow:
     """Steps since the last train log line: their losses (on the device) and wall-clock time."""
+
     loss_sum: torch.Tensor | None = None
     losses: int = 0
     steps: int = 0
@@ -533,17 +589,30 @@ def log_train(run, progress, window, result, time_s):
     values = torch.stack([v.float().to(run.dist.device) for v in values]).tolist()
     passes = 2 if run.exact_mars else 1
     mfu = run.model.estimate_mfu(run.tokens_per_step // run.dist.world_size * passes, dt)
-    record = {"iter": progress.iter_num, "tokens": progress.tokens, "time_s": time_s, "train/loss": values[0],
-              "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": result.grad_norm,
-              "clip_rate": progress.clip_count / progress.iter_num, "tokens_per_sec": run.tokens_per_step / dt,
-              "step_ms": dt * 1000, "mfu": None if mfu is None else mfu * 100, "param_norm": values[1],
-              "skipped_steps": progress.skipped_steps}
+    record = {
+        "iter": progress.iter_num,
+        "tokens": progress.tokens,
+        "time_s": time_s,
+        "train/loss": values[0],
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "grad_norm": result.grad_norm,
+        "clip_rate": progress.clip_count / progress.iter_num,
+        "tokens_per_sec": run.tokens_per_step / dt,
+        "step_ms": dt * 1000,
+        "mfu": None if mfu is None else mfu * 100,
+        "param_norm": values[1],
+        "skipped_steps": progress.skipped_steps,
+    }
     if cfg.optimizer_name == "mars":
-        record.update(momentum_norm=values[2], momentum_norm_sq=values[3],
-                      momentum_div=values[2] / (math.sqrt(values[3]) + 1e-8))
+        record.update(
+            momentum_norm=values[2], momentum_norm_sq=values[3], momentum_div=values[2] / (math.sqrt(values[3]) + 1e-8)
+        )
     mfu_text = "" if mfu is None else f", mfu {mfu * 100:.1f}%"
-    print(f"iter {progress.iter_num}: loss {values[0]:.4f}, lr {record['lr']:.3e}, grad_norm {result.grad_norm:.3f}, "
-          f"{dt * 1000:.1f} ms/step, {record['tokens_per_sec']:,.0f} tok/s{mfu_text}", flush=True)
+    print(
+        f"iter {progress.iter_num}: loss {values[0]:.4f}, lr {record['lr']:.3e}, grad_norm {result.grad_norm:.3f}, "
+        f"{dt * 1000:.1f} ms/step, {record['tokens_per_sec']:,.0f} tok/s{mfu_text}",
+        flush=True,
+    )
     run.metrics.write(record)
 
 
@@ -557,8 +626,15 @@ def evaluate_and_save(run, progress, time_s):
         progress.best_val_loss = val_loss
     if run.dist.is_master:
         print(f"step {progress.iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
-        run.metrics.write({"iter": progress.iter_num, "tokens": progress.tokens, "time_s": time_s,
-                           "val/loss": val_loss, "eval/train_loss": train_loss})
+        run.metrics.write(
+            {
+                "iter": progress.iter_num,
+                "tokens": progress.tokens,
+                "time_s": time_s,
+                "val/loss": val_loss,
+                "eval/train_loss": train_loss,
+            }
+        )
     if run.dist.is_master and not cfg.eval_only:
         progress.elapsed_s = time_s
         save_checkpoints(run, progress, is_best)
@@ -566,16 +642,30 @@ def evaluate_and_save(run, progress, time_s):
 
 def evaluate_hellaswag(run, progress, time_s):
     import hellaswag
-    result = hellaswag.evaluate(run.model, run.hellaswag_examples, run.dist.device, rank=run.dist.rank,
-                                world_size=run.dist.world_size, ctx=run.autocast)
+
+    result = hellaswag.evaluate(
+        run.model,
+        run.hellaswag_examples,
+        run.dist.device,
+        rank=run.dist.rank,
+        world_size=run.dist.world_size,
+        ctx=run.autocast,
+    )
     if run.dist.is_master:
         print(f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (n={result['n']})", flush=True)
-        run.metrics.write({"iter": progress.iter_num, "tokens": progress.tokens, "time_s": time_s,
-                           "hellaswag/acc_norm": result["acc_norm"]})
+        run.metrics.write(
+            {
+                "iter": progress.iter_num,
+                "tokens": progress.tokens,
+                "time_s": time_s,
+                "hellaswag/acc_norm": result["acc_norm"],
+            }
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
 # The loop.
+
 
 def fit(run, progress, resumed):
     """Train from progress.iter_num to max_iters, evaluating every eval_interval steps and at the end.
@@ -626,16 +716,27 @@ def record_skip(run, progress, result, time_s):
     progress.skipped_steps += 1
     it = progress.iter_num
     if run.dist.is_master:
-        print(f"iter {it}: non-finite loss or gradient norm ({result.grad_norm}); step skipped "
-              f"({progress.bad_steps} in a row, {progress.skipped_steps} in the run)", flush=True)
-        run.metrics.write({"iter": progress.iter_num, "tokens": progress.tokens, "time_s": time_s,
-                           "skipped_steps": progress.skipped_steps})
+        print(
+            f"iter {it}: non-finite loss or gradient norm ({result.grad_norm}); step skipped "
+            f"({progress.bad_steps} in a row, {progress.skipped_steps} in the run)",
+            flush=True,
+        )
+        run.metrics.write(
+            {
+                "iter": progress.iter_num,
+                "tokens": progress.tokens,
+                "time_s": time_s,
+                "skipped_steps": progress.skipped_steps,
+            }
+        )
     if progress.bad_steps >= run.cfg.max_bad_steps:
         latest = os.path.join(run.cfg.out_dir, checkpoint.CKPT_NAME)
-        raise TrainingStopped(f"{progress.bad_steps} consecutive steps (up to iter {it}) had a non-finite "
-                              f"loss or gradient norm (max_bad_steps={run.cfg.max_bad_steps}); stopped. The last "
-                              f"good checkpoint is {latest}: resume it with --init_from=resume and a lower "
-                              f"learning_rate, or check the data")
+        raise TrainingStopped(
+            f"{progress.bad_steps} consecutive steps (up to iter {it}) had a non-finite "
+            f"loss or gradient norm (max_bad_steps={run.cfg.max_bad_steps}); stopped. The last "
+            f"good checkpoint is {latest}: resume it with --init_from=resume and a lower "
+            f"learning_rate, or check the data"
+        )
 
 
 def main(argv=None):

@@ -13,6 +13,7 @@ Rows:
   * peak memory (PSS) of the prepare's whole process tree at two corpus sizes with the same shard
     size: it follows the shard size, not the corpus (target: ratio ~ 1).
 """
+
 import contextlib
 import glob
 import importlib.util
@@ -73,8 +74,18 @@ def run_ours(data_file, out_dir, num_proc=2):
     fineweb = _load_prepare()
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         t0 = time.perf_counter()
-        fineweb.main(["--data_files", data_file, "--output_dir", out_dir,
-                      "--shard_size", str(SHARD_SIZE), "--num_proc", str(num_proc)])
+        fineweb.main(
+            [
+                "--data_files",
+                data_file,
+                "--output_dir",
+                out_dir,
+                "--shard_size",
+                str(SHARD_SIZE),
+                "--num_proc",
+                str(num_proc),
+            ]
+        )
         return time.perf_counter() - t0
 
 
@@ -86,6 +97,7 @@ def _hf_tokenize(example):
 def run_hf_reference(data_file, out_dir, cache_dir, num_proc=2):
     """The reference recipe: Dataset .map(num_proc) to per-document id lists, then fill the shards."""
     from datasets import Dataset, disable_progress_bars
+
     disable_progress_bars()
     t0 = time.perf_counter()
     dataset = Dataset.from_parquet(data_file, cache_dir=cache_dir)
@@ -95,7 +107,7 @@ def run_hf_reference(data_file, out_dir, cache_dir, num_proc=2):
         ids = batch["ids"].combine_chunks().flatten().to_numpy().astype(np.uint16)
         while len(ids):
             take = min(SHARD_SIZE - filled, len(ids))
-            buffer[filled:filled + take], filled, ids = ids[:take], filled + take, ids[take:]
+            buffer[filled : filled + take], filled, ids = ids[:take], filled + take, ids[take:]
             if filled == SHARD_SIZE:
                 write_shard(os.path.join(out_dir, _shard_name(index)), buffer)
                 filled, index = 0, index + 1
@@ -137,9 +149,22 @@ def _tree_pss_bytes(root_pid):
 
 def peak_rss(data_file, out_dir, num_proc=2):
     """Peak memory (PSS) of `prepare.py` and its workers together, sampled every 20 ms, in MiB."""
-    process = subprocess.Popen([sys.executable, PREPARE, "--data_files", data_file, "--output_dir", out_dir,
-                                "--shard_size", str(SHARD_SIZE), "--num_proc", str(num_proc)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            PREPARE,
+            "--data_files",
+            data_file,
+            "--output_dir",
+            out_dir,
+            "--shard_size",
+            str(SHARD_SIZE),
+            "--num_proc",
+            str(num_proc),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     peak = 0
 
     def sample():
@@ -178,15 +203,38 @@ def run(quick=False):
         reference = num_tokens / run_hf_reference(corpus, ref_dir, os.path.join(tmp, "hf_cache"))
         names = sorted(os.listdir(ref_dir))
         identical = names == sorted(f for f in os.listdir(ours_dir) if f.endswith(".bin")) and all(
-            open(os.path.join(ref_dir, n), "rb").read() == open(os.path.join(ours_dir, n), "rb").read()
-            for n in names)
+            open(os.path.join(ref_dir, n), "rb").read() == open(os.path.join(ours_dir, n), "rb").read() for n in names
+        )
         note = f"{speed_mb} MB stdlib corpus, {num_tokens / 1e6:.1f}M tokens, 2 shared cores (noisy)"
-        rows.append(row("prepare vs tiktoken encode_ordinary_batch", ours / 1e6, ceiling / 1e6,
-                        unit="Mtok/s", target=">= 0.8", note=note))
-        rows.append(row("prepare vs HF datasets .map(num_proc=2)", ours / 1e6, reference / 1e6,
-                        unit="Mtok/s", target=">= 1.5", note=note))
-        rows.append(row("prepare shards == HF .map shards", int(identical), unit="bool", target="1",
-                        note=f"{len(names)} shards compared byte for byte"))
+        rows.append(
+            row(
+                "prepare vs tiktoken encode_ordinary_batch",
+                ours / 1e6,
+                ceiling / 1e6,
+                unit="Mtok/s",
+                target=">= 0.8",
+                note=note,
+            )
+        )
+        rows.append(
+            row(
+                "prepare vs HF datasets .map(num_proc=2)",
+                ours / 1e6,
+                reference / 1e6,
+                unit="Mtok/s",
+                target=">= 1.5",
+                note=note,
+            )
+        )
+        rows.append(
+            row(
+                "prepare shards == HF .map shards",
+                int(identical),
+                unit="bool",
+                target="1",
+                note=f"{len(names)} shards compared byte for byte",
+            )
+        )
 
         peaks = []
         for mb in memory_mb:
@@ -194,9 +242,16 @@ def run(quick=False):
             make_corpus(corpus, mb)
             peaks.append(peak_rss(corpus, os.path.join(tmp, f"memory_{mb}")))
             os.remove(corpus)
-        rows.append(row(f"prepare peak memory, {memory_mb[1]} MB vs {memory_mb[0]} MB corpus", peaks[1], peaks[0],
-                        unit="MiB", target="~1 (bounded by shard size)",
-                        note=f"PSS of main + 2 workers; shard_size {SHARD_SIZE:,} tokens"))
+        rows.append(
+            row(
+                f"prepare peak memory, {memory_mb[1]} MB vs {memory_mb[0]} MB corpus",
+                peaks[1],
+                peaks[0],
+                unit="MiB",
+                target="~1 (bounded by shard size)",
+                note=f"PSS of main + 2 workers; shard_size {SHARD_SIZE:,} tokens",
+            )
+        )
     return rows
 
 

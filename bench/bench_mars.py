@@ -8,6 +8,7 @@ CPU); on CUDA also vs fused AdamW (target <= 1.5x) and whether the step syncs wi
 (torch.cuda.set_sync_debug_mode("error") must stay silent); then the step time and state bytes of
 mars-adamw, mars-lion and mars-shampoo.
 """
+
 import gc
 import os
 import sys
@@ -23,9 +24,15 @@ def gpt2_small_shapes(n_layer=12, n_embd=768, vocab_size=50304, block_size=1024)
     """nanoGPT's GPT-2 small with bias=False: nn.Linear weights are (out, in); lm_head is tied to wte."""
     shapes = [(vocab_size, n_embd), (block_size, n_embd)]
     for _ in range(n_layer):
-        shapes += [(n_embd,), (3 * n_embd, n_embd), (n_embd, n_embd),        # ln_1, c_attn, c_proj
-                   (n_embd,), (4 * n_embd, n_embd), (n_embd, 4 * n_embd)]    # ln_2, c_fc, c_proj
-    return shapes + [(n_embd,)]                                              # ln_f
+        shapes += [
+            (n_embd,),
+            (3 * n_embd, n_embd),
+            (n_embd, n_embd),  # ln_1, c_attn, c_proj
+            (n_embd,),
+            (4 * n_embd, n_embd),
+            (n_embd, 4 * n_embd),
+        ]  # ln_2, c_fc, c_proj
+    return shapes + [(n_embd,)]  # ln_f
 
 
 def make_params(device, dtype=torch.float32):
@@ -40,8 +47,7 @@ def make_params(device, dtype=torch.float32):
 
 
 def state_bytes(optimizer):
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values()
-               for t in s.values() if torch.is_tensor(t))
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
 def _sync_free(optimizer):
@@ -77,19 +83,42 @@ def run(quick=False):
         t_mars.append(time_it(mars.step, warmup=0, repeats=1))
         t_adamw.append(time_it(adamw.step, warmup=0, repeats=1))
     t_mars, t_adamw = min(t_mars[warmup:]), min(t_adamw[warmup:])
-    rows.append(row("MARS-AdamW step vs AdamW(foreach=True)", t_mars * 1e3, t_adamw * 1e3,
-                    unit="ms", target="<= 1.3 (CPU)", note=note + ", fastest of " + str(repeats)))
+    rows.append(
+        row(
+            "MARS-AdamW step vs AdamW(foreach=True)",
+            t_mars * 1e3,
+            t_adamw * 1e3,
+            unit="ms",
+            target="<= 1.3 (CPU)",
+            note=note + ", fastest of " + str(repeats),
+        )
+    )
     del adamw
     if device == "cuda":
         fused = torch.optim.AdamW(params, lr=6e-3, weight_decay=0.1, fused=True)
-        rows.append(row("MARS-AdamW step vs AdamW(fused=True)", step_time(mars) * 1e3,
-                        step_time(fused) * 1e3, unit="ms", target="<= 1.5 (CUDA)", note=note))
+        rows.append(
+            row(
+                "MARS-AdamW step vs AdamW(fused=True)",
+                step_time(mars) * 1e3,
+                step_time(fused) * 1e3,
+                unit="ms",
+                target="<= 1.5 (CUDA)",
+                note=note,
+            )
+        )
         del fused
         for mars_type in ("mars-adamw", "mars-lion", "mars-shampoo"):
             opt = MARS(params, lr=6e-3, weight_decay=0.1, mars_type=mars_type)
-            opt.step()                  # the first step allocates state: time the steady state
-            rows.append(row(f"{mars_type} step without host sync", int(_sync_free(opt)), unit="bool",
-                            target="1", note="torch.cuda.set_sync_debug_mode('error')"))
+            opt.step()  # the first step allocates state: time the steady state
+            rows.append(
+                row(
+                    f"{mars_type} step without host sync",
+                    int(_sync_free(opt)),
+                    unit="bool",
+                    target="1",
+                    note="torch.cuda.set_sync_debug_mode('error')",
+                )
+            )
             del opt
     del mars
     gc.collect()
@@ -99,16 +128,28 @@ def run(quick=False):
         if mars_type == "mars-shampoo" and device == "cpu":
             # Five Newton-Schulz iterations on every matrix (the 50304x768 embedding alone is ~0.9
             # TFLOP) make one 124M step tens of seconds on 2 CPU cores, too long to repeat here.
-            rows.append(row(f"{mars_type} step", None, unit="ms",
-                            note="not timed on CPU: ~2.9 TFLOP of Newton-Schulz a step; time it on CUDA"))
+            rows.append(
+                row(
+                    f"{mars_type} step",
+                    None,
+                    unit="ms",
+                    note="not timed on CPU: ~2.9 TFLOP of Newton-Schulz a step; time it on CUDA",
+                )
+            )
             for group in opt.param_groups:
                 for p in group["params"]:
                     opt._init_state(p, group)
         else:
             rows.append(row(f"{mars_type} step", step_time(opt) * 1e3, unit="ms", note=note))
-        rows.append(row(f"{mars_type} state", state_bytes(opt) / 2**20,
-                        reference=n_params * 4 / 2**20, unit="MiB",
-                        note="reference = one fp32 copy of the parameters"))
+        rows.append(
+            row(
+                f"{mars_type} state",
+                state_bytes(opt) / 2**20,
+                reference=n_params * 4 / 2**20,
+                unit="MiB",
+                note="reference = one fp32 copy of the parameters",
+            )
+        )
         del opt
         gc.collect()
     return rows

@@ -18,6 +18,7 @@ disturbed by other processes on shared cores. Target: ours not slower (ratio >= 
 CUDA (when present), GPT-2 small (124M) at 16 x 1024 tokens a step, bfloat16 autocast, torch.compile:
 tokens/s and MFU with MARS and with AdamW, and the share of the step the optimizer takes.
 """
+
 import contextlib
 import math
 import os
@@ -82,8 +83,8 @@ class ReferenceStyleLoop:
     def get_batch(self):
         T = self.cfg.block_size
         ix = torch.randint(len(self.data) - T, (self.cfg.batch_size,))
-        x = torch.stack([torch.from_numpy(self.data[i:i + T].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(self.data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
+        x = torch.stack([torch.from_numpy(self.data[i : i + T].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(self.data[i + 1 : i + 1 + T].astype(np.int64)) for i in ix])
         return x, y
 
     def step(self):
@@ -128,9 +129,17 @@ def cpu_rows(quick, tmp):
     steps = LOG_INTERVAL  # one log line per round for both loops
     rounds = 2 if quick else 8
     data_path = synthetic_data(tmp, vocab_size=96, num_tokens=2_000_000, char_level=True)
-    argv = [os.path.join(REPO, "config", "quickstart.py"), f"--data_path={data_path}", "--dataset=bench",
-            "--device=cpu", "--gradient_accumulation_steps=2", "--eval_iters=1", f"--log_interval={LOG_INTERVAL}",
-            "--max_iters=100000", "--lr_decay_iters=100000"]
+    argv = [
+        os.path.join(REPO, "config", "quickstart.py"),
+        f"--data_path={data_path}",
+        "--dataset=bench",
+        "--device=cpu",
+        "--gradient_accumulation_steps=2",
+        "--eval_iters=1",
+        f"--log_interval={LOG_INTERVAL}",
+        "--max_iters=100000",
+        "--lr_decay_iters=100000",
+    ]
     run, progress = build_run(argv + [f"--out_dir={os.path.join(tmp, 'ours')}"])
     tokens_per_step = run.tokens_per_step
     loops = {}
@@ -147,11 +156,21 @@ def cpu_rows(quick, tmp):
         ours.append(time_ours(run, progress, steps))
         for name, loop in loops.items():
             theirs[name].append(loop.seconds_per_step(steps))
-    note = (f"quickstart model, {tokens_per_step} tokens/step, MARS, {torch.get_num_threads()} threads, "
-            f"best of {rounds} rounds x {steps} steps")
-    return [row(f"train step tokens/s vs reference-style loop, {name} (CPU)", tokens_per_step / min(ours),
-                tokens_per_step / min(times), unit="tokens/s", target="ratio >= 1", note=note)
-            for name, times in theirs.items()]
+    note = (
+        f"quickstart model, {tokens_per_step} tokens/step, MARS, {torch.get_num_threads()} threads, "
+        f"best of {rounds} rounds x {steps} steps"
+    )
+    return [
+        row(
+            f"train step tokens/s vs reference-style loop, {name} (CPU)",
+            tokens_per_step / min(ours),
+            tokens_per_step / min(times),
+            unit="tokens/s",
+            target="ratio >= 1",
+            note=note,
+        )
+        for name, times in theirs.items()
+    ]
 
 
 def cuda_rows(quick, tmp):
@@ -159,10 +178,19 @@ def cuda_rows(quick, tmp):
     data_path = synthetic_data(tmp, vocab_size=50257, num_tokens=8_000_000, char_level=False)
     rows = []
     for optimizer_name, config in (("mars", "train_gpt2_small_mars.py"), ("adamw", "train_gpt2_small_adamw.py")):
-        argv = [os.path.join(REPO, "config", config), f"--data_path={data_path}", "--dataset=bench",
-                f"--out_dir={os.path.join(tmp, 'out-' + optimizer_name)}", "--batch_size=16",
-                "--gradient_accumulation_steps=1", "--eval_iters=1", f"--log_interval={LOG_INTERVAL}",
-                "--wandb_log=False", "--dtype=bfloat16", "--compile=True"]
+        argv = [
+            os.path.join(REPO, "config", config),
+            f"--data_path={data_path}",
+            "--dataset=bench",
+            f"--out_dir={os.path.join(tmp, 'out-' + optimizer_name)}",
+            "--batch_size=16",
+            "--gradient_accumulation_steps=1",
+            "--eval_iters=1",
+            f"--log_interval={LOG_INTERVAL}",
+            "--wandb_log=False",
+            "--dtype=bfloat16",
+            "--compile=True",
+        ]
         run, progress = build_run(argv)
         time_ours(run, progress, 2 * LOG_INTERVAL)  # compile and warm up
         torch.cuda.synchronize()
@@ -172,11 +200,21 @@ def cuda_rows(quick, tmp):
         train.forward_backward(run, 0)  # gradients for the optimizer to step on (step_and_log cleared them)
         optimizer_seconds = time_it(run.optimizer.step, warmup=2, repeats=10)
         note = f"GPT-2 small, {run.tokens_per_step} tokens/step, bf16, compiled, {torch.cuda.get_device_name()}"
-        rows += [row(f"train step tokens/s, {optimizer_name} (CUDA)", run.tokens_per_step / seconds,
-                     unit="tokens/s", note=note),
-                 row(f"MFU, {optimizer_name} (CUDA)", None if mfu is None else mfu * 100, unit="%", note=note),
-                 row(f"optimizer share of the step, {optimizer_name} (CUDA)", 100 * optimizer_seconds / seconds,
-                     unit="%", note=f"optimizer.step {optimizer_seconds * 1e3:.1f} ms of {seconds * 1e3:.1f} ms")]
+        rows += [
+            row(
+                f"train step tokens/s, {optimizer_name} (CUDA)",
+                run.tokens_per_step / seconds,
+                unit="tokens/s",
+                note=note,
+            ),
+            row(f"MFU, {optimizer_name} (CUDA)", None if mfu is None else mfu * 100, unit="%", note=note),
+            row(
+                f"optimizer share of the step, {optimizer_name} (CUDA)",
+                100 * optimizer_seconds / seconds,
+                unit="%",
+                note=f"optimizer.step {optimizer_seconds * 1e3:.1f} ms of {seconds * 1e3:.1f} ms",
+            ),
+        ]
         del run
         torch.cuda.empty_cache()
     return rows

@@ -4,6 +4,7 @@ Each bench/bench_*.py module exposes ``run(quick=False) -> list[dict]``; a row h
 ``benchmark`` (what was measured), ``ours`` and ``reference`` (numbers in ``unit``), ``ratio``
 (ours / reference, or None), ``target`` (the goal the issue sets, as text) and ``note``.
 """
+
 import time
 
 import torch
@@ -12,8 +13,7 @@ import torch
 def row(benchmark, ours, reference=None, unit="", ratio=None, target="", note=""):
     if ratio is None and reference:
         ratio = ours / reference
-    return dict(benchmark=benchmark, ours=ours, reference=reference, unit=unit, ratio=ratio,
-                target=target, note=note)
+    return dict(benchmark=benchmark, ours=ours, reference=reference, unit=unit, ratio=ratio, target=target, note=note)
 
 
 def time_it(fn, warmup=2, repeats=5):
@@ -44,8 +44,7 @@ def _fmt(x):
 def print_table(rows):
     cols = ["benchmark", "ours", "reference", "unit", "ratio", "target", "note"]
     cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(line[i]) for line in cells)) if cells else len(c)
-              for i, c in enumerate(cols)]
+    widths = [max(len(c), *(len(line[i]) for line in cells)) if cells else len(c) for i, c in enumerate(cols)]
     print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
     print("-+-".join("-" * w for w in widths))
     for line in cells:

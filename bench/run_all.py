@@ -8,6 +8,7 @@ Runs run(quick=...) of each bench/bench_*.py (optimizer step vs AdamW, model and
 the reference loop, data preparation tokens/s). A benchmark that fails to import or run becomes a row
 saying so; the others still run.
 """
+
 import argparse
 import glob
 import importlib
@@ -24,8 +25,9 @@ EXPECTED = ("mars", "model", "train", "data")  # the issues ask for these; run o
 
 def available():
     """Names (without bench_) of the benchmark modules present, expected ones first."""
-    found = {os.path.basename(p)[len("bench_"):-len(".py")]
-             for p in glob.glob(os.path.join(REPO, "bench", "bench_*.py"))}
+    found = {
+        os.path.basename(p)[len("bench_") : -len(".py")] for p in glob.glob(os.path.join(REPO, "bench", "bench_*.py"))
+    }
     return [n for n in EXPECTED if n in found] + sorted(found - set(EXPECTED))
 
 
@@ -56,8 +58,7 @@ def main(argv=None):
         names = [n for n in names if n in args.only]
     missing = [n for n in EXPECTED if n not in available()]
     if missing:
-        print(f"missing benchmarks (not written yet): {', '.join('bench_' + n for n in missing)}",
-              file=sys.stderr)
+        print(f"missing benchmarks (not written yet): {', '.join('bench_' + n for n in missing)}", file=sys.stderr)
     rows = [r for name in names for r in run_one(name, args.quick)]
     print_table(rows)
     return 1 if any(str(r["note"]).startswith("failed:") for r in rows) else 0

@@ -1,8 +1,8 @@
 # GPT-2 small (124M) with MARS-Lion on OpenWebText, otherwise the paper's MARS run.
-out_dir = 'out_small_mars_lion_100k'
+out_dir = "out_small_mars_lion_100k"
 wandb_log = True
-wandb_project = 'mars'
-wandb_run_name = 'gpt2-small-mars-lion-100k'
+wandb_project = "mars"
+wandb_run_name = "gpt2-small-mars-lion-100k"
 n_layer, n_head, n_embd = 12, 12, 768
 batch_size = 15
 gradient_accumulation_steps = 480 // batch_size  # global batch 480 x 1024 tokens on any number of GPUs
@@ -12,7 +12,7 @@ warmup_iters = 2000
 eval_interval, eval_iters, log_interval = 1000, 200, 10
 # The reference tunes only MARS-AdamW; these lrs are an untuned starting point that needs its own
 # sweep: Lion's sign update wants a ~10x smaller lr and ~10x larger weight decay (Lion paper).
-optimizer_name, mars_type = 'mars', 'mars-lion'
+optimizer_name, mars_type = "mars", "mars-lion"
 learning_rate, lr_1d, min_lr = 6e-4, 3e-3, 3e-6
 weight_decay = 1e-1
 beta1, beta2 = 0.95, 0.99

@@ -15,6 +15,7 @@ a finished run (its metrics.jsonl has the final validation loss) is skipped, an 
 from its checkpoint. At the end it writes OUT/results.md (best validation loss per optimizer and the
 learning rate that gave it, then every run) and OUT/loss_curves.png (each optimizer at its best lr).
 """
+
 import argparse
 import json
 import os
@@ -30,20 +31,33 @@ import plot  # noqa: E402
 # The paper's GPT-2 small values (config/train_gpt2_small_*.py). The reference tunes only MARS-AdamW;
 # MARS-Lion's and MARS-Shampoo's values are the repository's untuned starting points.
 OPTIMIZERS = {
-    "MARS-AdamW": dict(args=["--optimizer_name=mars", "--mars_type=mars-adamw", "--weight_decay=1e-2",
-                             "--beta1=0.95", "--beta2=0.99"],
-                       lrs=dict(learning_rate=6e-3, lr_1d=3e-3)),
-    "MARS-Lion": dict(args=["--optimizer_name=mars", "--mars_type=mars-lion", "--weight_decay=1e-1",
-                            "--beta1=0.95", "--beta2=0.99"],
-                      lrs=dict(learning_rate=6e-4, lr_1d=3e-3)),
-    "MARS-Shampoo": dict(args=["--optimizer_name=mars", "--mars_type=mars-shampoo", "--weight_decay=0.0",
-                               "--beta1=0.95", "--beta2=0.99"],
-                         lrs=dict(learning_rate=2e-2, lr_1d=3e-3)),
-    "AdamW": dict(args=["--optimizer_name=adamw", "--weight_decay=1e-1", "--beta1=0.9", "--beta2=0.95"],
-                  lrs=dict(learning_rate=6e-4)),
+    "MARS-AdamW": dict(
+        args=["--optimizer_name=mars", "--mars_type=mars-adamw", "--weight_decay=1e-2", "--beta1=0.95", "--beta2=0.99"],
+        lrs=dict(learning_rate=6e-3, lr_1d=3e-3),
+    ),
+    "MARS-Lion": dict(
+        args=["--optimizer_name=mars", "--mars_type=mars-lion", "--weight_decay=1e-1", "--beta1=0.95", "--beta2=0.99"],
+        lrs=dict(learning_rate=6e-4, lr_1d=3e-3),
+    ),
+    "MARS-Shampoo": dict(
+        args=[
+            "--optimizer_name=mars",
+            "--mars_type=mars-shampoo",
+            "--weight_decay=0.0",
+            "--beta1=0.95",
+            "--beta2=0.99",
+        ],
+        lrs=dict(learning_rate=2e-2, lr_1d=3e-3),
+    ),
+    "AdamW": dict(
+        args=["--optimizer_name=adamw", "--weight_decay=1e-1", "--beta1=0.9", "--beta2=0.95"],
+        lrs=dict(learning_rate=6e-4),
+    ),
     # learning_rate is only the reference min_lr is a fraction of; Muon's own lrs are the other two.
-    "Muon": dict(args=["--optimizer_name=muon", "--weight_decay=1e-1", "--beta1=0.9", "--beta2=0.95"],
-                 lrs=dict(muon_lr=2e-2, muon_adamw_lr=3e-3, learning_rate=3e-3)),
+    "Muon": dict(
+        args=["--optimizer_name=muon", "--weight_decay=1e-1", "--beta1=0.9", "--beta2=0.95"],
+        lrs=dict(muon_lr=2e-2, muon_adamw_lr=3e-3, learning_rate=3e-3),
+    ),
 }
 FACTORS = (1 / 3, 1.0, 3.0)
 MIN_LR_FRACTION = 0.1
@@ -52,12 +66,32 @@ MIN_LR_FRACTION = 0.1
 # runs its Newton-Schulz iteration in bfloat16, which CPUs without bf16 matmul units run many times slower
 # than float32: measured here, a Muon step costs 3.4x an AdamW step at 4x128 and 7 s (vs 2.3 s) at 4x192.
 # 160 steps x 32 sequences x 128 tokens = 655,360 tokens per run.
-COMMON = ["--dataset=stdlib_char", "--n_layer=4", "--n_head=4", "--n_embd=128", "--block_size=128",
-          "--bias=False", "--dropout=0.0", "--batch_size=32", "--gradient_accumulation_steps=1",
-          "--max_iters=160", "--warmup_iters=16", "--schedule=cosine", "--decay_lr=True",
-          "--grad_clip=1.0", "--eval_interval=20", "--eval_iters=8", "--log_interval=20", "--seed=1337",
-          "--device=cpu", "--dtype=float32", "--compile=False", "--wandb_log=False",
-          "--always_save_checkpoint=True", "--save_best=False"]
+COMMON = [
+    "--dataset=stdlib_char",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--block_size=128",
+    "--bias=False",
+    "--dropout=0.0",
+    "--batch_size=32",
+    "--gradient_accumulation_steps=1",
+    "--max_iters=160",
+    "--warmup_iters=16",
+    "--schedule=cosine",
+    "--decay_lr=True",
+    "--grad_clip=1.0",
+    "--eval_interval=20",
+    "--eval_iters=8",
+    "--log_interval=20",
+    "--seed=1337",
+    "--device=cpu",
+    "--dtype=float32",
+    "--compile=False",
+    "--wandb_log=False",
+    "--always_save_checkpoint=True",
+    "--save_best=False",
+]
 
 
 def lr_label(factor):
@@ -68,9 +102,17 @@ def run_args(optimizer, factor, out_dir, extra):
     spec = OPTIMIZERS[optimizer]
     lrs = {k: v * factor for k, v in spec["lrs"].items()}
     # cosine reaches min_lr at the last step, also when --max_iters is overridden
-    return (COMMON + spec["args"] + [f"--{k}={v:.4g}" for k, v in lrs.items()]
-            + [f"--min_lr={lrs['learning_rate'] * MIN_LR_FRACTION:.4g}", f"--out_dir={out_dir}",
-               f"--lr_decay_iters={max_iters_of(COMMON + extra)}"] + extra)
+    return (
+        COMMON
+        + spec["args"]
+        + [f"--{k}={v:.4g}" for k, v in lrs.items()]
+        + [
+            f"--min_lr={lrs['learning_rate'] * MIN_LR_FRACTION:.4g}",
+            f"--out_dir={out_dir}",
+            f"--lr_decay_iters={max_iters_of(COMMON + extra)}",
+        ]
+        + extra
+    )
 
 
 def max_iters_of(args):
@@ -125,9 +167,17 @@ def summarize(optimizer, factor, out_dir):
     spec = OPTIMIZERS[optimizer]
     is_muon = "muon_lr" in spec["lrs"]  # its learning_rate only anchors min_lr: not worth showing
     shown = {k: v * factor for k, v in spec["lrs"].items() if not (is_muon and k == "learning_rate")}
-    row = dict(optimizer=optimizer, factor=factor, out_dir=out_dir,
-               lrs=", ".join(f"{k}={v:.3g}" for k, v in shown.items()), lr=next(iter(shown.values())),
-               best=None, final=None, minutes=None, tokens=None)
+    row = dict(
+        optimizer=optimizer,
+        factor=factor,
+        out_dir=out_dir,
+        lrs=", ".join(f"{k}={v:.3g}" for k, v in shown.items()),
+        lr=next(iter(shown.values())),
+        best=None,
+        final=None,
+        minutes=None,
+        tokens=None,
+    )
     try:
         series = plot.read_metrics(out_dir)
     except ValueError:
@@ -149,43 +199,63 @@ def write_results(rows, out_root, max_iters):
     for r in rows:
         if r["best"] is not None and (r["optimizer"] not in best or r["best"] < best[r["optimizer"]]["best"]):
             best[r["optimizer"]] = r
-    lines = ["## Best validation loss per optimizer", "",
-             "| optimizer | best val loss | at lr | lr grid tried | best lr at grid edge? |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "## Best validation loss per optimizer",
+        "",
+        "| optimizer | best val loss | at lr | lr grid tried | best lr at grid edge? |",
+        "|---|---|---|---|---|",
+    ]
     for optimizer, r in sorted(best.items(), key=lambda kv: kv[1]["best"]):
         tried = sorted(x["lr"] for x in rows if x["optimizer"] == optimizer)
         edge = "yes" if r["lr"] in (tried[0], tried[-1]) and len(tried) > 1 else "no"
-        lines.append(f"| {optimizer} | {r['best']:.4f} | {r['lrs']} | "
-                     f"{', '.join(f'{lr:.3g}' for lr in tried)} | {edge} |")
-    lines += ["", "## All runs", "",
-              "| optimizer | lr factor | learning rates | best val loss | final val loss | tokens | "
-              "train time (min) |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {optimizer} | {r['best']:.4f} | {r['lrs']} | {', '.join(f'{lr:.3g}' for lr in tried)} | {edge} |"
+        )
+    lines += [
+        "",
+        "## All runs",
+        "",
+        "| optimizer | lr factor | learning rates | best val loss | final val loss | tokens | train time (min) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         done = r["tokens"] is not None and finished(r["out_dir"], max_iters)
-        lines.append(f"| {r['optimizer']} | {lr_label(r['factor'])} | {r['lrs']} | {fmt(r['best'], '.4f')} | "
-                     f"{fmt(r['final'], '.4f')} | {fmt(r['tokens'], ',')}{'' if done else ' (unfinished)'} | "
-                     f"{fmt(r['minutes'], '.1f')} |")
+        lines.append(
+            f"| {r['optimizer']} | {lr_label(r['factor'])} | {r['lrs']} | {fmt(r['best'], '.4f')} | "
+            f"{fmt(r['final'], '.4f')} | {fmt(r['tokens'], ',')}{'' if done else ' (unfinished)'} | "
+            f"{fmt(r['minutes'], '.1f')} |"
+        )
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_root, "results.md"), "w") as f:
         f.write(text)
     if best:
         winners = sorted(best.values(), key=lambda r: r["best"])
         floor = winners[0]["best"]
-        fig = plot.plot_runs([r["out_dir"] for r in winners], os.path.join(out_root, "loss_curves.png"),
-                             labels=[f"{r['optimizer']} ({r['lrs']})" for r in winners],
-                             ylim=(floor - 0.1, floor + 1.2))
+        fig = plot.plot_runs(
+            [r["out_dir"] for r in winners],
+            os.path.join(out_root, "loss_curves.png"),
+            labels=[f"{r['optimizer']} ({r['lrs']})" for r in winners],
+            ylim=(floor - 0.1, floor + 1.2),
+        )
         plot.plt.close(fig)
     return text
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Other --key=value arguments go to every train.py run.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Other --key=value arguments go to every train.py run."
+    )
     p.add_argument("--out", default=os.path.join(REPO, "study_small"), help="root of the runs' out_dirs")
-    p.add_argument("--only", nargs="+", choices=list(OPTIMIZERS), metavar="OPTIMIZER",
-                   help=f"a subset of {', '.join(OPTIMIZERS)}")
-    p.add_argument("--factors", nargs="+", type=float, default=list(FACTORS),
-                   help="learning-rate multiples of the recommended values (default: 1/3 1 3)")
+    p.add_argument(
+        "--only", nargs="+", choices=list(OPTIMIZERS), metavar="OPTIMIZER", help=f"a subset of {', '.join(OPTIMIZERS)}"
+    )
+    p.add_argument(
+        "--factors",
+        nargs="+",
+        type=float,
+        default=list(FACTORS),
+        help="learning-rate multiples of the recommended values (default: 1/3 1 3)",
+    )
     p.add_argument("--dry_run", action="store_true", help="print the train.py commands, run nothing")
     args, extra = p.parse_known_args(argv)
     bad = [a for a in extra if not (a.startswith("--") and "=" in a)]
@@ -201,8 +271,10 @@ def main(argv=None):
     max_iters = max_iters_of(COMMON + extra)
     print(write_results([summarize(o, f, d) for o, f, d, _ in grid], args.out, max_iters))
     failed = [f"{o} {lr_label(f)}" for o, f, _, ok in grid if not ok]
-    print(f"study: {len(grid)} runs, {(time.time() - t0) / 60:.1f} min this invocation; "
-          f"{args.out}/results.md, {args.out}/loss_curves.png")
+    print(
+        f"study: {len(grid)} runs, {(time.time() - t0) / 60:.1f} min this invocation; "
+        f"{args.out}/results.md, {args.out}/loss_curves.png"
+    )
     if failed:
         print(f"error: {len(failed)} runs failed ({', '.join(failed)}); see their train.log", file=sys.stderr)
         return 1

@@ -1,4 +1,5 @@
 """configurator.py: config files, overrides and their order, every error, and the shipped configs."""
+
 import glob
 import os
 import subprocess
@@ -20,7 +21,7 @@ def write(tmp_path, name, text):
 def test_defaults_are_the_reference_training_script_s():
     cfg = load_config([])
     assert cfg == TrainConfig()
-    assert (cfg.optimizer_name, cfg.mars_type, cfg.schedule) == ('mars', 'mars-adamw', 'cosine')
+    assert (cfg.optimizer_name, cfg.mars_type, cfg.schedule) == ("mars", "mars-adamw", "cosine")
     assert (cfg.learning_rate, cfg.min_lr, cfg.max_iters, cfg.warmup_iters) == (6e-4, 6e-5, 600000, 2000)
     assert (cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.gamma) == (0.95, 0.99, 0.1, 0.025)
     assert (cfg.lr_1d, cfg.weight_decay_1d, cfg.betas_1d) == (3e-3, 0.1, (0.9, 0.95))
@@ -29,104 +30,119 @@ def test_defaults_are_the_reference_training_script_s():
 
 
 def test_files_apply_in_order_then_overrides(tmp_path):
-    a = write(tmp_path, 'a.py', "batch_size = 4\nlearning_rate = 1e-3\nout_dir = 'from_a'\n")
-    b = write(tmp_path, 'b.py', "import math\nlearning_rate = 2e-3\n"
-                                "gradient_accumulation_steps = 32 // batch_size  # sees a.py's value\n")
-    cfg = load_config([a, b, '--out_dir=out-cli', '--batch_size=2'])
+    a = write(tmp_path, "a.py", "batch_size = 4\nlearning_rate = 1e-3\nout_dir = 'from_a'\n")
+    b = write(
+        tmp_path,
+        "b.py",
+        "import math\nlearning_rate = 2e-3\ngradient_accumulation_steps = 32 // batch_size  # sees a.py's value\n",
+    )
+    cfg = load_config([a, b, "--out_dir=out-cli", "--batch_size=2"])
     assert cfg.learning_rate == 2e-3  # b after a
     assert cfg.gradient_accumulation_steps == 8
-    assert (cfg.out_dir, cfg.batch_size) == ('out-cli', 2)  # overrides after files
-    assert load_config(['--learning_rate=1e-2', a]).learning_rate == 1e-3  # order is the argv order
+    assert (cfg.out_dir, cfg.batch_size) == ("out-cli", 2)  # overrides after files
+    assert load_config(["--learning_rate=1e-2", a]).learning_rate == 1e-3  # order is the argv order
 
 
 def test_config_files_run_in_their_own_namespace(tmp_path):
-    a = write(tmp_path, 'a.py', "batch_size = 3\n")
+    a = write(tmp_path, "a.py", "batch_size = 3\n")
     load_config([a])
-    assert 'batch_size' not in vars(sys.modules['configurator'])
+    assert "batch_size" not in vars(sys.modules["configurator"])
 
 
-@pytest.mark.parametrize('arg, key, value', [
-    ('--eval_only=True', 'eval_only', True),
-    ('--learning_rate=1', 'learning_rate', 1.0),  # int accepted for float
-    ('--betas_1d=[0.8, 0.9]', 'betas_1d', (0.8, 0.9)),
-    ('--betas_1d=(0, 0.5)', 'betas_1d', (0.0, 0.5)),
-    ('--wandb_run_name=2024', 'wandb_run_name', '2024'),  # str key keeps the text
-    ("--out_dir='quoted'", 'out_dir', 'quoted'),
-    ('--out_dir=out/run-1', 'out_dir', 'out/run-1'),
-    ('--compile=None', 'compile', None),
-    ('--compile=False', 'compile', False),
-    ('--init_from=gpt2-xl', 'init_from', 'gpt2-xl'),
-])
+@pytest.mark.parametrize(
+    "arg, key, value",
+    [
+        ("--eval_only=True", "eval_only", True),
+        ("--learning_rate=1", "learning_rate", 1.0),  # int accepted for float
+        ("--betas_1d=[0.8, 0.9]", "betas_1d", (0.8, 0.9)),
+        ("--betas_1d=(0, 0.5)", "betas_1d", (0.0, 0.5)),
+        ("--wandb_run_name=2024", "wandb_run_name", "2024"),  # str key keeps the text
+        ("--out_dir='quoted'", "out_dir", "quoted"),
+        ("--out_dir=out/run-1", "out_dir", "out/run-1"),
+        ("--compile=None", "compile", None),
+        ("--compile=False", "compile", False),
+        ("--init_from=gpt2-xl", "init_from", "gpt2-xl"),
+    ],
+)
 def test_override_values(arg, key, value):
     got = getattr(load_config([arg]), key)
     assert got == value and type(got) is type(value)
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['--learnig_rate=1e-3'], "unknown config key 'learnig_rate' (command line); did you mean 'learning_rate'?"),
-    (['--batch_size=1.5'], 'batch_size must be int, got 1.5 (--batch_size)'),
-    (['--batch_size=True'], 'batch_size must be int, got True'),
-    (['--eval_only=1'], 'eval_only must be bool (True/False), got 1'),
-    (['--learning_rate=fast'], "learning_rate must be float, got 'fast'"),
-    (['--betas_1d=0.9'], 'betas_1d must be a pair of floats, got 0.9'),
-    (['--compile=yes'], "compile must be bool or None, got 'yes'"),
-    (['--batch_size'], "expected --key=value, got '--batch_size'"),
-    (['-v'], "expected a config file or --key=value, got '-v'"),
-    (['no/such/config.py'], 'config file not found: no/such/config.py'),
-    (['--optimizer_name=sgd'], "optimizer_name='sgd' is not one of: mars, adamw, muon"),
-    (['--mars_type=mars-sgd'], "mars_type='mars-sgd' is not one of: mars-adamw, mars-lion, mars-shampoo"),
-    (['--schedule=linear'], "schedule='linear' is not one of: cosine, wsd, constant"),
-    (['--dtype=fp8'], "dtype='fp8' is not one of: auto, float32, bfloat16, float16"),
-    (['--backend=mpi'], "backend='mpi' is not one of: auto, nccl, gloo"),
-    (['--init_from=gpt3'], "init_from='gpt3' is not one of: scratch, resume, gpt2, gpt2-medium"),
-    (['--device=tpu'], "device='tpu' is not one of: auto, cpu, cuda, cuda:N, mps"),
-    (['--batch_size=0'], 'batch_size must be positive, got 0'),
-    (['--n_head=0'], 'n_head must be positive, got 0'),
-    (['--gradient_accumulation_steps=-1'], 'gradient_accumulation_steps must be positive, got -1'),
-    (['--learning_rate=-1e-3'], 'learning_rate must be >= 0, got -0.001'),
-    (['--n_embd=100'], 'n_embd=100 must be divisible by n_head=12'),
-    (['--dropout=1.0'], 'dropout must be in [0, 1), got 1.0'),
-    (['--beta2=1.0'], 'beta1/beta2 must be in [0, 1), got (0.95, 1.0)'),
-    (['--wsd_decay_frac=0'], 'wsd_decay_frac must be in (0, 1], got 0.0'),
-    (['--lr_decay_iters=100'], 'lr_decay_iters=100 must exceed warmup_iters=2000 for the cosine schedule'),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learnig_rate=1e-3"], "unknown config key 'learnig_rate' (command line); did you mean 'learning_rate'?"),
+        (["--batch_size=1.5"], "batch_size must be int, got 1.5 (--batch_size)"),
+        (["--batch_size=True"], "batch_size must be int, got True"),
+        (["--eval_only=1"], "eval_only must be bool (True/False), got 1"),
+        (["--learning_rate=fast"], "learning_rate must be float, got 'fast'"),
+        (["--betas_1d=0.9"], "betas_1d must be a pair of floats, got 0.9"),
+        (["--compile=yes"], "compile must be bool or None, got 'yes'"),
+        (["--batch_size"], "expected --key=value, got '--batch_size'"),
+        (["-v"], "expected a config file or --key=value, got '-v'"),
+        (["no/such/config.py"], "config file not found: no/such/config.py"),
+        (["--optimizer_name=sgd"], "optimizer_name='sgd' is not one of: mars, adamw, muon"),
+        (["--mars_type=mars-sgd"], "mars_type='mars-sgd' is not one of: mars-adamw, mars-lion, mars-shampoo"),
+        (["--schedule=linear"], "schedule='linear' is not one of: cosine, wsd, constant"),
+        (["--dtype=fp8"], "dtype='fp8' is not one of: auto, float32, bfloat16, float16"),
+        (["--backend=mpi"], "backend='mpi' is not one of: auto, nccl, gloo"),
+        (["--init_from=gpt3"], "init_from='gpt3' is not one of: scratch, resume, gpt2, gpt2-medium"),
+        (["--device=tpu"], "device='tpu' is not one of: auto, cpu, cuda, cuda:N, mps"),
+        (["--batch_size=0"], "batch_size must be positive, got 0"),
+        (["--n_head=0"], "n_head must be positive, got 0"),
+        (["--gradient_accumulation_steps=-1"], "gradient_accumulation_steps must be positive, got -1"),
+        (["--learning_rate=-1e-3"], "learning_rate must be >= 0, got -0.001"),
+        (["--n_embd=100"], "n_embd=100 must be divisible by n_head=12"),
+        (["--dropout=1.0"], "dropout must be in [0, 1), got 1.0"),
+        (["--beta2=1.0"], "beta1/beta2 must be in [0, 1), got (0.95, 1.0)"),
+        (["--wsd_decay_frac=0"], "wsd_decay_frac must be in (0, 1], got 0.0"),
+        (["--lr_decay_iters=100"], "lr_decay_iters=100 must exceed warmup_iters=2000 for the cosine schedule"),
+    ],
+)
 def test_errors_name_the_key_and_value(argv, message):
     with pytest.raises(ConfigError) as e:
         load_config(argv)
-    assert message in str(e.value) and '\n' not in str(e.value)
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize('text, message', [
-    ("learnig_rate = 1e-3\n", "unknown config key 'learnig_rate' ({path}); did you mean 'learning_rate'?"),
-    ("batch_size = '15'\n", "batch_size must be int, got '15' ({path})"),
-    ("schedule = 'cos'\n", "schedule='cos' is not one of: cosine, wsd, constant"),
-    ("batch_size = = 3\n", "{path}:1: syntax error"),
-    ("batch_size = undefined_name\n", "{path}: NameError: name 'undefined_name' is not defined"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learnig_rate = 1e-3\n", "unknown config key 'learnig_rate' ({path}); did you mean 'learning_rate'?"),
+        ("batch_size = '15'\n", "batch_size must be int, got '15' ({path})"),
+        ("schedule = 'cos'\n", "schedule='cos' is not one of: cosine, wsd, constant"),
+        ("batch_size = = 3\n", "{path}:1: syntax error"),
+        ("batch_size = undefined_name\n", "{path}: NameError: name 'undefined_name' is not defined"),
+    ],
+)
 def test_file_errors_name_the_file(tmp_path, text, message):
-    path = write(tmp_path, 'bad.py', text)
+    path = write(tmp_path, "bad.py", text)
     with pytest.raises(ConfigError) as e:
         load_config([path])
     assert message.format(path=path) in str(e.value)
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['--optimizer_name=sgd'], "error: optimizer_name='sgd' is not one of: mars, adamw, muon"),
-    (['--n_layr=2'], "error: unknown config key 'n_layr' (command line); did you mean 'n_layer'?"),
-    (['missing.py'], 'error: config file not found: missing.py'),
-    (['--dtype=int8'], "error: dtype='int8' is not one of"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optimizer_name=sgd"], "error: optimizer_name='sgd' is not one of: mars, adamw, muon"),
+        (["--n_layr=2"], "error: unknown config key 'n_layr' (command line); did you mean 'n_layer'?"),
+        (["missing.py"], "error: config file not found: missing.py"),
+        (["--dtype=int8"], "error: dtype='int8' is not one of"),
+    ],
+)
 def test_command_line_error_is_one_line_and_exit_2(argv, message):
-    run = subprocess.run([sys.executable, 'configurator.py', *argv], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "configurator.py", *argv], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 2
-    assert run.stdout == ''
-    assert run.stderr.startswith(message) and run.stderr.count('\n') == 1 and 'Traceback' not in run.stderr
+    assert run.stdout == ""
+    assert run.stderr.startswith(message) and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
 
 
 def test_printed_config_is_a_config_file_that_loads_back(tmp_path, capsys):
-    argv = [os.path.join(ROOT, 'config/train_gpt2_small_muon.py'), '--betas_1d=(0.8, 0.9)', '--compile=False']
+    argv = [os.path.join(ROOT, "config/train_gpt2_small_muon.py"), "--betas_1d=(0.8, 0.9)", "--compile=False"]
     assert main(argv) == 0
-    path = write(tmp_path, 'effective.py', capsys.readouterr().out)
+    path = write(tmp_path, "effective.py", capsys.readouterr().out)
     assert load_config([path]) == load_config(argv)
     cfg = load_config(argv)
     assert TrainConfig(**config_to_dict(cfg)) == cfg
@@ -134,22 +150,26 @@ def test_printed_config_is_a_config_file_that_loads_back(tmp_path, capsys):
 
 # --- the shipped configs: the paper's runs (AGI-Arena/MARS config/*.py on its train_*.py defaults) ---
 
-SIZES = {'small': (12, 12, 768, 15, 3e-5), 'medium': (24, 16, 1024, 15, 6e-5),
-         'large': (36, 20, 1280, 5, 1e-5), 'xl': (48, 25, 1600, 5, 1e-5)}
-MARS_LRS = {'small': (6e-3, 3e-3), 'medium': (3e-3, 1.5e-3), 'large': (2e-3, 1e-3), 'xl': (2e-3, 1e-3)}
-ADAMW_LRS = {'small': 6e-4, 'medium': 3e-4, 'large': 2e-4, 'xl': 2e-4}
-MUON_LRS = {'small': (2e-2, 3e-3), 'medium': (1e-2, 1.5e-3), 'large': (6.67e-3, 1e-3)}
+SIZES = {
+    "small": (12, 12, 768, 15, 3e-5),
+    "medium": (24, 16, 1024, 15, 6e-5),
+    "large": (36, 20, 1280, 5, 1e-5),
+    "xl": (48, 25, 1600, 5, 1e-5),
+}
+MARS_LRS = {"small": (6e-3, 3e-3), "medium": (3e-3, 1.5e-3), "large": (2e-3, 1e-3), "xl": (2e-3, 1e-3)}
+ADAMW_LRS = {"small": 6e-4, "medium": 3e-4, "large": 2e-4, "xl": 2e-4}
+MUON_LRS = {"small": (2e-2, 3e-3), "medium": (1e-2, 1.5e-3), "large": (6.67e-3, 1e-3)}
 
 
 def config(name, *more):
-    return load_config([os.path.join(ROOT, 'config', name), *more])
+    return load_config([os.path.join(ROOT, "config", name), *more])
 
 
 def test_every_shipped_config_loads_with_the_paper_s_training_setup():
-    files = sorted(glob.glob(os.path.join(ROOT, 'config', 'train_gpt2_*.py')))
+    files = sorted(glob.glob(os.path.join(ROOT, "config", "train_gpt2_*.py")))
     assert len(files) == 13
     for path in files:
-        size = os.path.basename(path).split('_')[2]
+        size = os.path.basename(path).split("_")[2]
         cfg = load_config([path])
         n_layer, n_head, n_embd, batch_size, min_lr = SIZES[size]
         assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.batch_size) == (n_layer, n_head, n_embd, batch_size)
@@ -157,110 +177,124 @@ def test_every_shipped_config_loads_with_the_paper_s_training_setup():
         assert (cfg.max_iters, cfg.warmup_iters, cfg.grad_clip) == (100000, 2000, 1.0)
         assert (cfg.eval_interval, cfg.eval_iters, cfg.log_interval) == (1000, 200, 10)
         assert not cfg.bias and cfg.dropout == 0.0 and cfg.scale_attn_by_inverse_layer_idx
-        assert cfg.dataset == 'openwebtext' and cfg.wandb_log and size in cfg.out_dir
-        if cfg.optimizer_name != 'muon':
-            assert (cfg.schedule, cfg.lr_decay_iters) == ('cosine', 100000)
-            assert cfg.min_lr == min_lr or 'mars_' in path  # lion/shampoo scale min_lr with their lr
+        assert cfg.dataset == "openwebtext" and cfg.wandb_log and size in cfg.out_dir
+        if cfg.optimizer_name != "muon":
+            assert (cfg.schedule, cfg.lr_decay_iters) == ("cosine", 100000)
+            assert cfg.min_lr == min_lr or "mars_" in path  # lion/shampoo scale min_lr with their lr
 
 
-@pytest.mark.parametrize('size', SIZES)
+@pytest.mark.parametrize("size", SIZES)
 def test_mars_configs(size):
-    cfg = config(f'train_gpt2_{size}_mars.py')
-    assert (cfg.optimizer_name, cfg.mars_type, cfg.is_approx, cfg.optimize_1d) == ('mars', 'mars-adamw', True, False)
+    cfg = config(f"train_gpt2_{size}_mars.py")
+    assert (cfg.optimizer_name, cfg.mars_type, cfg.is_approx, cfg.optimize_1d) == ("mars", "mars-adamw", True, False)
     assert (cfg.learning_rate, cfg.lr_1d) == MARS_LRS[size]
     assert (cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.gamma) == (1e-2, 0.95, 0.99, 0.025)
     assert (cfg.weight_decay_1d, cfg.betas_1d) == (0.1, (0.9, 0.95))
 
 
-@pytest.mark.parametrize('size', SIZES)
+@pytest.mark.parametrize("size", SIZES)
 def test_adamw_configs(size):
-    cfg = config(f'train_gpt2_{size}_adamw.py')
-    assert cfg.optimizer_name == 'adamw' and cfg.learning_rate == ADAMW_LRS[size]
+    cfg = config(f"train_gpt2_{size}_adamw.py")
+    assert cfg.optimizer_name == "adamw" and cfg.learning_rate == ADAMW_LRS[size]
     assert (cfg.weight_decay, cfg.beta1, cfg.beta2) == (0.1, 0.9, 0.95)
 
 
-@pytest.mark.parametrize('size', MUON_LRS)
+@pytest.mark.parametrize("size", MUON_LRS)
 def test_muon_configs(size):
-    cfg = config(f'train_gpt2_{size}_muon.py')
-    assert cfg.optimizer_name == 'muon' and (cfg.muon_lr, cfg.muon_adamw_lr) == MUON_LRS[size]
+    cfg = config(f"train_gpt2_{size}_muon.py")
+    assert cfg.optimizer_name == "muon" and (cfg.muon_lr, cfg.muon_adamw_lr) == MUON_LRS[size]
     assert (cfg.weight_decay, cfg.beta1, cfg.beta2) == (0.1, 0.9, 0.95)
     # the reference Muon trainer: warmup, constant, linear to 0 over the last 2000 steps
-    assert (cfg.schedule, cfg.wsd_decay_frac * cfg.max_iters, cfg.min_lr) == ('wsd', 2000, 0.0)
+    assert (cfg.schedule, cfg.wsd_decay_frac * cfg.max_iters, cfg.min_lr) == ("wsd", 2000, 0.0)
 
 
 def test_mars_lion_and_shampoo_variants():
-    lion, shampoo = config('train_gpt2_small_mars_lion.py'), config('train_gpt2_small_mars_shampoo.py')
-    assert (lion.mars_type, shampoo.mars_type) == ('mars-lion', 'mars-shampoo')
-    assert lion.out_dir != shampoo.out_dir != config('train_gpt2_small_mars.py').out_dir
+    lion, shampoo = config("train_gpt2_small_mars_lion.py"), config("train_gpt2_small_mars_shampoo.py")
+    assert (lion.mars_type, shampoo.mars_type) == ("mars-lion", "mars-shampoo")
+    assert lion.out_dir != shampoo.out_dir != config("train_gpt2_small_mars.py").out_dir
 
 
-@pytest.mark.parametrize('run', ['small_mars', 'xl_mars', 'small_adamw', 'xl_adamw'])
+@pytest.mark.parametrize("run", ["small_mars", "xl_mars", "small_adamw", "xl_adamw"])
 def test_fineweb_edu_overlay(run):
-    plain = config(f'train_gpt2_{run}.py')
-    fw = config(f'train_gpt2_{run}.py', os.path.join(ROOT, 'config', 'fineweb_edu.py'))
-    assert fw.dataset == 'fineweb_edu' and os.path.isfile(os.path.join(ROOT, 'data', 'fineweb_edu', 'prepare.py'))
-    assert (fw.out_dir, fw.wandb_run_name) == (plain.out_dir + '_fw', plain.wandb_run_name + '-fw')
-    assert config_to_dict(fw) | {'dataset': 0, 'out_dir': 0, 'wandb_run_name': 0} == \
-        config_to_dict(plain) | {'dataset': 0, 'out_dir': 0, 'wandb_run_name': 0}
+    plain = config(f"train_gpt2_{run}.py")
+    fw = config(f"train_gpt2_{run}.py", os.path.join(ROOT, "config", "fineweb_edu.py"))
+    assert fw.dataset == "fineweb_edu" and os.path.isfile(os.path.join(ROOT, "data", "fineweb_edu", "prepare.py"))
+    assert (fw.out_dir, fw.wandb_run_name) == (plain.out_dir + "_fw", plain.wandb_run_name + "-fw")
+    assert config_to_dict(fw) | {"dataset": 0, "out_dir": 0, "wandb_run_name": 0} == config_to_dict(plain) | {
+        "dataset": 0,
+        "out_dir": 0,
+        "wandb_run_name": 0,
+    }
 
 
 # --- scripts/: each run script launches torchrun over the node's GPUs with its config files ---
 
+
 def fake_bin(tmp_path, gpus=None, torch_gpus=0):
     """A PATH where torchrun prints its arguments, nvidia-smi lists `gpus` GPUs and python (asked for
     torch.cuda.device_count()) prints torch_gpus, or fails when that is None (no torch)."""
-    bin_dir = tmp_path / 'bin'
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
-    tools = {'torchrun': 'echo "$@"'}
+    tools = {"torchrun": 'echo "$@"'}
     if gpus is not None:
-        tools['nvidia-smi'] = f'for i in $(seq 0 {gpus - 1}); do echo "GPU $i: H100 (UUID: x)"; done'
-    tools['python'] = 'exit 1' if torch_gpus is None else f'echo {torch_gpus}'
+        tools["nvidia-smi"] = f'for i in $(seq 0 {gpus - 1}); do echo "GPU $i: H100 (UUID: x)"; done'
+    tools["python"] = "exit 1" if torch_gpus is None else f"echo {torch_gpus}"
     for name, body in tools.items():
-        (bin_dir / name).write_text(f'#!/usr/bin/env bash\n{body}\n')
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    return {**os.environ, 'PATH': f'{bin_dir}:/usr/bin:/bin', 'NPROC': ''}
+    return {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NPROC": ""}
 
 
 def launch(script, env, *args):
-    run = subprocess.run(['bash', os.path.join(ROOT, 'scripts', script), *args], env=env,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", script), *args], env=env, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr
     return run.stdout.split()
 
 
 def test_run_scripts_launch_torchrun_with_their_configs(tmp_path):
     env = fake_bin(tmp_path)
-    scripts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, 'scripts', 'run_*.sh')))
+    scripts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "scripts", "run_*.sh")))
     assert len(scripts) == 13
     for script in scripts:
-        name = script[len('run_'):-len('.sh')]
-        opt, size = name.split('_')[:2]
-        argv = launch(script, env, '--max_iters=10')
-        configs = [f'config/train_gpt2_{size}_{opt}.py'] + (['config/fineweb_edu.py'] if name.endswith('_fw') else [])
-        assert argv == ['--standalone', '--nproc_per_node=1', 'train.py', *configs, '--max_iters=10'], script
+        name = script[len("run_") : -len(".sh")]
+        opt, size = name.split("_")[:2]
+        argv = launch(script, env, "--max_iters=10")
+        configs = [f"config/train_gpt2_{size}_{opt}.py"] + (["config/fineweb_edu.py"] if name.endswith("_fw") else [])
+        assert argv == ["--standalone", "--nproc_per_node=1", "train.py", *configs, "--max_iters=10"], script
         load_config([os.path.join(ROOT, c) for c in configs])
 
 
 def test_gpu_count_nproc_override_and_nvidia_smi_fallback(tmp_path):
-    assert '--nproc_per_node=8' in launch('run_mars_small.sh', fake_bin(tmp_path, gpus=8, torch_gpus=8))
-    assert '--nproc_per_node=3' in launch('run_mars_small.sh', {**fake_bin(tmp_path / 'a', torch_gpus=8), 'NPROC': '3'})
-    assert '--nproc_per_node=4' in launch('run_mars_small.sh', fake_bin(tmp_path / 'b', gpus=4, torch_gpus=None))
-    assert '--nproc_per_node=1' in launch('run_mars_small.sh', fake_bin(tmp_path / 'c', torch_gpus=None))
+    assert "--nproc_per_node=8" in launch("run_mars_small.sh", fake_bin(tmp_path, gpus=8, torch_gpus=8))
+    assert "--nproc_per_node=3" in launch("run_mars_small.sh", {**fake_bin(tmp_path / "a", torch_gpus=8), "NPROC": "3"})
+    assert "--nproc_per_node=4" in launch("run_mars_small.sh", fake_bin(tmp_path / "b", gpus=4, torch_gpus=None))
+    assert "--nproc_per_node=1" in launch("run_mars_small.sh", fake_bin(tmp_path / "c", torch_gpus=None))
 
 
 def test_multinode_uses_c10d_rendezvous(tmp_path):
-    env = {**fake_bin(tmp_path), 'NPROC': '8', 'NNODES': '2', 'NODE_RANK': '1', 'MASTER_ADDR': 'node0'}
-    argv = launch('multinode.sh', env, 'config/train_gpt2_xl_mars.py')
-    assert argv[:5] == ['--nnodes=2', '--node_rank=1', '--rdzv_id=mars', '--rdzv_backend=c10d',
-                        '--rdzv_endpoint=node0:29500']
-    assert argv[5:] == ['--nproc_per_node=8', 'train.py', 'config/train_gpt2_xl_mars.py']
-    missing = subprocess.run(['bash', os.path.join(ROOT, 'scripts', 'multinode.sh')], env=fake_bin(tmp_path / 'c'),
-                             capture_output=True, text=True)
-    assert missing.returncode != 0 and 'set NNODES' in missing.stderr
+    env = {**fake_bin(tmp_path), "NPROC": "8", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0"}
+    argv = launch("multinode.sh", env, "config/train_gpt2_xl_mars.py")
+    assert argv[:5] == [
+        "--nnodes=2",
+        "--node_rank=1",
+        "--rdzv_id=mars",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=node0:29500",
+    ]
+    assert argv[5:] == ["--nproc_per_node=8", "train.py", "config/train_gpt2_xl_mars.py"]
+    missing = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "multinode.sh")],
+        env=fake_bin(tmp_path / "c"),
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode != 0 and "set NNODES" in missing.stderr
 
 
 def test_slurm_script_is_valid_bash_and_runs_multinode():
-    path = os.path.join(ROOT, 'scripts', 'slurm_mars_small.sbatch')
-    assert subprocess.run(['bash', '-n', path]).returncode == 0
+    path = os.path.join(ROOT, "scripts", "slurm_mars_small.sbatch")
+    assert subprocess.run(["bash", "-n", path]).returncode == 0
     text = open(path).read()
-    assert '#SBATCH --nodes=' in text and 'srun bash scripts/multinode.sh config/train_gpt2_small_mars.py' in text
+    assert "#SBATCH --nodes=" in text and "srun bash scripts/multinode.sh config/train_gpt2_small_mars.py" in text

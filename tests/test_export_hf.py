@@ -14,9 +14,16 @@ transformers = pytest.importorskip("transformers")
 
 def random_hf_gpt2(scale_attn_by_inverse_layer_idx, seed=0):
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=48, n_layer=3, n_head=4,
-                                     scale_attn_by_inverse_layer_idx=scale_attn_by_inverse_layer_idx,
-                                     bos_token_id=None, eos_token_id=None)
+    config = transformers.GPT2Config(
+        vocab_size=300,
+        n_positions=32,
+        n_embd=48,
+        n_layer=3,
+        n_head=4,
+        scale_attn_by_inverse_layer_idx=scale_attn_by_inverse_layer_idx,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     hf_model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # HF zero-initialises biases and LayerNorms: make every parameter matter
         for p in hf_model.parameters():
@@ -45,8 +52,7 @@ def test_hf_to_ours_and_back_gives_the_same_logits(scale_by_layer):
 
 def tiny_gpt(**overrides):
     torch.manual_seed(0)
-    args = dict(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32,
-                scale_attn_by_inverse_layer_idx=True)
+    args = dict(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, scale_attn_by_inverse_layer_idx=True)
     return GPT(GPTConfig(**{**args, **overrides})).eval()
 
 
@@ -84,8 +90,9 @@ def test_command_exports_a_training_checkpoint(tmp_path, capsys):
     gpt = tiny_gpt()
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    save_checkpoint(str(out_dir / "ckpt.pt"), {"model": gpt.state_dict(), "iter_num": 7,
-                                               "model_args": vars(gpt.config)})
+    save_checkpoint(
+        str(out_dir / "ckpt.pt"), {"model": gpt.state_dict(), "iter_num": 7, "model_args": vars(gpt.config)}
+    )
     assert main([str(out_dir), str(tmp_path / "hf")]) == 0
     assert "iteration 7" in capsys.readouterr().out
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()

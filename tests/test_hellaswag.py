@@ -7,53 +7,102 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from test_sample import save_tiny_checkpoint
 
 import hellaswag
-from test_sample import save_tiny_checkpoint
 from tokens import get_gpt2_encoding
 
 PADDED_VOCAB = 50304
 
 # Items in the official hellaswag_val.jsonl format (every field the real file has).
 ITEMS = [
-    dict(ind=24, activity_label="Roof shingle removal",
-         ctx_a="A man is sitting on a roof.", ctx_b="he",
-         ctx="A man is sitting on a roof. he",
-         split="val", split_type="indomain", label=3, source_id="activitynet~v_-JhWjGDPHMY",
-         endings=["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-                  "is holding a rubik's cube.", "starts pulling up roofing on a roof."]),
-    dict(ind=92, activity_label="Clean and jerk",
-         ctx_a="A lady walks to a barbell. She bends down and grabs the pole.", ctx_b="the lady",
-         ctx="A lady walks to a barbell. She bends down and grabs the pole. the lady",
-         split="val", split_type="zeroshot", label=3, source_id="activitynet~v_-lJS58hyo1c",
-         endings=["swings and lands in her arms.", "pulls the barbell forward.",
-                  "pulls a rope attached to the barbell.", "stands and lifts the weight over her head."]),
-    dict(ind=106, activity_label="Canoeing",
-         ctx_a="Two women in a child are shown in a canoe while a man pulls the canoe while standing in "
-               "the water, with other individuals visible in the background.",
-         ctx_b="the child and a different man",
-         ctx="Two women in a child are shown in a canoe while a man pulls the canoe while standing in the "
-             "water, with other individuals visible in the background. the child and a different man",
-         split="val", split_type="indomain", label=2, source_id="activitynet~v_-xQvJmC2jhk",
-         endings=["are then shown paddling down a river in a boat while a woman talks.",
-                  "are driving the canoe, they go down the river flowing side to side.",
-                  "sit in a canoe while the man paddles.",
-                  "walking go down the rapids, while the man in his helicopter almost falls and goes out "
-                  "of canoehood."]),
-    dict(ind=114, activity_label="High jump",
-         ctx_a="A boy is running down a track.", ctx_b="the boy",
-         ctx="A boy is running down a track. the boy",
-         split="val", split_type="indomain", label=2, source_id="activitynet~v_-zHX3Gdx6I4",
-         endings=["runs into a car.", "gets in a mat.", "lifts his body above the height of a pole.",
-                  "stands on his hands and springs."]),
-    dict(ind=116, activity_label="High jump",
-         ctx_a="The boy lifts his body above the height of a pole. The boy lands on his back on to a red "
-               "mat.", ctx_b="the boy",
-         ctx="The boy lifts his body above the height of a pole. The boy lands on his back on to a red mat. "
-             "the boy",
-         split="val", split_type="indomain", label=1, source_id="activitynet~v_-zHX3Gdx6I4",
-         endings=["turns his body around on the mat.", "gets up from the mat.",
-                  "continues to lift his body over the pole.", "wiggles out of the mat."]),
+    dict(
+        ind=24,
+        activity_label="Roof shingle removal",
+        ctx_a="A man is sitting on a roof.",
+        ctx_b="he",
+        ctx="A man is sitting on a roof. he",
+        split="val",
+        split_type="indomain",
+        label=3,
+        source_id="activitynet~v_-JhWjGDPHMY",
+        endings=[
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+    ),
+    dict(
+        ind=92,
+        activity_label="Clean and jerk",
+        ctx_a="A lady walks to a barbell. She bends down and grabs the pole.",
+        ctx_b="the lady",
+        ctx="A lady walks to a barbell. She bends down and grabs the pole. the lady",
+        split="val",
+        split_type="zeroshot",
+        label=3,
+        source_id="activitynet~v_-lJS58hyo1c",
+        endings=[
+            "swings and lands in her arms.",
+            "pulls the barbell forward.",
+            "pulls a rope attached to the barbell.",
+            "stands and lifts the weight over her head.",
+        ],
+    ),
+    dict(
+        ind=106,
+        activity_label="Canoeing",
+        ctx_a="Two women in a child are shown in a canoe while a man pulls the canoe while standing in "
+        "the water, with other individuals visible in the background.",
+        ctx_b="the child and a different man",
+        ctx="Two women in a child are shown in a canoe while a man pulls the canoe while standing in the "
+        "water, with other individuals visible in the background. the child and a different man",
+        split="val",
+        split_type="indomain",
+        label=2,
+        source_id="activitynet~v_-xQvJmC2jhk",
+        endings=[
+            "are then shown paddling down a river in a boat while a woman talks.",
+            "are driving the canoe, they go down the river flowing side to side.",
+            "sit in a canoe while the man paddles.",
+            "walking go down the rapids, while the man in his helicopter almost falls and goes out of canoehood.",
+        ],
+    ),
+    dict(
+        ind=114,
+        activity_label="High jump",
+        ctx_a="A boy is running down a track.",
+        ctx_b="the boy",
+        ctx="A boy is running down a track. the boy",
+        split="val",
+        split_type="indomain",
+        label=2,
+        source_id="activitynet~v_-zHX3Gdx6I4",
+        endings=[
+            "runs into a car.",
+            "gets in a mat.",
+            "lifts his body above the height of a pole.",
+            "stands on his hands and springs.",
+        ],
+    ),
+    dict(
+        ind=116,
+        activity_label="High jump",
+        ctx_a="The boy lifts his body above the height of a pole. The boy lands on his back on to a red mat.",
+        ctx_b="the boy",
+        ctx="The boy lifts his body above the height of a pole. The boy lands on his back on to a red mat. the boy",
+        split="val",
+        split_type="indomain",
+        label=1,
+        source_id="activitynet~v_-zHX3Gdx6I4",
+        endings=[
+            "turns his body around on the mat.",
+            "gets up from the mat.",
+            "continues to lift his body over the pole.",
+            "wiggles out of the mat.",
+        ],
+    ),
 ]
 
 
@@ -74,8 +123,7 @@ class UnigramModel(nn.Module):
 
     def forward(self, idx, targets=None):
         logits = self.w.expand(*idx.shape, -1)
-        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, logits.size(-1)),
-                                                            targets.reshape(-1))
+        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
 
@@ -101,7 +149,7 @@ def direct_mean_losses(model, example, block_size):
     losses = []
     for ending in example["endings"]:
         ctx, end = enc.encode_ordinary(example["ctx"]), enc.encode_ordinary(" " + ending)
-        seq = torch.tensor((ctx + end)[-(block_size + 1):])
+        seq = torch.tensor((ctx + end)[-(block_size + 1) :])
         logits, _ = model(seq[None, :-1], seq[None, 1:])  # with targets: logits at every position
         n = min(len(end), block_size)
         losses.append(F.cross_entropy(logits[0, -n:], seq[-n:]).item())
@@ -114,15 +162,18 @@ def test_load_examples_reads_the_official_format(tmp_path):
     assert examples[0] == dict(ctx=ITEMS[0]["ctx"], endings=ITEMS[0]["endings"], label=3)
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", "line 2: not valid JSON"),
-    ('["a list"]', "line 2: expected a JSON object"),
-    ('{"endings": ["a", "b", "c", "d"], "label": 0}', "line 2: 'ctx' must be a string"),
-    ('{"ctx": "c", "endings": ["a", "b", "c"], "label": 0}', "line 2: 'endings' must be a list of 4"),
-    ('{"ctx": "c", "endings": ["a", "b", "", "d"], "label": 0}', "line 2: 'endings' must be a list of 4"),
-    ('{"ctx": "c", "endings": ["a", "b", "c", "d"], "label": 4}', "line 2: 'label' must be an integer"),
-    ('{"ctx": "c", "endings": ["a", "b", "c", "d"]}', "line 2: 'label' must be an integer 0..3, got None"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "line 2: not valid JSON"),
+        ('["a list"]', "line 2: expected a JSON object"),
+        ('{"endings": ["a", "b", "c", "d"], "label": 0}', "line 2: 'ctx' must be a string"),
+        ('{"ctx": "c", "endings": ["a", "b", "c"], "label": 0}', "line 2: 'endings' must be a list of 4"),
+        ('{"ctx": "c", "endings": ["a", "b", "", "d"], "label": 0}', "line 2: 'endings' must be a list of 4"),
+        ('{"ctx": "c", "endings": ["a", "b", "c", "d"], "label": 4}', "line 2: 'label' must be an integer"),
+        ('{"ctx": "c", "endings": ["a", "b", "c", "d"]}', "line 2: 'label' must be an integer 0..3, got None"),
+    ],
+)
 def test_bad_lines_name_the_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(ITEMS[0]) + "\n" + line + "\n")
@@ -149,18 +200,17 @@ def test_losses_match_a_direct_computation_with_padding_and_truncation():
     summed, lengths = hellaswag.ending_losses(model, rendered, "cpu")
     for i, example in enumerate(examples):
         assert (summed[i] / lengths[i]).tolist() == pytest.approx(
-            direct_mean_losses(model, example, block_size), abs=1e-5)
+            direct_mean_losses(model, example, block_size), abs=1e-5
+        )
 
 
 def test_real_gpt_losses_match_and_cli_reports_accuracy(tmp_path, capsys):
     examples = [dict(ctx=i["ctx"], endings=i["endings"], label=i["label"]) for i in ITEMS]
     model = save_tiny_checkpoint(tmp_path / "out", PADDED_VOCAB, block_size=20).eval()
     enc = get_gpt2_encoding()
-    summed, lengths = hellaswag.ending_losses(model, [hellaswag.render_example(e, enc, 20) for e in examples],
-                                              "cpu")
+    summed, lengths = hellaswag.ending_losses(model, [hellaswag.render_example(e, enc, 20) for e in examples], "cpu")
     for i, example in enumerate(examples):
-        assert (summed[i] / lengths[i]).tolist() == pytest.approx(direct_mean_losses(model, example, 20),
-                                                                  abs=1e-5)
+        assert (summed[i] / lengths[i]).tolist() == pytest.approx(direct_mean_losses(model, example, 20), abs=1e-5)
     expected = hellaswag.evaluate(model, examples, "cpu")
     data = write_jsonl(tmp_path / "val.jsonl", ITEMS)
     assert hellaswag.main(["--ckpt", str(tmp_path / "out"), "--data", data, "--limit", "5"]) == 0
@@ -216,8 +266,7 @@ def test_non_gpt2_vocabulary_is_refused():
 
 
 def _distributed_worker(rank, world_size, init_file, examples, out_dir):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                         world_size=world_size)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = hellaswag.evaluate(PrefixMeanModel(block_size=64), examples, "cpu", rank, world_size)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -243,8 +292,10 @@ def test_ensure_data(tmp_path):
         hellaswag.ensure_data(str(tmp_path / "typo.jsonl"))
     cache = tmp_path / "cache"
     # offline (nothing listens on port 9): fails fast, returns None, leaves no partial file
-    assert hellaswag.ensure_data("", cache_dir=str(cache), url="http://127.0.0.1:9/hellaswag_val.jsonl",
-                                 timeout_s=2) is None
+    assert (
+        hellaswag.ensure_data("", cache_dir=str(cache), url="http://127.0.0.1:9/hellaswag_val.jsonl", timeout_s=2)
+        is None
+    )
     assert os.listdir(cache) == []
     write_jsonl(cache / "hellaswag_val.jsonl", ITEMS)
     assert hellaswag.ensure_data("", cache_dir=str(cache)) == str(cache / "hellaswag_val.jsonl")

@@ -1,4 +1,5 @@
 """mars.py against a float64 transcription of issue 3's update rule, and as a drop-in torch optimizer."""
+
 import copy
 import itertools
 import math
@@ -12,11 +13,12 @@ from mars import MARS, MARS_TYPES, newton_schulz
 # Shapes that exercise every branch: wide and tall 2-D (Newton-Schulz transposes tall ones), 1-D
 # (MARS or AdamW depending on optimize_1d), and 3-D (mars-shampoo falls back to the AdamW rule).
 SHAPES = [(4, 6), (7, 3), (5,), (2, 3, 2)]
-LRS = [3e-2, 2e-2, 1e-2, 5e-3]          # a changing learning rate, as a schedule would set it
+LRS = [3e-2, 2e-2, 1e-2, 5e-3]  # a changing learning rate, as a schedule would set it
 
 
 # ---------------------------------------------------------------------------------------------------
 # The rule, transcribed from the issue's text in float64 (one function per numbered item).
+
 
 def spec_newton_schulz(M, eps, dtype=torch.bfloat16):
     """The issue's NS; dtype=float64 gives the exact-arithmetic version the rule tests use."""
@@ -47,7 +49,8 @@ def spec_step(x, g, g_prev, st, t, lr, hp):
             u = torch.sign(st["m"])
         elif hp["mars_type"] == "mars-shampoo" and x.dim() == 2:
             u = spec_newton_schulz(st["m"] / (1 - beta1), hp["eps"], torch.float64) * math.sqrt(
-                max(1, x.shape[0] / x.shape[1]))
+                max(1, x.shape[0] / x.shape[1])
+            )
         else:
             u = spec_adam(st, c, beta1, beta2, t, hp)
         return x - lr * (u + hp["weight_decay"] * x)
@@ -61,7 +64,7 @@ def spec_adam(st, c, beta1, beta2, t, hp):
     st["v"] = beta2 * st["v"] + (1 - beta2) * c * c
     st["vmax"] = torch.maximum(st["vmax"], st["v"])
     v = st["vmax"] if hp["amsgrad"] else st["v"]
-    return (st["m"] / (1 - beta1 ** t)) / (torch.sqrt(v / (1 - beta2 ** t)) + hp["eps"])
+    return (st["m"] / (1 - beta1**t)) / (torch.sqrt(v / (1 - beta2**t)) + hp["eps"])
 
 
 def spec_run(x0s, grads, lookaheads, hp):
@@ -80,11 +83,12 @@ def spec_run(x0s, grads, lookaheads, hp):
 # ---------------------------------------------------------------------------------------------------
 # Driving MARS the way a training loop does.
 
-def make_problem(dtype=torch.float64, seed=0, steps=len(LRS),
-                 grad_scale=lambda t, i: 0.05 if (t + i) % 2 else 2.0):
+
+def make_problem(dtype=torch.float64, seed=0, steps=None, grad_scale=lambda t, i: 0.05 if (t + i) % 2 else 2.0):
     """Initial tensors, gradients and (exact MARS) look-ahead gradients per step; by default some
     gradient norms are below 1 and some above, so both sides of the clip are exercised."""
     gen = torch.Generator().manual_seed(seed)
+    steps = len(LRS) if steps is None else steps
 
     def rand(shape, scale):
         return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
@@ -113,32 +117,40 @@ def run_mars(x0s, grads, lookaheads, lrs=LRS, params=None, opt=None, **kwargs):
     return params, opt
 
 
-HP = dict(lr=LRS[0], betas=(0.9, 0.95), eps=1e-8, gamma=0.5, lr_1d=7e-3, betas_1d=(0.8, 0.9),
-          weight_decay_1d=0.2)   # gamma large so the correction term is visible in the result
+HP = dict(
+    lr=LRS[0], betas=(0.9, 0.95), eps=1e-8, gamma=0.5, lr_1d=7e-3, betas_1d=(0.8, 0.9), weight_decay_1d=0.2
+)  # gamma large so the correction term is visible in the result
 
 
 @pytest.fixture
 def float64_newton_schulz(monkeypatch):
     """Newton-Schulz in float64 on both sides, so the rest of the shampoo rule is compared exactly;
     test_newton_schulz_matches_transcription holds the bf16 function to the issue separately."""
-    monkeypatch.setattr(mars, "newton_schulz",
-                        lambda G, steps=5, eps=1e-7: spec_newton_schulz(G, eps, torch.float64))
+    monkeypatch.setattr(mars, "newton_schulz", lambda G, steps=5, eps=1e-7: spec_newton_schulz(G, eps, torch.float64))
 
 
-@pytest.mark.parametrize("mars_type,optimize_1d,amsgrad,weight_decay,is_approx", list(itertools.product(
-    MARS_TYPES, [False, True], [False, True], [0.0, 0.1], [True, False])))
-def test_matches_float64_transcription(mars_type, optimize_1d, amsgrad, weight_decay, is_approx,
-                                       float64_newton_schulz):
-    hp = dict(HP, mars_type=mars_type, optimize_1d=optimize_1d, amsgrad=amsgrad,
-              weight_decay=weight_decay, is_approx=is_approx)
+@pytest.mark.parametrize(
+    "mars_type,optimize_1d,amsgrad,weight_decay,is_approx",
+    list(itertools.product(MARS_TYPES, [False, True], [False, True], [0.0, 0.1], [True, False])),
+)
+def test_matches_float64_transcription(mars_type, optimize_1d, amsgrad, weight_decay, is_approx, float64_newton_schulz):
+    hp = dict(
+        HP,
+        mars_type=mars_type,
+        optimize_1d=optimize_1d,
+        amsgrad=amsgrad,
+        weight_decay=weight_decay,
+        is_approx=is_approx,
+    )
     x0s, grads, lookaheads = make_problem()
-    for steps in (1, len(LRS)):                      # the first step on its own, then several
+    for steps in (1, len(LRS)):  # the first step on its own, then several
         expected = spec_run(x0s, grads[:steps], lookaheads, hp)
         for foreach, fused_devices in ((False, ()), (True, ()), (True, ("cpu",))):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(mars, "_FUSED_ADAM_DEVICES", fused_devices)
-                params, _ = run_mars(x0s, grads[:steps], lookaheads, foreach=foreach,
-                                     **{k: v for k, v in hp.items() if k != "lr"})
+                params, _ = run_mars(
+                    x0s, grads[:steps], lookaheads, foreach=foreach, **{k: v for k, v in hp.items() if k != "lr"}
+                )
             for p, e in zip(params, expected):
                 torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12)
 
@@ -189,12 +201,12 @@ def test_previous_gradient_is_the_optimizers_own_copy(foreach):
         for p, g in zip(params, gs):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.add_(g)                      # accumulate into the (zeroed) buffer
+            p.grad.add_(g)  # accumulate into the (zeroed) buffer
         opt.step()
         for p in params:
             if "last_grad" in opt.state[p]:
                 assert opt.state[p]["last_grad"].data_ptr() != p.grad.data_ptr()
-            p.grad.mul_(0.5)                    # an in-place clip after the step
+            p.grad.mul_(0.5)  # an in-place clip after the step
         opt.zero_grad(set_to_none=False)
     for a, b in zip(expected, params):
         assert torch.equal(a, b)
@@ -226,14 +238,24 @@ def test_newton_schulz_on_a_spread_spectrum():
     assert s.min() >= 0.5 and s.max() <= 1.5
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(lr=-1e-3), "lr"), (dict(eps=-1e-8), "eps"), (dict(lr_1d=-1.0), "lr_1d"),
-    (dict(weight_decay=-0.1), "weight_decay"), (dict(weight_decay_1d=-0.1), "weight_decay_1d"),
-    (dict(gamma=-0.025), "gamma"), (dict(betas=(1.0, 0.99)), "betas"), (dict(betas=(0.9, -0.1)), "betas"),
-    (dict(betas=(0.9,)), "betas"), (dict(betas_1d=(0.9, 1.5)), "betas_1d"),
-    (dict(mars_type="mars-sgd"), "mars_type"), (dict(foreach="yes"), "foreach"),
-    (dict(lr=0.0), "lr"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(lr=-1e-3), "lr"),
+        (dict(eps=-1e-8), "eps"),
+        (dict(lr_1d=-1.0), "lr_1d"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(weight_decay_1d=-0.1), "weight_decay_1d"),
+        (dict(gamma=-0.025), "gamma"),
+        (dict(betas=(1.0, 0.99)), "betas"),
+        (dict(betas=(0.9, -0.1)), "betas"),
+        (dict(betas=(0.9,)), "betas"),
+        (dict(betas_1d=(0.9, 1.5)), "betas_1d"),
+        (dict(mars_type="mars-sgd"), "mars_type"),
+        (dict(foreach="yes"), "foreach"),
+        (dict(lr=0.0), "lr"),
+    ],
+)
 def test_invalid_arguments_raise_naming_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=rf"\b{name}\b") as err:
         MARS([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs)
@@ -257,8 +279,7 @@ def test_sparse_gradient_raises():
 @pytest.mark.parametrize("foreach", [False, True])
 def test_bfloat16_parameters_keep_bfloat16_state(mars_type, foreach):
     x0s, grads, lookaheads = make_problem(dtype=torch.bfloat16, steps=2)
-    params, opt = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 2, mars_type=mars_type,
-                           foreach=foreach, amsgrad=True)
+    params, opt = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 2, mars_type=mars_type, foreach=foreach, amsgrad=True)
     for p in params:
         assert p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all()
         for key, value in opt.state[p].items():
@@ -274,7 +295,7 @@ def test_state_holds_what_the_rule_needs(mars_type, per_tensor):
     opt.step()
     tensors = [k for k, v in opt.state[params[0]].items() if torch.is_tensor(v)]
     assert len(tensors) == per_tensor
-    assert sorted(opt.state[params[1]]) == ["exp_avg", "exp_avg_sq", "step"]   # 1-D: AdamW
+    assert sorted(opt.state[params[1]]) == ["exp_avg", "exp_avg_sq", "step"]  # 1-D: AdamW
 
 
 def test_step_returns_closure_loss():
@@ -283,7 +304,7 @@ def test_step_returns_closure_loss():
 
     def closure():
         opt.zero_grad()
-        loss = (p ** 2).sum()
+        loss = (p**2).sum()
         loss.backward()
         return loss
 
@@ -294,7 +315,7 @@ def test_step_returns_closure_loss():
 def test_grad_scaler_skipped_step_changes_nothing():
     model = torch.nn.Linear(4, 3)
     opt = MARS(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     for poison in (False, True):
         before = copy.deepcopy((opt.state_dict(), model.state_dict()))
         opt.zero_grad()
@@ -322,6 +343,7 @@ def test_lr_1d_follows_the_schedule_after_a_state_dict_round_trip():
 # (sqrt(v + 1e-15) + eps) / sqrt(1-β2^t) -- eps not bias-corrected -- so agreement is to ~1e-7.
 # Its shampoo uses a different Newton-Schulz, so only adamw and lion are compared.
 
+
 @pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion"])
 @pytest.mark.parametrize("optimize_1d", [False, True])
 @pytest.mark.parametrize("amsgrad", [False, True])
@@ -329,13 +351,19 @@ def test_agrees_with_pytorch_optimizer(mars_type, optimize_1d, amsgrad):
     pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
     x0s, grads, lookaheads = make_problem(grad_scale=lambda t, i: 3.0 if t == 0 else 0.3)
     assert all(g.norm() > 1 for g in grads[0])
-    kw = dict(betas=(0.9, 0.95), gamma=0.5, optimize_1d=optimize_1d, lr_1d=7e-3, betas_1d=(0.8, 0.9),
-              weight_decay=0.1, weight_decay_1d=0.2)
+    kw = dict(
+        betas=(0.9, 0.95),
+        gamma=0.5,
+        optimize_1d=optimize_1d,
+        lr_1d=7e-3,
+        betas_1d=(0.8, 0.9),
+        weight_decay=0.1,
+        weight_decay_1d=0.2,
+    )
     ours, _ = run_mars(x0s, grads, lookaheads, mars_type=mars_type, amsgrad=amsgrad, **kw)
 
     theirs = [torch.nn.Parameter(x.clone()) for x in x0s]
-    opt = pytorch_optimizer.MARS(theirs, lr=LRS[0], mars_type=mars_type.removeprefix("mars-"),
-                                 ams_bound=amsgrad, **kw)
+    opt = pytorch_optimizer.MARS(theirs, lr=LRS[0], mars_type=mars_type.removeprefix("mars-"), ams_bound=amsgrad, **kw)
     for lr, gs in zip(LRS, grads):
         opt.param_groups[0]["lr"] = lr
         for p, g in zip(theirs, gs):

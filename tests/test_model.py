@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import model as model_module
-from model import PRESETS, GPT, GPTConfig, hidden_matrix_params, param_groups, peak_flops
+from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, param_groups, peak_flops
 
 
 def tiny_config(**overrides):
@@ -21,13 +21,13 @@ def tiny_gpt(seed=0, **overrides):
 
 # Parameter counts of OpenAI's GPT-2 checkpoints (vocab 50257, 1024 positions, biases), the tied
 # embedding counted once: what Hugging Face's GPT2LMHeadModel reports for gpt2, gpt2-medium, ...
-GPT2_PARAMS = {'small': 124_439_808, 'medium': 354_823_168, 'large': 774_030_080, 'xl': 1_557_611_200}
+GPT2_PARAMS = {"small": 124_439_808, "medium": 354_823_168, "large": 774_030_080, "xl": 1_557_611_200}
 
 
-@pytest.mark.parametrize('preset', list(PRESETS))
+@pytest.mark.parametrize("preset", list(PRESETS))
 def test_preset_parameter_counts_match_gpt2(preset):
     config = GPTConfig.from_preset(preset, vocab_size=50257, block_size=1024, bias=True)
-    with torch.device('meta'):  # shapes only: no memory, no init time
+    with torch.device("meta"):  # shapes only: no memory, no init time
         gpt = GPT(config)
     assert gpt.get_num_params(non_embedding=False) == GPT2_PARAMS[preset]
     # non-embedding (nanoGPT's convention): minus the 1024 position embeddings only
@@ -39,14 +39,14 @@ def test_preset_parameter_counts_match_gpt2(preset):
 
 
 def test_from_preset_overrides_and_rejects_unknown_names():
-    config = GPTConfig.from_preset('medium', dropout=0.1)
+    config = GPTConfig.from_preset("medium", dropout=0.1)
     assert (config.n_layer, config.n_head, config.n_embd, config.dropout) == (24, 16, 1024, 0.1)
     with pytest.raises(ValueError, match="'huge'"):
-        GPTConfig.from_preset('huge')
+        GPTConfig.from_preset("huge")
 
 
 def test_config_rejects_n_embd_not_divisible_by_n_head():
-    with pytest.raises(ValueError, match='n_embd=100.*n_head=3'):
+    with pytest.raises(ValueError, match="n_embd=100.*n_head=3"):
         GPTConfig(n_embd=100, n_head=3)
 
 
@@ -72,7 +72,7 @@ def test_loss_ignores_targets_of_minus_one():
 
 
 def test_sequence_longer_than_block_size_is_rejected():
-    with pytest.raises(ValueError, match='length 17 exceeds block_size 16'):
+    with pytest.raises(ValueError, match="length 17 exceeds block_size 16"):
         tiny_gpt()(torch.zeros(1, 17, dtype=torch.long))
 
 
@@ -86,18 +86,19 @@ def explicit_attention(attn, x, layer_idx, scale_by_layer):
     if scale_by_layer:
         s /= layer_idx + 1
     att = (q @ k.transpose(-2, -1)) * s
-    att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float('-inf'))
+    att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
     return attn.c_proj(y)
 
 
-@pytest.mark.parametrize('scale_by_layer', [False, True])
+@pytest.mark.parametrize("scale_by_layer", [False, True])
 def test_sdpa_attention_equals_explicit_softmax(scale_by_layer):
     gpt = tiny_gpt(scale_attn_by_inverse_layer_idx=scale_by_layer)
     x = torch.randn(2, 16, 32)
     for i, block in enumerate(gpt.transformer.h):
-        torch.testing.assert_close(block.attn(x), explicit_attention(block.attn, x, i, scale_by_layer),
-                                   atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            block.attn(x), explicit_attention(block.attn, x, i, scale_by_layer), atol=1e-6, rtol=1e-5
+        )
 
 
 def test_scale_attn_by_inverse_layer_idx_changes_the_output():
@@ -111,21 +112,21 @@ def test_gpt2_initialisation():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(block_size=64, vocab_size=512, n_layer=4, n_head=4, n_embd=256))
     for name, p in gpt.named_parameters():
-        if name.endswith('c_proj.weight'):
+        if name.endswith("c_proj.weight"):
             assert p.std().item() == pytest.approx(0.02 / math.sqrt(2 * 4), rel=0.05), name
-        elif name.endswith(('c_attn.weight', 'c_fc.weight', 'wte.weight', 'wpe.weight')):
+        elif name.endswith(("c_attn.weight", "c_fc.weight", "wte.weight", "wpe.weight")):
             assert p.std().item() == pytest.approx(0.02, rel=0.05), name
-        elif 'ln_' in name and name.endswith('weight'):
+        elif "ln_" in name and name.endswith("weight"):
             assert torch.all(p == 1), name
         else:
-            assert name.endswith('bias') and torch.all(p == 0), name
+            assert name.endswith("bias") and torch.all(p == 0), name
 
 
 def test_output_head_is_tied_to_token_embedding():
     gpt = tiny_gpt()
     assert gpt.lm_head.weight is gpt.transformer.wte.weight
     names = [n for n, _ in gpt.named_parameters()]
-    assert 'transformer.wte.weight' in names and 'lm_head.weight' not in names
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names
     # the tie survives a state-dict round trip (both names are saved, one tensor is loaded)
     other = tiny_gpt(seed=1)
     other.load_state_dict(gpt.state_dict())
@@ -136,10 +137,16 @@ def test_output_head_is_tied_to_token_embedding():
 def test_state_dict_uses_nanogpt_names():
     keys = set(tiny_gpt(n_layer=1).state_dict())
     assert keys == {
-        'transformer.wte.weight', 'transformer.wpe.weight', 'lm_head.weight',
-        'transformer.ln_f.weight', 'transformer.ln_f.bias',
-        *(f'transformer.h.0.{m}.{p}' for m in ('ln_1', 'attn.c_attn', 'attn.c_proj', 'ln_2',
-                                               'mlp.c_fc', 'mlp.c_proj') for p in ('weight', 'bias')),
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "lm_head.weight",
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+        *(
+            f"transformer.h.0.{m}.{p}"
+            for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+            for p in ("weight", "bias")
+        ),
     }
 
 
@@ -147,25 +154,30 @@ def test_loads_reference_checkpoints_with_causal_mask_buffer():
     gpt = tiny_gpt()
     state_dict = gpt.state_dict()
     for i in range(3):  # the reference code saves its T×T mask as 'attn.bias'
-        state_dict[f'transformer.h.{i}.attn.bias'] = torch.ones(1, 1, 16, 16).tril()
+        state_dict[f"transformer.h.{i}.attn.bias"] = torch.ones(1, 1, 16, 16).tril()
     tiny_gpt(seed=1).load_state_dict(state_dict)
 
 
 def test_param_groups_split_like_the_reference():
     gpt = tiny_gpt()
     decay, no_decay = param_groups(gpt, weight_decay=0.1)
-    assert (decay['weight_decay'], no_decay['weight_decay']) == (0.1, 0.0)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     name_of = {id(p): n for n, p in gpt.named_parameters()}
-    decay_names = [name_of[id(p)] for p in decay['params']]
-    no_decay_names = [name_of[id(p)] for p in no_decay['params']]
+    decay_names = [name_of[id(p)] for p in decay["params"]]
+    no_decay_names = [name_of[id(p)] for p in no_decay["params"]]
     # weights of the four Linear layers in each block decay; the tied embedding/output matrix does not
-    assert decay_names == sorted(f'transformer.h.{i}.{m}.weight' for i in range(3)
-                                 for m in ('attn.c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj'))
+    assert decay_names == sorted(
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(3)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     assert no_decay_names == sorted(no_decay_names)
     assert set(no_decay_names) == set(name_of.values()) - set(decay_names)
-    assert all(n.endswith('bias') or 'ln_' in n or n in ('transformer.wte.weight', 'transformer.wpe.weight')
-               for n in no_decay_names)
-    assert sum(p.numel() for g in (decay, no_decay) for p in g['params']) == gpt.get_num_params(False)
+    assert all(
+        n.endswith("bias") or "ln_" in n or n in ("transformer.wte.weight", "transformer.wpe.weight")
+        for n in no_decay_names
+    )
+    assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == gpt.get_num_params(False)
 
 
 def test_hidden_matrix_params_split():
@@ -186,7 +198,7 @@ def test_generate_length_and_top_k():
     for t in range(10, 13):
         logits, _ = gpt(out[:, :t][:, -16:])
         assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
-    with pytest.raises(ValueError, match='temperature'):
+    with pytest.raises(ValueError, match="temperature"):
         gpt.generate(idx, 1, temperature=0)
 
 
@@ -203,24 +215,31 @@ def test_generate_samples_only_from_the_top_k():
 def test_estimate_mfu(monkeypatch):
     gpt = tiny_gpt()
     assert gpt.estimate_mfu(tokens_per_iter=1000, dt=1.0) is None  # CPU: no peak to compare with
-    monkeypatch.setattr(model_module, 'peak_flops', lambda device: 1e9)
+    monkeypatch.setattr(model_module, "peak_flops", lambda device: 1e9)
     flops_per_token = 6 * gpt.get_num_params() + 12 * 3 * 4 * 8 * 16
     assert gpt.estimate_mfu(tokens_per_iter=1000, dt=2.0) == pytest.approx(flops_per_token * 500 / 1e9)
 
 
-@pytest.mark.parametrize('name, peak', [('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA H100 80GB HBM3', 989e12),
-                                        ('NVIDIA H200', 989e12), ('Tesla V100-SXM2-16GB', None)])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H200", 989e12),
+        ("Tesla V100-SXM2-16GB", None),
+    ],
+)
 def test_peak_flops_by_gpu_name(monkeypatch, name, peak):
-    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
-    assert peak_flops(torch.device('cuda', 0)) == peak
-    assert peak_flops('cpu') is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0)) == peak
+    assert peak_flops("cpu") is None
 
 
 def test_crop_block_size():
     gpt = tiny_gpt()
     gpt.crop_block_size(8)
     assert gpt.transformer.wpe.weight.shape == (8, 32)
-    with pytest.raises(ValueError, match='length 9 exceeds block_size 8'):
+    with pytest.raises(ValueError, match="length 9 exceeds block_size 8"):
         gpt(torch.zeros(1, 9, dtype=torch.long))
 
 
@@ -241,4 +260,4 @@ def test_all_layers_get_gradients():
 
 def test_gelu_is_the_tanh_approximation():
     mlp = tiny_gpt().transformer.h[0].mlp
-    assert isinstance(mlp.gelu, nn.GELU) and mlp.gelu.approximate == 'tanh'
+    assert isinstance(mlp.gelu, nn.GELU) and mlp.gelu.approximate == "tanh"

@@ -49,8 +49,7 @@ def test_labels_and_cli(tmp_path, capsys):
     write_run(tmp_path / "a", [3.0, 2.5, 2.0])
     write_run(tmp_path / "b", [3.0, 2.8, 2.6])
     out = tmp_path / "cli.png"
-    assert plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out),
-                      "--labels", "MARS", "AdamW"]) == 0
+    assert plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--labels", "MARS", "AdamW"]) == 0
     assert_png(out)
     fig = plot.plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "x.png", labels=["MARS", "AdamW"])
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["MARS", "AdamW"]
@@ -59,8 +58,7 @@ def test_labels_and_cli(tmp_path, capsys):
 
 
 def test_resumed_run_keeps_the_latest_record_of_each_iteration(tmp_path):
-    resumed = [json.dumps({"iter": i, "tokens": i * 10, "time_s": 100 + i, "train/loss": 1.0}) + "\n"
-               for i in (3, 4)]
+    resumed = [json.dumps({"iter": i, "tokens": i * 10, "time_s": 100 + i, "train/loss": 1.0}) + "\n" for i in (3, 4)]
     write_run(tmp_path / "r", [5.0, 4.0, 3.0, 2.0, 1.5], extra_lines=resumed)
     series = plot.read_metrics(tmp_path / "r")
     assert [p[0] for p in series["train/loss"]] == [0, 1, 2, 3, 4]

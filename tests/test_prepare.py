@@ -37,17 +37,36 @@ def documents(n=120):
 
 def write_fineweb_parquet(path, texts, row_group_size=16):
     n = len(texts)
-    table = pa.table(dict(
-        text=texts, id=[f"<urn:uuid:{i}>" for i in range(n)], dump=["CC-MAIN-2024-10"] * n,
-        url=[f"https://example.com/{i}" for i in range(n)], file_path=["s3://commoncrawl/x.warc.gz"] * n,
-        language=["en"] * n, language_score=[0.95] * n, token_count=[len(t) // 4 for t in texts],
-        score=[3.2] * n, int_score=[3] * n))
+    table = pa.table(
+        dict(
+            text=texts,
+            id=[f"<urn:uuid:{i}>" for i in range(n)],
+            dump=["CC-MAIN-2024-10"] * n,
+            url=[f"https://example.com/{i}" for i in range(n)],
+            file_path=["s3://commoncrawl/x.warc.gz"] * n,
+            language=["en"] * n,
+            language_score=[0.95] * n,
+            token_count=[len(t) // 4 for t in texts],
+            score=[3.2] * n,
+            int_score=[3] * n,
+        )
+    )
     pq.write_table(table, path, row_group_size=row_group_size)
 
 
 def run_fineweb(files, out, shard_size=2000, num_proc=1):
-    return fineweb.main(["--data_files", *map(str, files), "--output_dir", str(out),
-                         "--shard_size", str(shard_size), "--num_proc", str(num_proc)])
+    return fineweb.main(
+        [
+            "--data_files",
+            *map(str, files),
+            "--output_dir",
+            str(out),
+            "--shard_size",
+            str(shard_size),
+            "--num_proc",
+            str(num_proc),
+        ]
+    )
 
 
 def shard_files(out):
@@ -167,9 +186,21 @@ def test_openwebtext_local_files_nanogpt_split(tmp_path):
     texts = [f"Document {i} says hello." for i in range(4000)]
     pq.write_table(pa.table(dict(text=texts)), tmp_path / "owt.parquet")
     env = dict(os.environ, HF_DATASETS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    subprocess.run([sys.executable, os.path.join(REPO, "data", "openwebtext", "prepare.py"), "--data_files",
-                    str(tmp_path / "owt.parquet"), "--output_dir", str(tmp_path / "out"), "--num_proc", "1"],
-                   check=True, env=env, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "data", "openwebtext", "prepare.py"),
+            "--data_files",
+            str(tmp_path / "owt.parquet"),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--num_proc",
+            "1",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     enc = tokens.get_gpt2_encoding()
     val = TokenData(str(tmp_path / "out"), "val").arrays[0]
     train = TokenData(str(tmp_path / "out"), "train").arrays[0]

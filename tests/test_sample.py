@@ -18,9 +18,15 @@ def save_tiny_checkpoint(out_dir, vocab_size, data_path="", dataset="", block_si
     config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16)
     model = GPT(config)
     os.makedirs(out_dir, exist_ok=True)
-    save_checkpoint(os.path.join(out_dir, "ckpt.pt"), dict(
-        model=model.state_dict(), model_args=dataclasses.asdict(config), iter_num=0,
-        config=dict(data_path=str(data_path), dataset=dataset)))
+    save_checkpoint(
+        os.path.join(out_dir, "ckpt.pt"),
+        dict(
+            model=model.state_dict(),
+            model_args=dataclasses.asdict(config),
+            iter_num=0,
+            config=dict(data_path=str(data_path), dataset=dataset),
+        ),
+    )
     return model
 
 
@@ -44,8 +50,20 @@ def test_char_checkpoint_samples_in_its_vocabulary(char_run, capsys):
 
 
 def test_seed_makes_samples_reproducible(char_run):
-    args = sample.parse_args(["--out_dir", str(char_run), "--start", "main", "--max_new_tokens", "30",
-                              "--num_samples", "1", "--temperature", "2.0"])
+    args = sample.parse_args(
+        [
+            "--out_dir",
+            str(char_run),
+            "--start",
+            "main",
+            "--max_new_tokens",
+            "30",
+            "--num_samples",
+            "1",
+            "--temperature",
+            "2.0",
+        ]
+    )
     first, again = sample.generate(args), sample.generate(args)
     args.seed += 1
     assert first == again and sample.generate(args) != first
@@ -54,26 +72,42 @@ def test_seed_makes_samples_reproducible(char_run):
 def test_prompt_from_file_and_top_k_one_is_greedy(char_run, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("return ")
-    args = sample.parse_args(["--out_dir", str(char_run), "--start", f"FILE:{prompt}", "--top_k", "1",
-                              "--max_new_tokens", "10", "--num_samples", "2"])
+    args = sample.parse_args(
+        [
+            "--out_dir",
+            str(char_run),
+            "--start",
+            f"FILE:{prompt}",
+            "--top_k",
+            "1",
+            "--max_new_tokens",
+            "10",
+            "--num_samples",
+            "2",
+        ]
+    )
     first, second = sample.generate(args)
     assert first.startswith("return ") and first == second  # top_k=1 leaves no randomness
 
 
 def test_bpe_checkpoint_decodes_with_gpt2(tmp_path):
     save_tiny_checkpoint(tmp_path / "out", 50304)  # no dataset meta.pkl: GPT-2 BPE
-    args = sample.parse_args(["--out_dir", str(tmp_path / "out"), "--start", "Hello world",
-                              "--max_new_tokens", "5", "--num_samples", "1"])
+    args = sample.parse_args(
+        ["--out_dir", str(tmp_path / "out"), "--start", "Hello world", "--max_new_tokens", "5", "--num_samples", "1"]
+    )
     [text] = sample.generate(args)
     assert text.startswith("Hello world")
     assert get_gpt2_encoding().encode_ordinary(text)[:2] == [15496, 995]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--out_dir", "{tmp}/nowhere"], "no checkpoint at"),
-    (["--start", "FILE:{tmp}/missing.txt"], "prompt file"),
-    (["--start", "xyz"], "outside the dataset's vocabulary: ['x', 'y', 'z']"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--out_dir", "{tmp}/nowhere"], "no checkpoint at"),
+        (["--start", "FILE:{tmp}/missing.txt"], "prompt file"),
+        (["--start", "xyz"], "outside the dataset's vocabulary: ['x', 'y', 'z']"),
+    ],
+)
 def test_errors_are_one_line_and_exit_2(char_run, tmp_path, capsys, args, message):
     argv = ["--out_dir", str(char_run)] + [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert sample.main(argv) == 2

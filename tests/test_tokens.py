@@ -23,13 +23,16 @@ def test_shard_round_trip_and_header(tmp_path):
     assert os.listdir(tmp_path) == [path.name]  # no temporary left behind
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda b: b[:1000], "shorter than the 1024-byte shard header"),
-    (lambda b: b[:-2], "truncated or corrupt"),
-    (lambda b: b + b"\0\0", "truncated or corrupt"),
-    (lambda b: np.int32(12345).tobytes() + b[4:], "bad magic 12345"),
-    (lambda b: b[:4] + np.int32(2).tobytes() + b[8:], "unsupported shard version 2"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b[:1000], "shorter than the 1024-byte shard header"),
+        (lambda b: b[:-2], "truncated or corrupt"),
+        (lambda b: b + b"\0\0", "truncated or corrupt"),
+        (lambda b: np.int32(12345).tobytes() + b[4:], "bad magic 12345"),
+        (lambda b: b[:4] + np.int32(2).tobytes() + b[8:], "unsupported shard version 2"),
+    ],
+)
 def test_read_shard_rejects_corrupt_and_truncated(tmp_path, damage, message):
     path = tmp_path / "fineweb_val_000000.bin"
     write_shard(path, np.arange(100))
@@ -64,8 +67,8 @@ def test_nanogpt_layout_round_trip(tmp_path):
     x, y = data.get_batch(seed=1, step=3, micro_step=0, batch_size=8, block_size=64)
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8, 64)
     for row_x, row_y in zip(x.numpy(), y.numpy()):
-        start = next(s for s in range(len(ids)) if np.array_equal(ids[s:s + 64], row_x))
-        np.testing.assert_array_equal(ids[start + 1:start + 65], row_y)
+        start = next(s for s in range(len(ids)) if np.array_equal(ids[s : s + 64], row_x))
+        np.testing.assert_array_equal(ids[start + 1 : start + 65], row_y)
     # and what we write nanoGPT reads back
     write_bin(tmp_path / "val.bin", ids[:100])
     np.testing.assert_array_equal(np.memmap(tmp_path / "val.bin", dtype=np.uint16, mode="r"), ids[:100])

@@ -1,16 +1,17 @@
 """train.py in one process on the CPU: learning, metrics, exact MARS, wandb, divergence guard, bad input."""
+
 import json
 import math
 import os
 
 import pytest
 import torch
+from train_helpers import make_char_data, tiny_args
 
 import checkpoint
 import train
 from model import GPT, GPTConfig
 from tokens import TokenData, write_shard
-from train_helpers import make_char_data, tiny_args
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +54,19 @@ def test_twenty_steps_learn_and_record_metrics(data_path, tmp_path, capsys):
     assert [r["iter"] for r in eval_lines] == [0, 5, 10, 15, 20]
     for r in train_lines:
         assert r["tokens"] == r["iter"] * 256
-        assert {"time_s", "lr", "grad_norm", "clip_rate", "tokens_per_sec", "step_ms", "mfu", "param_norm",
-                "momentum_norm", "momentum_norm_sq", "momentum_div"} <= set(r)
+        assert {
+            "time_s",
+            "lr",
+            "grad_norm",
+            "clip_rate",
+            "tokens_per_sec",
+            "step_ms",
+            "mfu",
+            "param_norm",
+            "momentum_norm",
+            "momentum_norm_sq",
+            "momentum_div",
+        } <= set(r)
         assert r["mfu"] is None and 0 <= r["clip_rate"] <= 1 and r["tokens_per_sec"] > 0
     assert all("eval/train_loss" in r for r in eval_lines)
     times = [r["time_s"] for r in records]
@@ -86,8 +98,9 @@ def test_eval_windows_are_fixed(data_path, tmp_path):
     # and so two evaluations of the same weights agree exactly: eval_only twice
     for name in ("a", "b"):
         run_ok(tiny_args(data_path, str(tmp_path / name), eval_only=True))
-    assert read_metrics(tmp_path / "a") == [dict(r, time_s=read_metrics(tmp_path / "a")[0]["time_s"])
-                                            for r in read_metrics(tmp_path / "b")]
+    assert read_metrics(tmp_path / "a") == [
+        dict(r, time_s=read_metrics(tmp_path / "a")[0]["time_s"]) for r in read_metrics(tmp_path / "b")
+    ]
     assert not os.path.exists(tmp_path / "a" / "ckpt.pt")  # eval_only writes no checkpoint
 
 
@@ -108,15 +121,18 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     state = ckpt["optimizer"]["state"]
     group_params = [i for g in ckpt["optimizer"]["param_groups"] for i in g["params"]]
-    order = dict(zip(group_params, [p for g in train.build_optimizer(model, cfg, "cpu").param_groups
-                                     for p in g["params"]]))
+    order = dict(
+        zip(group_params, [p for g in train.build_optimizer(model, cfg, "cpu").param_groups for p in g["params"]])
+    )
     by_param = {id(p): n for n, p in model.named_parameters()}
     checked = 0
     for index, s in state.items():
         if "last_grad" in s:
             p = order[index]
-            torch.testing.assert_close(s["last_grad"], p.grad, rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"{by_param[id(p)]}: {m}")
+            name = by_param[id(p)]
+            torch.testing.assert_close(
+                s["last_grad"], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+            )
             checked += 1
     assert checked == sum(p.ndim >= 2 for p in model.parameters())
 
@@ -126,8 +142,7 @@ def test_grad_multiplier_scales_the_gradient_not_the_loss(data_path, tmp_path):
     first_lines = {}
     for multiplier in (1, 4):
         out = str(tmp_path / f"x{multiplier}")
-        run_ok(tiny_args(data_path, out, max_iters=1, eval_interval=1, grad_clip=0.0,
-                         grad_multiplier=multiplier))
+        run_ok(tiny_args(data_path, out, max_iters=1, eval_interval=1, grad_clip=0.0, grad_multiplier=multiplier))
         first_lines[multiplier] = next(r for r in read_metrics(out) if "train/loss" in r)
     assert first_lines[4]["train/loss"] == first_lines[1]["train/loss"]
     assert first_lines[4]["grad_norm"] == pytest.approx(4 * first_lines[1]["grad_norm"], rel=1e-5)
@@ -143,14 +158,19 @@ def test_wandb_offline_writes_its_run_and_resume_continues_it(data_path, tmp_pat
     run_ok(tiny_args(data_path, out, max_iters=3, eval_interval=3, wandb_log=True, wandb_project="test"))
     run_id = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["wandb_run_id"]
     assert run_id
-    run_ok(tiny_args(data_path, out, max_iters=6, eval_interval=3, wandb_log=True, wandb_project="test",
-                     init_from="resume"))
+    run_ok(
+        tiny_args(
+            data_path, out, max_iters=6, eval_interval=3, wandb_log=True, wandb_project="test", init_from="resume"
+        )
+    )
     runs = sorted(os.listdir(tmp_path / "wandb"))
     offline = [r for r in runs if r.startswith("offline-run-")]
     assert len(offline) == 2 and all(r.endswith(run_id) for r in offline)
     for r in offline:
-        assert any(f.endswith(".wandb") and os.path.getsize(tmp_path / "wandb" / r / f) > 0
-                   for f in os.listdir(tmp_path / "wandb" / r))
+        assert any(
+            f.endswith(".wandb") and os.path.getsize(tmp_path / "wandb" / r / f) > 0
+            for f in os.listdir(tmp_path / "wandb" / r)
+        )
 
 
 @pytest.mark.parametrize("is_approx", [True, False])
@@ -174,8 +194,10 @@ def test_non_finite_step_changes_nothing(data_path, tmp_path, monkeypatch, is_ap
 
     def snapshot(run):
         params = [p.detach().clone() for p in run.model.parameters()]
-        state = {id(p): {k: torch.as_tensor(v).clone() for k, v in s.items() if k != "previous_grad"}
-                 for p, s in run.optimizer.state.items()}
+        state = {
+            id(p): {k: torch.as_tensor(v).clone() for k, v in s.items() if k != "previous_grad"}
+            for p, s in run.optimizer.state.items()
+        }
         return params, state
 
     skipped = []
@@ -207,14 +229,16 @@ def test_non_finite_step_changes_nothing(data_path, tmp_path, monkeypatch, is_ap
     assert [r["iter"] for r in train_lines if r["train/loss"] is None] == [it + 1 for it in expected_skips]
 
 
-def test_consecutive_non_finite_steps_stop_the_run_keeping_the_last_checkpoint(data_path, tmp_path,
-                                                                                monkeypatch, capsys):
+def test_consecutive_non_finite_steps_stop_the_run_keeping_the_last_checkpoint(
+    data_path, tmp_path, monkeypatch, capsys
+):
     def nan_after_six(run, step):
         loss = real(run, step)
         if step >= 6:
             for p in run.model.parameters():
                 p.grad.fill_(math.inf)
         return loss
+
     real = train.forward_backward
     monkeypatch.setattr(train, "forward_backward", nan_after_six)
     out = str(tmp_path / "out")
@@ -231,6 +255,7 @@ def test_save_interrupted_mid_write_keeps_the_previous_checkpoint(tmp_path, monk
     def disk_full(obj, f):
         f.write(b"partial bytes")
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(checkpoint.torch, "save", disk_full)
     with pytest.raises(checkpoint.CheckpointError, match="No space left on device; the previous one is kept"):
         checkpoint.save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "model_args": {}, "iter_num": 2})
@@ -242,6 +267,7 @@ def test_checkpoints_load_without_running_code(tmp_path):
     class Payload:
         def __reduce__(self):
             return (os.system, ("echo pwned",))
+
     path = tmp_path / "evil.pt"
     torch.save({"model": Payload(), "model_args": {}, "iter_num": 0}, path)
     with pytest.raises(checkpoint.CheckpointError, match="not a readable checkpoint"):
@@ -252,6 +278,7 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     import random
 
     import numpy as np
+
     path = str(tmp_path / "rng.pt")
     checkpoint.save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 0, "rng": checkpoint.rng_state()})
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -262,19 +289,38 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
     from tokens import write_bin
+
     data_dir = tmp_path / "bpe"
     data_dir.mkdir()
     ids = torch.randint(0, 50257, (4000,), generator=torch.Generator().manual_seed(0)).numpy()
     write_bin(data_dir / "train.bin", ids)
     write_bin(data_dir / "val.bin", ids[:1000])
     examples = tmp_path / "hellaswag.jsonl"
-    example = dict(ctx="A man is sitting on a roof. He", label=1,
-                   endings=["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-                            "is holding a rubik's cube.", "starts pulling up roofing on a roof."])
+    example = dict(
+        ctx="A man is sitting on a roof. He",
+        label=1,
+        endings=[
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+    )
     examples.write_text(json.dumps(example) + "\n" + json.dumps(dict(example, label=3)) + "\n")
     out = str(tmp_path / "out")
-    run_ok(tiny_args(str(tmp_path), out, dataset="bpe", n_embd=32, max_iters=2, eval_interval=2,
-                     hellaswag_interval=2, hellaswag_path=str(examples)), capsys)
+    run_ok(
+        tiny_args(
+            str(tmp_path),
+            out,
+            dataset="bpe",
+            n_embd=32,
+            max_iters=2,
+            eval_interval=2,
+            hellaswag_interval=2,
+            hellaswag_path=str(examples),
+        ),
+        capsys,
+    )
     scores = [r for r in read_metrics(out) if "hellaswag/acc_norm" in r]
     assert [r["iter"] for r in scores] == [0, 2]
     assert all(r["hellaswag/acc_norm"] in (0.0, 0.5, 1.0) for r in scores)
@@ -289,6 +335,7 @@ def test_hellaswag_on_a_char_dataset_warns_once_and_trains(data_path, tmp_path, 
 # ---------------------------------------------------------------------------------------------------
 # Bad input: one line on stderr, exit 2, before any work.
 
+
 def truncated_shard_data(tmp_path):
     data_dir = tmp_path / "shards"
     data_dir.mkdir()
@@ -302,6 +349,7 @@ def truncated_shard_data(tmp_path):
 def out_of_vocab_data(tmp_path):
     make_char_data(tmp_path, name="tiny")
     from tokens import write_bin
+
     write_bin(tmp_path / "tiny" / "val.bin", [0, 1, 2, 200] * 50)
     return dict(data_path=str(tmp_path), dataset="tiny")
 
@@ -330,23 +378,39 @@ def corrupt_checkpoint(tmp_path):
     return dict(data_path=str(tmp_path), out_dir=str(tmp_path / "out"), init_from="resume")
 
 
-@pytest.mark.parametrize("make_input, message", [
-    (lambda p: dict(bogus=1), "unknown config key 'bogus'"),
-    (lambda p: dict(batch_size="many"), "batch_size must be int"),
-    (lambda p: dict(data_path=str(p), dataset="openwebtext"),
-     "openwebtext not found; run: python data/openwebtext/prepare.py"),
-    (truncated_shard_data, "fineweb_train_000001.bin: header says 300 tokens"),
-    (out_of_vocab_data, "token id 200 at position 3 is >= the model's vocabulary size"),
-    (lambda p: dict(init_from="resume"), "no checkpoint at"),
-    (corrupt_checkpoint, "ckpt.pt is not a readable checkpoint"),
-    (mismatching_checkpoint, "was trained with n_layer=2 but the config gives n_layer=3"),
-    (foreign_checkpoint, "ckpt.pt lacks scaler, rng, tokens"),
-], ids=["unknown-key", "wrong-type", "missing-data", "truncated-shard", "token-beyond-vocab",
-        "resume-without-checkpoint", "corrupt-checkpoint", "shape-mismatch", "foreign-checkpoint"])
+@pytest.mark.parametrize(
+    "make_input, message",
+    [
+        (lambda p: dict(bogus=1), "unknown config key 'bogus'"),
+        (lambda p: dict(batch_size="many"), "batch_size must be int"),
+        (
+            lambda p: dict(data_path=str(p), dataset="openwebtext"),
+            "openwebtext not found; run: python data/openwebtext/prepare.py",
+        ),
+        (truncated_shard_data, "fineweb_train_000001.bin: header says 300 tokens"),
+        (out_of_vocab_data, "token id 200 at position 3 is >= the model's vocabulary size"),
+        (lambda p: dict(init_from="resume"), "no checkpoint at"),
+        (corrupt_checkpoint, "ckpt.pt is not a readable checkpoint"),
+        (mismatching_checkpoint, "was trained with n_layer=2 but the config gives n_layer=3"),
+        (foreign_checkpoint, "ckpt.pt lacks scaler, rng, tokens"),
+    ],
+    ids=[
+        "unknown-key",
+        "wrong-type",
+        "missing-data",
+        "truncated-shard",
+        "token-beyond-vocab",
+        "resume-without-checkpoint",
+        "corrupt-checkpoint",
+        "shape-mismatch",
+        "foreign-checkpoint",
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(make_input, message, data_path, tmp_path, capsys):
     overrides = make_input(tmp_path)
-    argv = tiny_args(overrides.pop("data_path", data_path), overrides.pop("out_dir", str(tmp_path / "new")),
-                     **overrides)
+    argv = tiny_args(
+        overrides.pop("data_path", data_path), overrides.pop("out_dir", str(tmp_path / "new")), **overrides
+    )
     capsys.readouterr()
     assert train.main(argv) == 2
     captured = capsys.readouterr()
@@ -357,8 +421,10 @@ def test_bad_input_is_one_line_and_exit_2(make_input, message, data_path, tmp_pa
 def test_world_size_must_divide_the_global_batch(data_path, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "3")  # checked before joining any process group
     assert train.main(tiny_args(data_path, str(tmp_path / "out"), gradient_accumulation_steps=4)) == 2
-    assert "gradient_accumulation_steps=4 (micro-batches per step across all ranks) is not divisible by the " \
-           "world size 3" in capsys.readouterr().err
+    assert (
+        "gradient_accumulation_steps=4 (micro-batches per step across all ranks) is not divisible by the "
+        "world size 3" in capsys.readouterr().err
+    )
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):

@@ -2,6 +2,7 @@
 
 Every run is a subprocess with one thread (train_helpers.subprocess_env), so runs compare bit for bit.
 """
+
 import json
 import os
 import signal
@@ -11,9 +12,9 @@ import sys
 
 import pytest
 import torch
+from train_helpers import ROOT, launch, make_char_data, subprocess_env, tiny_args, wait_for_line
 
 import train
-from train_helpers import ROOT, launch, make_char_data, subprocess_env, tiny_args, wait_for_line
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +37,17 @@ def run_to_end(args, env=None, timeout=180):
 
 
 def torchrun(args, nproc=2, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(ROOT, "tests", "train_helpers.py"), *args]
-    for attempt in range(2):
-        done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                              timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        os.path.join(ROOT, "tests", "train_helpers.py"),
+        *args,
+    ]
+    for _attempt in range(2):
+        done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
         # --standalone picks a free port, which another process on a shared machine can take first
         if done.returncode == 0 or "address already in use" not in done.stderr.lower():
             break
@@ -150,10 +157,20 @@ def free_port():
 def launch_ranks(args, fail, timeout_s):
     """Two gloo ranks started by hand (no torchrun agent to clean up after them); `fail` as TEST_FAIL."""
     port = str(free_port())
-    return [launch(args + [f"--ddp_timeout_s={timeout_s}"],
-                   env=subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank),
-                                      LOCAL_RANK=str(rank), TEST_FAIL=fail))
-            for rank in range(2)]
+    return [
+        launch(
+            args + [f"--ddp_timeout_s={timeout_s}"],
+            env=subprocess_env(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                WORLD_SIZE="2",
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                TEST_FAIL=fail,
+            ),
+        )
+        for rank in range(2)
+    ]
 
 
 def test_a_dead_rank_ends_the_job_which_then_resumes(data_path, ddp_run, tmp_path):

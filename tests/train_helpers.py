@@ -11,6 +11,7 @@ so train.py and checkpoint.py carry no test code:
                            or 'hang' (prints 'hanging before step ITER' and stops: no more steps,
                            no answer to collectives)
 """
+
 import os
 import subprocess
 import sys
@@ -19,14 +20,38 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = ("def", "return", "self", "import", "class", "for", "in", "if", "else", "None", "True", "x", "y",
-         "print", "(", ")", ":", "=", "+", "lambda", "with", "as", "yield")
+WORDS = (
+    "def",
+    "return",
+    "self",
+    "import",
+    "class",
+    "for",
+    "in",
+    "if",
+    "else",
+    "None",
+    "True",
+    "x",
+    "y",
+    "print",
+    "(",
+    ")",
+    ":",
+    "=",
+    "+",
+    "lambda",
+    "with",
+    "as",
+    "yield",
+)
 
 
 def make_char_data(root, name="tiny", train_chars=40_000, val_chars=6_000, seed=0):
     """A word-salad character corpus in nanoGPT's layout (train.bin, val.bin, meta.pkl) under root/name."""
     sys.path.insert(0, ROOT)
     from tokens import write_bin, write_meta
+
     rng = np.random.default_rng(seed)
     text = " ".join(rng.choice(WORDS, size=(train_chars + val_chars) // 3))
     chars = sorted(set(text))
@@ -34,17 +59,36 @@ def make_char_data(root, name="tiny", train_chars=40_000, val_chars=6_000, seed=
     data_dir = os.path.join(root, name)
     os.makedirs(data_dir, exist_ok=True)
     write_bin(os.path.join(data_dir, "train.bin"), ids[:train_chars])
-    write_bin(os.path.join(data_dir, "val.bin"), ids[train_chars:train_chars + val_chars])
+    write_bin(os.path.join(data_dir, "val.bin"), ids[train_chars : train_chars + val_chars])
     write_meta(os.path.join(data_dir, "meta.pkl"), chars)
     return str(root)
 
 
 def tiny_args(data_path, out_dir, **overrides):
     """train.py arguments for a 2-layer, 64-wide model on make_char_data's corpus: ~20 ms a step."""
-    args = dict(data_path=data_path, dataset="tiny", out_dir=out_dir, n_layer=2, n_head=2, n_embd=64,
-                block_size=32, batch_size=4, gradient_accumulation_steps=2, max_iters=20, eval_interval=5,
-                eval_iters=4, log_interval=1, learning_rate=3e-3, lr_1d=3e-3, warmup_iters=2,
-                lr_decay_iters=20, min_lr=3e-4, device="cpu", compile=False, seed=1)
+    args = dict(
+        data_path=data_path,
+        dataset="tiny",
+        out_dir=out_dir,
+        n_layer=2,
+        n_head=2,
+        n_embd=64,
+        block_size=32,
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        max_iters=20,
+        eval_interval=5,
+        eval_iters=4,
+        log_interval=1,
+        learning_rate=3e-3,
+        lr_1d=3e-3,
+        warmup_iters=2,
+        lr_decay_iters=20,
+        min_lr=3e-4,
+        device="cpu",
+        compile=False,
+        seed=1,
+    )
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
 
@@ -58,9 +102,15 @@ def subprocess_env(**extra):
 
 def launch(args, env=None, **popen):
     """Start `python tests/train_helpers.py args` (train.py under the hooks) in the repository root."""
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], cwd=ROOT,
-                            env=env or subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), *args],
+        cwd=ROOT,
+        env=env or subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
 
 
 def wait_for_line(proc, prefix, timeout=120):
@@ -90,6 +140,7 @@ def _install_hooks():
                     print(f"renaming {dst}", flush=True)
                     time.sleep(60)
             real_replace(src, dst)
+
         checkpoint.os.replace = replace  # the os module: only this process, only for this test
 
     if os.environ.get("TEST_FAIL"):
@@ -103,6 +154,7 @@ def _install_hooks():
                 print(f"hanging before step {it}", flush=True)
                 time.sleep(3600)
             return real_step(run, it)
+
         train.train_step = train_step
 
 
@@ -110,4 +162,5 @@ if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     _install_hooks()
     import train
+
     sys.exit(train.main(sys.argv[1:]))

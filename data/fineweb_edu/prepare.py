@@ -11,6 +11,7 @@ for every finished shard, where in the document stream the next one starts; a re
 flags keeps finished shards and continues from there, producing byte-identical shards.
 Memory: one shard buffer (2 bytes per token) plus a few MB of text in flight per process.
 """
+
 import argparse
 import collections
 import glob
@@ -23,8 +24,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tokens import (EOT_TOKEN, HEADER_BYTES, DataError, atomic_write_bytes,  # noqa: E402
-                    get_gpt2_encoding, network_reachable, run_prepare, write_shard)
+from tokens import (
+    EOT_TOKEN,
+    HEADER_BYTES,
+    DataError,
+    atomic_write_bytes,  # noqa: E402
+    get_gpt2_encoding,
+    network_reachable,
+    run_prepare,
+    write_shard,
+)
 
 HUB_DATASET = "HuggingFaceFW/fineweb-edu"
 PROGRESS_FILE = "progress.json"
@@ -38,6 +47,7 @@ def shard_name(index):
 
 # ---------------------------------------------------------------------------------------------------
 # Document sources: each yields texts in a fixed order, starting after `skip` documents.
+
 
 def local_documents(paths, skip):
     for path in paths:
@@ -59,12 +69,14 @@ def local_documents(paths, skip):
 
 def _parquet_rows(path):
     import pyarrow.parquet as pq
+
     return pq.ParquetFile(path).metadata.num_rows
 
 
 def _parquet_documents(path, skip):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     # Every row group's buffers come and go; arrow's default mimalloc pool keeps the freed pages and the
     # process would grow with the corpus. The system allocator returns them.
     pa.set_memory_pool(pa.system_memory_pool())
@@ -84,9 +96,12 @@ def _parquet_documents(path, skip):
 
 def hub_documents(subset, skip):
     if not network_reachable("huggingface.co"):
-        raise DataError(f"cannot reach huggingface.co to stream {HUB_DATASET} ({subset}); on a machine "
-                        f"without internet pass --data_files with local parquet or jsonl files")
+        raise DataError(
+            f"cannot reach huggingface.co to stream {HUB_DATASET} ({subset}); on a machine "
+            f"without internet pass --data_files with local parquet or jsonl files"
+        )
     from datasets import load_dataset
+
     stream = load_dataset(HUB_DATASET, name=subset, split="train", streaming=True)
     for example in stream.skip(skip):
         yield example["text"]
@@ -94,6 +109,7 @@ def hub_documents(subset, skip):
 
 # ---------------------------------------------------------------------------------------------------
 # Tokenization: chunks of texts to worker processes, results back in order, a bounded number in flight.
+
 
 def text_chunks(texts, chunk_chars=CHUNK_CHARS):
     chunk, size = [], 0
@@ -118,7 +134,7 @@ def tokenize(texts):
     starts = np.cumsum(lengths) - lengths
     tokens[starts] = EOT_TOKEN
     for start, doc in zip(starts, docs):
-        tokens[start + 1:start + 1 + len(doc)] = doc
+        tokens[start + 1 : start + 1 + len(doc)] = doc
     return tokens, lengths
 
 
@@ -143,6 +159,7 @@ def ordered_map(fn, items, num_proc):
 # ---------------------------------------------------------------------------------------------------
 # Shards and the progress file that makes a rerun resume.
 
+
 def load_progress(output_dir, run):
     """The finished shards of an earlier run with the same source and shard size (checked on disk)."""
     path = os.path.join(output_dir, PROGRESS_FILE)
@@ -151,8 +168,10 @@ def load_progress(output_dir, run):
     with open(path) as f:
         progress = json.load(f)
     if {k: progress.get(k) for k in run} != run:
-        raise DataError(f"{output_dir} holds shards of another run ({progress.get('source')}, shard_size "
-                        f"{progress.get('shard_size')}); rerun with those flags or use a new --output_dir")
+        raise DataError(
+            f"{output_dir} holds shards of another run ({progress.get('source')}, shard_size "
+            f"{progress.get('shard_size')}); rerun with those flags or use a new --output_dir"
+        )
     for i, shard in enumerate(progress["shards"]):
         path = os.path.join(output_dir, shard["name"])
         if not os.path.exists(path) or os.path.getsize(path) != HEADER_BYTES + 2 * shard["tokens"]:
@@ -196,7 +215,7 @@ def prepare(documents, source, output_dir, shard_size, num_proc):
         start = position
         while position < len(tokens):
             take = min(shard_size - filled, len(tokens) - position)
-            buffer[filled:filled + take] = tokens[position:position + take]
+            buffer[filled : filled + take] = tokens[position : position + take]
             filled += take
             position += take
             if filled == shard_size:
@@ -226,8 +245,12 @@ def main(argv=None):
     parser.add_argument("--data_files", nargs="+", help="local .parquet/.jsonl files (no network is touched)")
     parser.add_argument("--output_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__))))
     parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard")
-    parser.add_argument("--num_proc", type=int, default=os.cpu_count() or 1,
-                        help="tokenizer processes (default: one per core; the main process mostly waits)")
+    parser.add_argument(
+        "--num_proc",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="tokenizer processes (default: one per core; the main process mostly waits)",
+    )
     parser.add_argument("--subset", default="sample-10BT", help="sample-10BT, sample-100BT, sample-350BT, ...")
     args = parser.parse_args(argv)
     if args.shard_size < 1:

@@ -8,6 +8,7 @@ The split is nanoGPT's (train_test_split(test_size=0.0005, seed=2357), 'test' re
 token for token, and either side reads the other's. Each bin appears under its final name only
 when complete.
 """
+
 import argparse
 import os
 import sys
@@ -16,8 +17,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tokens import (EOT_TOKEN, DataError, atomic_writer, get_gpt2_encoding,  # noqa: E402
-                    network_reachable, run_prepare)
+from tokens import (
+    EOT_TOKEN,
+    DataError,
+    atomic_writer,
+    get_gpt2_encoding,  # noqa: E402
+    network_reachable,
+    run_prepare,
+)
 
 HUB_DATASET = "Skylion007/openwebtext"
 WRITE_BATCH = 1 << 16  # documents per write
@@ -25,6 +32,7 @@ WRITE_BATCH = 1 << 16  # documents per write
 
 def load_documents(data_files, num_proc):
     from datasets import load_dataset
+
     if data_files:
         missing = [p for p in data_files if not os.path.isfile(p)]
         if missing:
@@ -32,8 +40,10 @@ def load_documents(data_files, num_proc):
         builder = "parquet" if data_files[0].endswith(".parquet") else "json"
         return load_dataset(builder, data_files=data_files, split="train")
     if not network_reachable("huggingface.co"):
-        raise DataError(f"cannot reach huggingface.co to download {HUB_DATASET}; on a machine without "
-                        f"internet pass --data_files with local parquet or jsonl files of it")
+        raise DataError(
+            f"cannot reach huggingface.co to download {HUB_DATASET}; on a machine without "
+            f"internet pass --data_files with local parquet or jsonl files of it"
+        )
     return load_dataset(HUB_DATASET, split="train", num_proc=num_proc)
 
 
@@ -65,8 +75,7 @@ def main(argv=None):
         raise DataError(f"the dataset has no 'text' column (columns: {', '.join(dataset.column_names)})")
     split = dataset.train_test_split(test_size=0.0005, seed=2357, shuffle=True)
     split["val"] = split.pop("test")
-    tokenized = split.map(tokenize, remove_columns=dataset.column_names, desc="tokenizing",
-                          num_proc=args.num_proc)
+    tokenized = split.map(tokenize, remove_columns=dataset.column_names, desc="tokenizing", num_proc=args.num_proc)
     os.makedirs(args.output_dir, exist_ok=True)
     for name, dset in tokenized.items():
         count = write_split(dset, os.path.join(args.output_dir, f"{name}.bin"))

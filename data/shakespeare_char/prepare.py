@@ -1,8 +1,9 @@
 """Tiny Shakespeare, character-level: train.bin / val.bin (uint16) and meta.pkl, as nanoGPT's.
 
-    python data/shakespeare_char/prepare.py                   # downloads input.txt (1.1 MB) when online
-    python data/shakespeare_char/prepare.py --input PATH      # a local copy, no network
+python data/shakespeare_char/prepare.py                   # downloads input.txt (1.1 MB) when online
+python data/shakespeare_char/prepare.py --input PATH      # a local copy, no network
 """
+
 import argparse
 import os
 import sys
@@ -16,9 +17,11 @@ URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshake
 
 def download(path):
     if not network_reachable("raw.githubusercontent.com"):
-        raise DataError(f"cannot reach raw.githubusercontent.com to download tiny Shakespeare; fetch {URL} "
-                        f"elsewhere and pass --input PATH (or use the offline quickstart: "
-                        f"python data/stdlib_char/prepare.py)")
+        raise DataError(
+            f"cannot reach raw.githubusercontent.com to download tiny Shakespeare; fetch {URL} "
+            f"elsewhere and pass --input PATH (or use the offline quickstart: "
+            f"python data/stdlib_char/prepare.py)"
+        )
     with urllib.request.urlopen(URL, timeout=30) as response:
         data = response.read()
     with open(path, "wb") as f:
@@ -39,6 +42,7 @@ def main(argv=None):
     with open(path, encoding="utf-8") as f:
         text = f.read()
     write_char_corpus(args.output_dir, text)
+
 
 if __name__ == "__main__":
     run_prepare(main)

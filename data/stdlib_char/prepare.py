@@ -7,6 +7,7 @@ vocabulary) beside this file, or in --output_dir.
 
     python data/stdlib_char/prepare.py
 """
+
 import argparse
 import os
 import sys
@@ -47,6 +48,7 @@ def main(argv=None):
     parser.add_argument("--chars", type=int, default=5_000_000, help="corpus size in characters")
     args = parser.parse_args(argv)
     write_char_corpus(args.output_dir, stdlib_sources(args.chars))
+
 
 if __name__ == "__main__":
     run_prepare(main)
