@@ -17,6 +17,9 @@ import math
 import torch
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
+# Which tensors take the MARS rule when optimize_1d=False: "2d" exactly the 2-D ones (the paper's code;
+# convolution kernels and other N-D tensors get the AdamW rule), "nd" every tensor with 2 or more dims.
+ROUTINGS = ("2d", "nd")
 
 # Quintic Newton-Schulz coefficients (a, b, c) of the paper's MARS-Shampoo (the same as Muon's).
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -57,7 +60,8 @@ class MARS(torch.optim.Optimizer):
 
     For a parameter tensor x with gradient g_t at step t (from 1) and the group's current lr η_t:
 
-    Tensors MARS handles (ndim >= 2, or every tensor when ``optimize_1d=True``):
+    Tensors MARS handles (2-D ones -- with ``routing="nd"`` every tensor with ndim >= 2 -- or every tensor
+    when ``optimize_1d=True``):
 
     .. math::
         c_t &= g_t + \gamma \tfrac{\beta_1}{1-\beta_1} (g_t - g_{t-1}) \qquad (c_1 = g_1) \\
@@ -71,7 +75,7 @@ class MARS(torch.optim.Optimizer):
             \sqrt{\max(1, \text{rows}/\text{cols})} \quad (\text{other tensors: the mars-adamw } u_t) \\
         x &\leftarrow x - \eta_t (u_t + \lambda x)
 
-    Other tensors (ndim < 2 with ``optimize_1d=False``): AdamW on the raw gradient with ``betas_1d``,
+    Other tensors (with ``optimize_1d=False``): AdamW on the raw gradient with ``betas_1d``,
     ``eps``, weight decay ``weight_decay_1d`` and lr η_t · lr_1d / lr, where lr and lr_1d are the group's
     values at construction (kept in the group as ``lr_1d_factor``), so lr_1d follows the schedule's shape.
     ``amsgrad`` applies to these tensors too, as in the paper's code.
@@ -102,7 +106,9 @@ class MARS(torch.optim.Optimizer):
         gamma: γ, the strength of the variance-reduction correction (default 0.025).
         is_approx: True uses the previous step's gradient as g_{t-1}; False expects the exact protocol.
         mars_type: "mars-adamw", "mars-lion" or "mars-shampoo".
-        optimize_1d: also apply MARS to tensors with fewer than 2 dimensions (default False: AdamW).
+        optimize_1d: apply MARS to every tensor (default False: only those `routing` names; the rest AdamW).
+        routing: "2d" (default, as the paper's code): exactly the 2-D tensors take MARS, so a convolution's
+            4-D kernel gets AdamW; "nd": every tensor with 2 or more dimensions takes MARS.
         lr_1d: AdamW lr of the other tensors at construction (default 3e-3).
         betas_1d: AdamW betas of the other tensors (default (0.9, 0.95)).
         weight_decay_1d: AdamW weight decay of the other tensors (default 0.1).
@@ -121,6 +127,7 @@ class MARS(torch.optim.Optimizer):
         is_approx=True,
         mars_type="mars-adamw",
         optimize_1d=False,
+        routing="2d",
         lr_1d=3e-3,
         betas_1d=(0.9, 0.95),
         weight_decay_1d=0.1,
@@ -136,6 +143,7 @@ class MARS(torch.optim.Optimizer):
             is_approx=is_approx,
             mars_type=mars_type,
             optimize_1d=optimize_1d,
+            routing=routing,
             lr_1d=lr_1d,
             betas_1d=betas_1d,
             weight_decay_1d=weight_decay_1d,
@@ -159,7 +167,7 @@ class MARS(torch.optim.Optimizer):
 
     @staticmethod
     def _is_mars_tensor(p, group):
-        return group["optimize_1d"] or p.ndim >= 2
+        return group["optimize_1d"] or p.ndim == 2 or (group["routing"] == "nd" and p.ndim > 2)
 
     @torch.no_grad()
     def update_previous_grad(self):
@@ -268,6 +276,8 @@ def _validate(hp):
             raise ValueError(f"invalid {name}: {betas!r} (must be two numbers in [0, 1))")
     if hp["mars_type"] not in MARS_TYPES:
         raise ValueError(f"invalid mars_type: {hp['mars_type']!r} (allowed: {', '.join(MARS_TYPES)})")
+    if hp["routing"] not in ROUTINGS:
+        raise ValueError(f"invalid routing: {hp['routing']!r} (allowed: {', '.join(ROUTINGS)})")
     if hp["foreach"] not in (None, True, False):
         raise ValueError(f"invalid foreach: {hp['foreach']!r} (must be None, True or False)")
 

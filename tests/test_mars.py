@@ -38,7 +38,7 @@ def spec_newton_schulz(M, eps, dtype=torch.bfloat16):
 def spec_step(x, g, g_prev, st, t, lr, hp):
     """One step of the issue's rule for tensor x; st holds m, v, vmax. Returns the new x."""
     beta1, beta2 = hp["betas"]
-    handled = x.dim() >= 2 or hp["optimize_1d"]
+    handled = x.dim() == 2 or (hp.get("routing") == "nd" and x.dim() > 2) or hp["optimize_1d"]
     if handled:
         c = g + hp["gamma"] * beta1 / (1 - beta1) * (g - g_prev)
         norm = torch.sqrt((c * c).sum())
@@ -130,14 +130,22 @@ def float64_newton_schulz(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "mars_type,optimize_1d,amsgrad,weight_decay,is_approx",
-    list(itertools.product(MARS_TYPES, [False, True], [False, True], [0.0, 0.1], [True, False])),
+    "mars_type,optimize_1d,routing,amsgrad,weight_decay,is_approx",
+    [
+        combo[:2] + (routing,) + combo[2:]
+        for combo in itertools.product(MARS_TYPES, [False, True], [False, True], [0.0, 0.1], [True, False])
+        for routing in ("2d", "nd")
+        if routing == "2d" or not combo[1]  # optimize_1d=True takes every tensor whatever the routing
+    ],
 )
-def test_matches_float64_transcription(mars_type, optimize_1d, amsgrad, weight_decay, is_approx, float64_newton_schulz):
+def test_matches_float64_transcription(
+    mars_type, optimize_1d, routing, amsgrad, weight_decay, is_approx, float64_newton_schulz
+):
     hp = dict(
         HP,
         mars_type=mars_type,
         optimize_1d=optimize_1d,
+        routing=routing,
         amsgrad=amsgrad,
         weight_decay=weight_decay,
         is_approx=is_approx,
@@ -253,6 +261,7 @@ def test_newton_schulz_on_a_spread_spectrum():
         (dict(betas_1d=(0.9, 1.5)), "betas_1d"),
         (dict(mars_type="mars-sgd"), "mars_type"),
         (dict(foreach="yes"), "foreach"),
+        (dict(routing="conv"), "routing"),
         (dict(lr=0.0), "lr"),
     ],
 )
@@ -341,7 +350,8 @@ def test_lr_1d_follows_the_schedule_after_a_state_dict_round_trip():
 # step sees c_1 = (1 + γβ1/(1-β1)) g_1; once every first-step gradient norm exceeds 1 the clip maps both
 # c_1 to g_1/‖g_1‖, and from then on both keep g_{t-1} identically. Its AdamW denominator is
 # (sqrt(v + 1e-15) + eps) / sqrt(1-β2^t) -- eps not bias-corrected -- so agreement is to ~1e-7.
-# Its shampoo uses a different Newton-Schulz, so only adamw and lion are compared.
+# Its shampoo uses a different Newton-Schulz, so only adamw and lion are compared. It gives MARS every
+# tensor with 2 or more dimensions, which is routing="nd" here.
 
 
 @pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion"])
@@ -360,7 +370,7 @@ def test_agrees_with_pytorch_optimizer(mars_type, optimize_1d, amsgrad):
         weight_decay=0.1,
         weight_decay_1d=0.2,
     )
-    ours, _ = run_mars(x0s, grads, lookaheads, mars_type=mars_type, amsgrad=amsgrad, **kw)
+    ours, _ = run_mars(x0s, grads, lookaheads, mars_type=mars_type, amsgrad=amsgrad, routing="nd", **kw)
 
     theirs = [torch.nn.Parameter(x.clone()) for x in x0s]
     opt = pytorch_optimizer.MARS(theirs, lr=LRS[0], mars_type=mars_type.removeprefix("mars-"), ams_bound=amsgrad, **kw)
@@ -371,3 +381,15 @@ def test_agrees_with_pytorch_optimizer(mars_type, optimize_1d, amsgrad):
         opt.step()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_routing_decides_which_tensors_take_mars():
+    """A 4-D convolution kernel takes the AdamW rule under the paper's routing and MARS under "nd"."""
+    kernel = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
+    matrix = torch.nn.Parameter(torch.randn(5, 4))
+    for routing, kernel_is_mars in (("2d", False), ("nd", True)):
+        opt = MARS([kernel, matrix], lr=1e-2, routing=routing)
+        kernel.grad, matrix.grad = torch.ones_like(kernel), torch.ones_like(matrix)
+        opt.step()
+        assert ("last_grad" in opt.state[kernel]) == kernel_is_mars
+        assert "last_grad" in opt.state[matrix]
