@@ -1,0 +1,463 @@
+"""vision/: CIFAR reading (both distributions, offline), on-device augmentation, the trainer end to end.
+
+The data sets are written here in the standard on-disk formats: the python distribution as Python 2's
+cPickle wrote it (protocol 2, str objects as BINSTRING, numpy.core.multiarray names) and the binary one.
+Images are tiny-net-learnable: each class has its own colour.
+"""
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vision import cifar, train_cifar
+from vision.bench_loader import PerImageCifar, pil_crop_and_flip, pil_to_normalized_tensor
+from vision.cifar import DATASETS, CifarData, crop_and_flip, read_cifar, write_binary_split
+from vision.muon import Muon
+from vision.resnet import ResNet
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing the standard formats
+
+
+class _Python2Pickler(pickle._Pickler):
+    """Pickles bytes as Python 2 str objects (SHORT_BINSTRING / BINSTRING), as the CIFAR files hold them."""
+
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def save_python2_str(self, obj):
+        if len(obj) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(obj)]) + obj)
+        else:
+            self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = save_python2_str
+
+
+def python2_pickle(obj):
+    buffer = io.BytesIO()
+    _Python2Pickler(buffer, protocol=2).dump(obj)
+    # numpy 2 names its array reconstructor numpy._core.multiarray; the CIFAR files name numpy.core's.
+    return buffer.getvalue().replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n")
+
+
+def toy_split(n, seed, num_classes=10):
+    """n images; class k is a fixed colour plus noise, so colour alone separates the classes."""
+    rng = np.random.default_rng(seed)
+    # Ten colours far apart (the RGB cube's corners and two more); CIFAR-100 cycles through them.
+    corners = [(r, g, b) for r in (0, 255) for g in (0, 255) for b in (0, 255)]
+    colours = np.array((corners + [(128, 128, 128), (128, 0, 255)]) * (num_classes // 10))
+    labels = np.arange(n) % num_classes
+    noise = rng.normal(0, 20, (n, 3, 32, 32))
+    images = np.clip(colours[labels][:, :, None, None] + noise, 0, 255).astype(np.uint8)
+    return images, labels.astype(np.int64)
+
+
+def write_python_cifar10(data_dir, train_per_batch=8, test=40):
+    folder = os.path.join(data_dir, "cifar-10-batches-py")
+    os.makedirs(folder, exist_ok=True)
+    splits = {name: toy_split(train_per_batch, seed=i) for i, name in enumerate(DATASETS["cifar10"].python.train_files)}
+    splits["test_batch"] = toy_split(test, seed=99)
+    for name, (images, labels) in splits.items():
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": [int(label) for label in labels],
+            b"data": images.reshape(len(labels), -1),
+            b"filenames": [f"img_{i}.png".encode() for i in range(len(labels))],
+        }
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(python2_pickle(batch))
+    train = [splits[name] for name in DATASETS["cifar10"].python.train_files]
+    return (np.concatenate([i for i, _ in train]), np.concatenate([y for _, y in train])), splits["test_batch"]
+
+
+def write_binary_cifar100(data_dir, train=30, test=10):
+    folder = os.path.join(data_dir, "cifar-100-binary")
+    os.makedirs(folder, exist_ok=True)
+    splits = {"train.bin": toy_split(train, seed=1, num_classes=100), "test.bin": toy_split(test, seed=2)}
+    for name, (images, labels) in splits.items():
+        # records: coarse label, fine label, pixels; the coarse one is deliberately different
+        write_binary_split(os.path.join(folder, name), images, labels, label_bytes=2, label_offset=1)
+        with open(os.path.join(folder, name), "r+b") as f:
+            raw = bytearray(f.read())
+            for i in range(len(labels)):
+                raw[i * (2 + 3072)] = 7
+            f.seek(0)
+            f.write(raw)
+    return splits["train.bin"], splits["test.bin"]
+
+
+def tar_folder(data_dir, folder, archive):
+    with tarfile.open(os.path.join(data_dir, archive), "w:gz") as tar:
+        tar.add(os.path.join(data_dir, folder), arcname=folder)
+
+
+@pytest.fixture
+def cifar10_dir(tmp_path):
+    data_dir = tmp_path / "cifar"
+    write_python_cifar10(str(data_dir))
+    return str(data_dir)
+
+
+def assert_splits_equal(got, want):
+    for (got_images, got_labels), (want_images, want_labels) in zip(got, want):
+        np.testing.assert_array_equal(got_images, want_images)
+        np.testing.assert_array_equal(got_labels, want_labels)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading
+
+
+def test_python_distribution_reads_from_the_folder_and_from_the_archive(tmp_path):
+    data_dir = str(tmp_path / "d")
+    want = write_python_cifar10(data_dir)
+    assert_splits_equal(read_cifar("cifar10", data_dir), want)
+    tar_folder(data_dir, "cifar-10-batches-py", "cifar-10-python.tar.gz")
+    os.rename(os.path.join(data_dir, "cifar-10-batches-py"), os.path.join(data_dir, "moved"))
+    assert_splits_equal(read_cifar("cifar10", data_dir), want)
+
+
+def test_binary_distribution_reads_cifar100_fine_labels(tmp_path):
+    data_dir = str(tmp_path / "d")
+    want = write_binary_cifar100(data_dir)
+    assert_splits_equal(read_cifar("cifar100", data_dir), want)
+    tar_folder(data_dir, "cifar-100-binary", "cifar-100-binary.tar.gz")
+    os.rename(os.path.join(data_dir, "cifar-100-binary"), os.path.join(data_dir, "moved"))
+    assert_splits_equal(read_cifar("cifar100", data_dir), want)
+
+
+class _RunsCode:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_a_pickle_that_would_run_code_is_refused_without_running_it(cifar10_dir, tmp_path):
+    marker = str(tmp_path / "created_by_the_pickle")
+    payload = {b"data": np.zeros((1, 3072), np.uint8), b"labels": [0], b"x": _RunsCode(marker)}
+    with open(os.path.join(cifar10_dir, "cifar-10-batches-py", "data_batch_2"), "wb") as f:
+        f.write(python2_pickle(payload))
+    with pytest.raises(cifar.DataError, match=r"data_batch_2 is not a CIFAR python batch .*names posix\.mkdir"):
+        read_cifar("cifar10", cifar10_dir)
+    assert not os.path.exists(marker)
+
+
+def test_no_data_and_no_network_names_data_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(cifar, "network_reachable", lambda host: False)
+    data_dir = str(tmp_path / "empty")
+    with pytest.raises(cifar.DataError, match=rf"unreachable; .*--data_dir={data_dir}$"):
+        read_cifar("cifar10", data_dir)
+
+
+class _Response(io.BytesIO):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def test_download_with_a_wrong_checksum_keeps_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(cifar, "network_reachable", lambda host: True)
+    monkeypatch.setattr(cifar.urllib.request, "urlopen", lambda url, timeout: _Response(b"not the archive"))
+    data_dir = tmp_path / "d"
+    with pytest.raises(cifar.DataError, match="MD5 .* not c58f30108f718f92721af3b95e74349a"):
+        read_cifar("cifar10", str(data_dir))
+    assert os.listdir(data_dir) == []
+
+
+def test_a_downloaded_archive_whose_checksum_matches_is_read(tmp_path, monkeypatch):
+    source = str(tmp_path / "source")
+    want = write_python_cifar10(source)
+    tar_folder(source, "cifar-10-batches-py", "cifar-10-python.tar.gz")
+    with open(os.path.join(source, "cifar-10-python.tar.gz"), "rb") as f:
+        archive = f.read()
+    import hashlib
+
+    spec = dataclasses.replace(DATASETS["cifar10"], md5=hashlib.md5(archive).hexdigest())
+    monkeypatch.setitem(DATASETS, "cifar10", spec)
+    monkeypatch.setattr(cifar, "network_reachable", lambda host: True)
+    requested = []
+    monkeypatch.setattr(
+        cifar.urllib.request, "urlopen", lambda url, timeout: requested.append(url) or _Response(archive)
+    )
+    data_dir = str(tmp_path / "d")
+    assert_splits_equal(read_cifar("cifar10", data_dir), want)
+    assert requested == ["https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"]
+    assert os.listdir(data_dir) == ["cifar-10-python.tar.gz"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Augmentation
+
+
+def test_on_device_crop_and_flip_equal_the_per_image_pil_pipeline():
+    images, labels = toy_split(12, seed=5)
+    data = CifarData("cifar10", (images, labels), (images, labels), "cpu")
+    tops = torch.tensor([0, 8, 3, 4, 0, 8, 1, 2, 5, 6, 7, 4])
+    lefts = torch.tensor([0, 8, 5, 4, 8, 0, 2, 1, 6, 7, 3, 4])
+    flips = torch.tensor([False, True, True, False, True, False, True, False, True, True, False, False])
+    padded = torch.nn.functional.pad(torch.from_numpy(images), (4, 4, 4, 4))
+    ours = data.normalize(crop_and_flip(padded, tops, lefts, flips))
+    per_image = PerImageCifar(images, labels)
+    for i in range(len(labels)):
+        image = pil_crop_and_flip(Image.fromarray(per_image.images[i]), int(tops[i]), int(lefts[i]), bool(flips[i]))
+        torch.testing.assert_close(ours[i], pil_to_normalized_tensor(image, per_image.mean, per_image.std))
+    assert not torch.equal(ours[1], ours[1].flip(-1))  # the flips and crops are not trivially equal
+
+
+def test_epoch_batches_are_a_function_of_seed_and_epoch():
+    images, labels = toy_split(50, seed=0)
+    data = CifarData("cifar10", (images, labels), (images[:10], labels[:10]), "cpu")
+
+    def epoch(seed, e):
+        return list(data.train_batches(seed, e, batch_size=16))
+
+    first, again, other = epoch(0, 1), epoch(0, 1), epoch(0, 2)
+    assert [len(y) for _, y in first] == [16, 16, 16, 2]  # every image once, the last batch smaller
+    assert sorted(torch.cat([y for _, y in first]).tolist()) == sorted(labels.tolist())
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
+    assert not torch.equal(first[0][0], other[0][0])
+    assert not torch.equal(first[0][0], epoch(1, 1)[0][0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Optimizers
+
+
+def test_muon_on_a_matrix_matches_torch_muon_and_flattens_kernels():
+    torch.manual_seed(0)
+    matrix = torch.nn.Parameter(torch.randn(16, 8))
+    kernel = torch.nn.Parameter(matrix.detach().clone().view(16, 2, 2, 2))
+    reference = torch.nn.Parameter(matrix.detach().clone())
+    ours = Muon([matrix, kernel], lr=0.05, weight_decay=0.1)
+    theirs = torch.optim.Muon([reference], lr=0.05, weight_decay=0.1, adjust_lr_fn="original")
+    for _ in range(3):
+        grad = torch.randn(16, 8)
+        matrix.grad, kernel.grad, reference.grad = grad.clone(), grad.view(16, 2, 2, 2).clone(), grad.clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(kernel.detach().view(16, 8), matrix.detach())
+    torch.testing.assert_close(matrix.detach(), reference.detach(), atol=2e-3, rtol=0)  # torch's NS is bfloat16
+
+
+def test_routings_differ_only_in_the_convolution_kernels_updates():
+    """One step from the same weights and batch: '2d' and 'nd' move every tensor but the kernels identically."""
+    cfg = train_cifar.CifarConfig(net="resnet10", width=4, learning_rate=1e-2)
+    torch.manual_seed(0)
+    start = ResNet(num_classes=10, width=4, blocks=(1, 1, 1, 1))
+    images, labels = torch.randn(8, 3, 32, 32), torch.arange(8)
+    stepped = {}
+    for routing in ("2d", "nd"):
+        model = ResNet(num_classes=10, width=4, blocks=(1, 1, 1, 1))
+        model.load_state_dict(start.state_dict())
+        optimizer = train_cifar.build_optimizer(model, dataclasses.replace(cfg, mars_routing=routing))
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        stepped[routing] = {name: p.detach() for name, p in model.named_parameters()}
+    kernels = [name for name, p in start.named_parameters() if p.ndim == 4]
+    assert len(kernels) == 12  # stem, two per block, three 1x1 shortcuts
+    for name, before in start.named_parameters():
+        assert not torch.equal(stepped["2d"][name], before.detach()), f"{name} did not move"
+        if name in kernels:
+            assert not torch.allclose(stepped["2d"][name], stepped["nd"][name]), name
+        else:
+            assert torch.equal(stepped["2d"][name], stepped["nd"][name]), name
+
+    # '2d' trains a kernel with AdamW at lr_1d, betas_1d, weight_decay_1d: the paper code's rule.
+    model = ResNet(num_classes=10, width=4, blocks=(1, 1, 1, 1))
+    model.load_state_dict(start.state_dict())
+    adamw = torch.optim.AdamW(
+        [model.conv1.weight], lr=cfg.lr_1d, betas=cfg.betas_1d, weight_decay=cfg.weight_decay_1d, eps=1e-8
+    )
+    torch.nn.functional.cross_entropy(model(images), labels).backward()
+    adamw.step()
+    torch.testing.assert_close(stepped["2d"]["conv1.weight"], model.conv1.weight.detach())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer
+
+
+def tiny_args(data_dir, out_dir, **overrides):
+    args = dict(
+        data_dir=data_dir,
+        out_dir=out_dir,
+        net="resnet10",
+        width=4,
+        epochs=3,
+        batch_size=8,
+        eval_batch_size=8,
+        learning_rate=1e-2,
+        device="cpu",
+    )
+    args.update(overrides)
+    return [f"--{key}={value}" for key, value in args.items()]
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def final_state(out_dir):
+    return torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)
+
+
+@pytest.mark.parametrize("routing", ["2d", "nd"])
+def test_learns_the_separable_toy_set(cifar10_dir, tmp_path, routing):
+    out = str(tmp_path / "out")
+    args = tiny_args(cifar10_dir, out, width=8, epochs=8, schedule="constant", mars_routing=routing)
+    assert train_cifar.main(args) == 0
+    log = records(out)
+    assert [r["epoch"] for r in log] == list(range(1, 9))
+    assert all(k in r for r in log for k in ("train/loss", "test/loss", "test/acc"))
+    assert log[-1]["train/loss"] < log[0]["train/loss"]
+    assert log[-1]["test/acc"] >= 40.0  # 10 classes: chance is 10 %
+
+
+def test_a_run_killed_mid_epoch_resumes_to_the_same_parameters(cifar10_dir, tmp_path, monkeypatch):
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    assert train_cifar.main(tiny_args(cifar10_dir, whole)) == 0
+
+    class Killed(Exception):
+        pass
+
+    real_batches = CifarData.train_batches
+
+    def dies_in_epoch_2(self, seed, epoch, batch_size):
+        for step, batch in enumerate(real_batches(self, seed, epoch, batch_size)):
+            if epoch == 2 and step == 2:
+                raise Killed  # two optimizer steps of epoch 2 done, in memory only
+            yield batch
+
+    monkeypatch.setattr(CifarData, "train_batches", dies_in_epoch_2)
+    with pytest.raises(Killed):
+        train_cifar.main(tiny_args(cifar10_dir, killed))
+    assert final_state(killed)["epoch"] == 1
+    monkeypatch.setattr(CifarData, "train_batches", real_batches)
+    assert train_cifar.main(tiny_args(cifar10_dir, killed, init_from="resume")) == 0
+
+    a, b = final_state(whole), final_state(killed)
+    assert a["epoch"] == b["epoch"] == 3 and a["iter_num"] == b["iter_num"] == 15
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    timing = ("time_s", "images_per_s")
+    strip = [{k: v for k, v in r.items() if k not in timing} for r in records(whole)]
+    assert strip == [{k: v for k, v in r.items() if k not in timing} for r in records(killed)]
+
+
+def test_a_fresh_run_refuses_an_out_dir_holding_a_checkpoint(cifar10_dir, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1)) == 0
+    before = final_state(out)["model"]
+    capsys.readouterr()
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--init_from=resume" in err and "new --out_dir" in err
+    after = final_state(out)["model"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize(
+    "break_data, override, message",
+    [
+        (lambda d: _truncate(os.path.join(d, "cifar-10-batches-py", "data_batch_3")), {}, "data_batch_3 is not a"),
+        (lambda d: os.remove(os.path.join(d, "cifar-10-batches-py", "test_batch")), {}, "test_batch is missing"),
+        (lambda d: None, {"dataset": "cifar1000"}, "dataset='cifar1000' is not one of: cifar10, cifar100"),
+        (lambda d: None, {"mars_routing": "3d"}, "mars_routing='3d' is not one of: 2d, nd"),
+        (lambda d: None, {"init_from": "resume"}, "no checkpoint at"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(cifar10_dir, tmp_path, capsys, break_data, override, message):
+    break_data(cifar10_dir)
+    out = str(tmp_path / "out")
+    assert train_cifar.main(tiny_args(cifar10_dir, out, **override)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))
+
+
+def test_the_script_runs_from_any_directory(tmp_path):
+    """python vision/train_cifar.py finds the repository's modules (its sys.path line) and reports errors."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "vision", "train_cifar.py"), "--dataset=mnist"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "error: dataset='mnist' is not one of: cifar10, cifar100\n"
+
+
+class _FakeWandb:
+    """Records what the trainer sends to wandb (no network, no background process)."""
+
+    def __init__(self):
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        fake = self
+
+        class _Run:
+            id = kwargs["id"] or "run123"
+
+            def define_metric(self, *args, **kw):
+                pass
+
+            def log(self, record):
+                fake.logged.append(record)
+
+            def finish(self):
+                fake.finished += 1
+
+        return _Run()
+
+
+def test_wandb_gets_every_epoch_record_and_resume_continues_the_run(cifar10_dir, tmp_path, monkeypatch):
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = str(tmp_path / "out")
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, wandb_log=True)) == 0
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=3, wandb_log=True, init_from="resume")) == 0
+    assert [i["id"] for i in fake.inits] == [None, "run123"]
+    assert fake.inits[0]["name"] == "cifar10_resnet10_mars_0.01" and fake.inits[0]["project"] == "CV"
+    assert fake.logged == records(out) and [r["epoch"] for r in fake.logged] == [1, 2, 3]
+    assert fake.finished == 2
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_lr_schedule_is_multisteplr_stepped_at_each_epochs_start():
+    for epochs in (1, 2, 3, 7, 200):
+        cfg = train_cifar.CifarConfig(epochs=epochs)
+        param = torch.nn.Parameter(torch.zeros(1))
+        sgd = torch.optim.SGD([param], lr=1.0)
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(sgd, milestones=[epochs // 2, epochs * 3 // 4], gamma=0.1)
+        for epoch in range(1, epochs + 1):
+            scheduler.step()  # as train_CV.py: before the epoch's training
+            assert train_cifar.lr_factor(epoch, cfg) == pytest.approx(sgd.param_groups[0]["lr"]), (epochs, epoch)
+    assert train_cifar.lr_factor(5, train_cifar.CifarConfig(schedule="constant", epochs=6)) == 1.0

@@ -1,0 +1,459 @@
+"""Train a CIFAR ResNet with MARS, AdamW or Muon: the paper's vision experiments (arXiv:2411.10438, §4.3).
+
+    python vision/train_cifar.py --dataset=cifar10 --data_dir=data/cifar --optimizer_name=mars \
+        --learning_rate=1e-3 --epochs=200 --device=cuda --out_dir=out-cifar/mars
+
+Defaults are the reference trainer's (AGI-Arena/MARS, MARS/train_CV.py with utils/cv_utils.py):
+ResNet-18, batch 128, 200 epochs, MultiStepLR at 1/2 and 3/4 of the epochs (factor 0.1), seed 0, MARS
+with its defaults (betas (0.95, 0.99), gamma 0.025) at --learning_rate for the tensors MARS takes and
+--lr_1d=3e-3 (the reference's --adamw_lr) with AdamW betas (0.9, 0.95) and weight decay 0.1 for the rest.
+
+Which tensors MARS takes is --mars_routing: '2d' (default; the paper's code) gives it only exactly-2-D
+tensors, so in a ResNet every convolution kernel (4-D) trains with the AdamW rule above and only the
+classifier's weight with MARS; 'nd' gives it the convolution kernels too.
+
+Each epoch: a progress bar, a line with train/test loss and test accuracy, a record in
+out_dir/metrics.jsonl, and out_dir/ckpt.pt (written atomically) holding everything the next epoch depends
+on: model, optimizer, epoch (the learning-rate schedule is a function of the epoch), RNG states. Batches
+and augmentation are a pure function of (seed, epoch) (vision/cifar.py), so a run killed at any moment and
+restarted with --init_from=resume ends with the same parameters as one left alone.
+
+Differences from the reference, each deliberate:
+- One device (the reference wraps the model in DataParallel over every visible GPU, which splits each
+  batch, and so its BatchNorm statistics, across them; on one GPU the two are the same).
+- Data: the data set lives on the device and is augmented there (vision/cifar.py), instead of a
+  torchvision DataLoader; the same transforms, other random draws.
+- MARS's first step has no correction term (mars.py says why); Muon is vision/muon.py (the reference's
+  rule); AdamW is torch's (the reference's Muon pairs its own AdamW, whose eps sits outside the bias
+  correction: a 1e-8-level difference).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+# `python vision/train_cifar.py` puts vision/ first on sys.path; the trainer imports mars, optim,
+# checkpoint and tokens from the repository root, and its own modules as vision.*.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import checkpoint  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
+from configurator import ConfigError  # noqa: E402
+from mars import MARS, MARS_TYPES, ROUTINGS  # noqa: E402
+from optim import ChainedOptimizer, set_lr  # noqa: E402
+from tokens import DataError  # noqa: E402
+from vision.cifar import DATASETS, CifarData  # noqa: E402
+from vision.muon import Muon  # noqa: E402
+from vision.resnet import ResNet  # noqa: E402
+
+# The reference's ResNets of BasicBlocks (model_CNN.py), by depth.
+NETS = {"resnet10": (1, 1, 1, 1), "resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}
+
+
+@dataclasses.dataclass
+class CifarConfig:
+    # data
+    dataset: str = "cifar10"  # 'cifar10' or 'cifar100'
+    data_dir: str = "data/cifar"  # holds the CIFAR distributions; the python one is downloaded here if absent
+    # model
+    net: str = "resnet18"  # 'resnet10', 'resnet18' or 'resnet34' (the reference's CIFAR ResNets)
+    width: int = 64  # channels of the first stage (64 in ResNet-18; each stage doubles them)
+    # optimizer: the reference's defaults
+    optimizer_name: str = "mars"  # 'mars', 'adamw' or 'muon'
+    learning_rate: float = 0.1  # MARS's tensors, AdamW's everything, Muon's matrices (--lr there)
+    lr_1d: float = 3e-3  # MARS's AdamW-rule tensors and Muon's AdamW half (--adamw_lr there)
+    weight_decay: float = 0.0  # MARS's tensors, AdamW's everything, Muon's AdamW half (--wd there)
+    beta1: float = 0.9  # AdamW's and Muon's AdamW half (--beta1 there)
+    beta2: float = 0.999
+    mars_routing: str = "2d"  # '2d': only 2-D tensors take MARS (the paper's code); 'nd': conv kernels too
+    mars_type: str = "mars-adamw"
+    gamma: float = 0.025
+    mars_betas: tuple[float, float] = (0.95, 0.99)
+    betas_1d: tuple[float, float] = (0.9, 0.95)  # MARS's AdamW-rule tensors
+    weight_decay_1d: float = 0.1  # MARS's AdamW-rule tensors
+    # schedule
+    epochs: int = 200
+    batch_size: int = 128
+    eval_batch_size: int = 100
+    schedule: str = "multistep"  # 'multistep' (x0.1 at 1/2 and 3/4 of the epochs) or 'constant'
+    seed: int = 0
+    # I/O and system
+    out_dir: str = "out-cifar"
+    init_from: str = "scratch"  # 'scratch' or 'resume' (out_dir's ckpt.pt)
+    wandb_log: bool = False
+    wandb_project: str = "CV"
+    wandb_run_name: str = ""  # '' = the reference's {dataset}_{net}_{optimizer}_{lr}
+    device: str = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:N'
+
+
+def validate(cfg):
+    allowed = {
+        "dataset": tuple(DATASETS),
+        "net": tuple(NETS),
+        "optimizer_name": ("mars", "adamw", "muon"),
+        "mars_routing": ROUTINGS,
+        "mars_type": MARS_TYPES,
+        "schedule": ("multistep", "constant"),
+        "init_from": ("scratch", "resume"),
+    }
+    for key, values in allowed.items():
+        if getattr(cfg, key) not in values:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of: {', '.join(values)}")
+    for key in ("width", "epochs", "batch_size", "eval_batch_size", "learning_rate"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
+    for key in ("lr_1d", "weight_decay", "weight_decay_1d", "gamma", "seed"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    for key, betas in (
+        ("beta1/beta2", (cfg.beta1, cfg.beta2)),
+        ("mars_betas", cfg.mars_betas),
+        ("betas_1d", cfg.betas_1d),
+    ):
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"{key} must be in [0, 1), got {betas}")
+    if not (cfg.device in ("auto", "cpu") or cfg.device.split(":")[0] == "cuda"):
+        raise ConfigError(f"device={cfg.device!r} is not one of: auto, cpu, cuda, cuda:N")
+
+
+def load_config(argv):
+    """CifarConfig from --key=value arguments (a stand-in until configurator.load_config takes any dataclass)."""
+    import ast
+
+    types = {f.name: f.type for f in dataclasses.fields(CifarConfig)}
+    values = {}
+    for arg in argv:
+        key, sep, text = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or not sep or key not in types:
+            raise ConfigError(f"expected --key=value with a key of CifarConfig, got '{arg}'")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        values[key] = text if types[key] is str else value
+    cfg = CifarConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building
+
+
+def resolve_device(cfg):
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device!r} but this torch sees no CUDA device; use --device=cpu")
+    return cfg.device
+
+
+def model_args(cfg, num_classes):
+    return {"num_classes": num_classes, "width": cfg.width, "blocks": list(NETS[cfg.net])}
+
+
+def build_optimizer(model, cfg):
+    """The reference train_CV.py's optimizers, over one group of all parameters (none is excluded from decay)."""
+    params = list(model.parameters())
+    if cfg.optimizer_name == "mars":
+        optimizer = MARS(
+            params,
+            lr=cfg.learning_rate,
+            betas=tuple(cfg.mars_betas),
+            weight_decay=cfg.weight_decay,
+            gamma=cfg.gamma,
+            mars_type=cfg.mars_type,
+            routing=cfg.mars_routing,
+            lr_1d=cfg.lr_1d,
+            betas_1d=tuple(cfg.betas_1d),
+            weight_decay_1d=cfg.weight_decay_1d,
+        )
+    elif cfg.optimizer_name == "adamw":
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        )
+    else:  # muon: as the reference's CombinedOptimizer, tensors of 2+ dims to Muon, the rest to AdamW
+        optimizer = ChainedOptimizer(
+            Muon([p for p in params if p.ndim >= 2], lr=cfg.learning_rate, weight_decay=0.0),
+            torch.optim.AdamW(
+                [p for p in params if p.ndim < 2],
+                lr=cfg.lr_1d,
+                betas=(cfg.beta1, cfg.beta2),
+                weight_decay=cfg.weight_decay,
+            ),
+        )
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]
+    return optimizer
+
+
+def lr_factor(epoch, cfg):
+    """Every group's lr during epoch `epoch` (from 1), as a multiple of its initial lr.
+
+    multistep: the reference's MultiStepLR(milestones=[epochs // 2, 3 * epochs // 4], gamma=0.1), which
+    it steps at the START of each epoch: epoch e trains at 0.1^(milestones <= e), so with 200 epochs the
+    lr drops for epochs 100 and 150 (not 101 and 151).
+    """
+    if cfg.schedule == "constant":
+        return 1.0
+    milestones = (cfg.epochs // 2, 3 * cfg.epochs // 4)
+    return 0.1 ** sum(m <= epoch for m in milestones)
+
+
+@dataclasses.dataclass
+class Progress:
+    """What a checkpoint carries besides model and optimizer."""
+
+    epoch: int = 0  # epochs completed
+    iter_num: int = 0  # optimizer steps taken
+    best_acc: float = 0.0  # best test accuracy so far (%)
+    elapsed_s: float = 0.0  # training wall-clock time, carried across resumes
+    wandb_run_id: str = ""
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: CifarConfig
+    device: str
+    data: CifarData
+    model: torch.nn.Module
+    model_args: dict
+    optimizer: torch.optim.Optimizer
+
+
+def setup(cfg):
+    """(Run, Progress, resumed): everything checked and built; nothing trained yet."""
+    ckpt_path = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
+    if cfg.init_from == "scratch" and os.path.exists(ckpt_path):
+        raise CheckpointError(
+            f"out_dir {cfg.out_dir} already holds a checkpoint ({ckpt_path}); continue it with "
+            f"--init_from=resume, or train from scratch into a new --out_dir"
+        )
+    ckpt = checkpoint.load_checkpoint(ckpt_path) if cfg.init_from == "resume" else None
+    device = resolve_device(cfg)
+    if device.startswith("cuda"):
+        torch.backends.cudnn.benchmark = True  # as the reference: fixed shapes, so the fastest kernels
+    data = CifarData.from_dir(cfg.dataset, cfg.data_dir, device)
+    torch.manual_seed(cfg.seed)  # the model's initialisation, as the reference seeds before building it
+    args = model_args(cfg, data.num_classes)
+    model = ResNet(**args)
+    progress = Progress()
+    if ckpt is not None:
+        checkpoint.load_model_state(model, ckpt["model"], ckpt_path)
+    model.to(device)
+    optimizer = build_optimizer(model, cfg)
+    if ckpt is not None:
+        try:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"{ckpt_path} holds {ckpt['config']['optimizer_name']} state that does not fit "
+                f"optimizer_name={cfg.optimizer_name} ({e}); resume with the run's configuration"
+            ) from None
+        checkpoint.set_rng_state(ckpt["rng"])
+        progress = Progress(**{f.name: ckpt[f.name] for f in dataclasses.fields(Progress)})
+    return Run(cfg, device, data, model, args, optimizer), progress, ckpt is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training and evaluation
+
+
+def train_epoch(run, epoch, progress):
+    """One pass over the training set (epoch from 1); returns (mean loss, accuracy %) over its images."""
+    cfg, model, optimizer = run.cfg, run.model, run.optimizer
+    set_lr(optimizer, lr_factor(epoch, cfg))
+    model.train()
+    loss_sum = torch.zeros((), device=run.device)
+    correct = torch.zeros((), dtype=torch.long, device=run.device)
+    seen = 0
+    bar = tqdm(
+        total=run.data.train_batches_per_epoch(cfg.batch_size),
+        desc=f"epoch {epoch}/{cfg.epochs}",
+        leave=False,
+        mininterval=1.0,
+    )
+    for step, (images, labels) in enumerate(run.data.train_batches(cfg.seed, epoch, cfg.batch_size), 1):
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        progress.iter_num += 1
+        loss_sum += loss.detach() * len(labels)
+        correct += (logits.argmax(1) == labels).sum()
+        seen += len(labels)
+        bar.update()
+        if step % 20 == 0:  # reading the loss waits for the device: not every step
+            bar.set_postfix(loss=f"{loss_sum.item() / seen:.3f}")
+    bar.close()
+    return loss_sum.item() / seen, 100.0 * correct.item() / seen
+
+
+@torch.no_grad()
+def evaluate(run):
+    """(mean loss, accuracy %) on the test set."""
+    model = run.model
+    model.eval()
+    loss_sum = torch.zeros((), device=run.device)
+    correct = torch.zeros((), dtype=torch.long, device=run.device)
+    for images, labels in run.data.test_batches(run.cfg.eval_batch_size):
+        logits = model(images)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+        correct += (logits.argmax(1) == labels).sum()
+    seen = len(run.data.test_labels)
+    return loss_sum.item() / seen, 100.0 * correct.item() / seen
+
+
+def checkpoint_state(run, progress):
+    return dict(
+        model=run.model.state_dict(),
+        model_args=run.model_args,
+        optimizer=run.optimizer.state_dict(),
+        config=dataclasses.asdict(run.cfg),
+        rng=checkpoint.rng_state(),
+        **dataclasses.asdict(progress),
+    )
+
+
+def _json_number(value):
+    return value if not isinstance(value, float) or math.isfinite(value) else None  # JSON has no NaN
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, one record per epoch, and the same records to wandb when wandb_log.
+
+    On resume the file is cut back to the checkpoint's epoch: an epoch redone after a crash is not
+    recorded twice. Records are written before the checkpoint of their epoch.
+    """
+
+    def __init__(self, cfg, progress, resumed):
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        kept = self._records_up_to(progress.epoch) if resumed else []
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+        self.wandb = None
+        if cfg.wandb_log:
+            import wandb
+
+            name = cfg.wandb_run_name or f"{cfg.dataset}_{cfg.net}_{cfg.optimizer_name}_{cfg.learning_rate}"
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=name,
+                id=progress.wandb_run_id or None,
+                resume="allow",
+                config=dataclasses.asdict(cfg),
+            )
+            progress.wandb_run_id = self.wandb.id  # in every checkpoint: a resumed run continues this one
+            self.wandb.define_metric("epoch")
+            self.wandb.define_metric("*", step_metric="epoch")
+
+    def _records_up_to(self, epoch):
+        if not os.path.exists(self.path):
+            return []
+        kept = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by the crash
+                if record.get("epoch", math.inf) <= epoch:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        return kept
+
+    def write(self, record):
+        record = {key: _json_number(value) for key, value in record.items()}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(record)
+
+    def close(self):
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def fit(run, progress, metrics):
+    """Train from epoch progress.epoch + 1 to cfg.epochs; evaluate, log and checkpoint after each."""
+    cfg = run.cfg
+    ckpt_path = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
+    for epoch in range(progress.epoch + 1, cfg.epochs + 1):
+        t0 = time.perf_counter()
+        train_loss, train_acc = train_epoch(run, epoch, progress)
+        train_s = time.perf_counter() - t0
+        test_loss, test_acc = evaluate(run)
+        progress.epoch = epoch
+        progress.best_acc = max(progress.best_acc, test_acc)
+        progress.elapsed_s += time.perf_counter() - t0
+        images_per_s = len(run.data.train_labels) / train_s
+        print(
+            f"epoch {epoch}/{cfg.epochs}: train/loss {train_loss:.4f}, train/acc {train_acc:.2f}%, "
+            f"test/loss {test_loss:.4f}, test/acc {test_acc:.2f}% (best {progress.best_acc:.2f}%), "
+            f"lr {run.optimizer.param_groups[0]['lr']:.3e}, {images_per_s:,.0f} images/s",
+            flush=True,
+        )
+        metrics.write(
+            {
+                "epoch": epoch,
+                "iter": progress.iter_num,
+                "time_s": progress.elapsed_s,
+                "lr": run.optimizer.param_groups[0]["lr"],
+                "train/loss": train_loss,
+                "train/acc": train_acc,
+                "test/loss": test_loss,
+                "test/acc": test_acc,
+                "test/best_acc": progress.best_acc,
+                "images_per_s": images_per_s,
+            }
+        )
+        checkpoint.save_checkpoint(ckpt_path, checkpoint_state(run, progress))
+
+
+def describe(run):
+    cfg = run.cfg
+    config = dataclasses.asdict(cfg)
+    for key, value in config.items():
+        print(f"{key} = {value!r}")
+    n_params = sum(p.numel() for p in run.model.parameters())
+    n_train, n_test = len(run.data.train_labels), len(run.data.test_labels)
+    print(f"{cfg.net} width {cfg.width}: {n_params / 1e6:.2f}M parameters on {run.device}")
+    print(f"{cfg.dataset}: {n_train:,} training and {n_test:,} test images")
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(argv)
+        run, progress, resumed = setup(cfg)
+        metrics = MetricsLog(cfg, progress, resumed)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        describe(run)
+        fit(run, progress, metrics)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        metrics.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
