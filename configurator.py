@@ -1,176 +1,200 @@
-"""The training configuration: every key declared once, with its type and default, and checked.
+"""The training configuration: every key declared once, with its type, default, meaning and check.
 
     python train.py [config/a.py ...] [--key=value ...]
+    python train.py --help                      # every key: type, default, meaning
 
 Config files are plain Python assignments (nanoGPT style), applied in order; each runs in its own
 namespace that starts from the values so far, so `gradient_accumulation_steps = 480 // batch_size`
-works. Then the --key=value overrides, parsed with ast.literal_eval (a str key takes the raw text when
-it is not a quoted literal). Key names and defaults are those of the paper's reference training script
-(AGI-Arena/MARS, MARS/train_mars.py), except where a comment says otherwise.
+works, and may import helpers (modules, functions and classes it binds are not keys). Then the
+--key=value overrides, parsed with ast.literal_eval (a str key takes the raw text when it is not a
+quoted literal). Key names and defaults are those of the paper's reference training script
+(AGI-Arena/MARS, MARS/train_mars.py), except where a key's help says otherwise.
 
 Any mistake -- an unknown key, a wrong type, a missing file, a value outside its allowed set -- raises
 ConfigError with a one-line message; entry points print it as `error: ...` and exit 2.
 `python configurator.py [args]` prints the effective configuration (itself a valid config file).
+
+The machinery (load_config, print_help) works on any dataclass whose fields are declared with key():
+vision/train_cifar.py uses it for its own configuration.
 """
 
 import ast
 import dataclasses
 import difflib
+import inspect
 import sys
 import types
 import typing
 from dataclasses import dataclass
+from typing import Literal
 
 
 class ConfigError(ValueError):
     """A configuration mistake; the message is the one line the user sees."""
 
 
+# ---------------------------------------------------------------------------------------------------
+# Declaring keys: key(default, help, check). A check returns None when the value is fine, else the
+# end of the message "<key> <what>, got <value>".
+
+
+def key(default, help, check=None):
+    """A config field with its one-line meaning (for --help) and an optional value check."""
+    return dataclasses.field(default=default, metadata={"help": help, "check": check})
+
+
+def positive(value):
+    return None if value > 0 else "must be positive"
+
+
+def non_negative(value):
+    return None if value >= 0 else "must be >= 0"
+
+
+def fraction(value):
+    """[0, 1): betas, dropout."""
+    return None if 0.0 <= value < 1.0 else "must be in [0, 1)"
+
+
+def betas(value):
+    return None if all(0.0 <= b < 1.0 for b in value) else "must be in [0, 1)"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training configuration.
+
+
+def _device(value):
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "mps", "cuda") or (kind == "cuda" and index.isdigit()):
+        return None
+    return "is not one of: auto, cpu, cuda, cuda:N, mps"
+
+
 @dataclass
 class TrainConfig:
-    # I/O
-    out_dir: str = "out"
-    eval_interval: int = 2000
-    log_interval: int = 1
-    eval_iters: int = 200
-    eval_only: bool = False  # stop right after the first evaluation
-    # Accepted for the reference's configs; ckpt.pt is written at every evaluation regardless, because an
-    # exact resume needs the latest state (best.pt keeps the best one).
-    always_save_checkpoint: bool = False
-    init_from: str = "scratch"  # 'scratch', 'resume' or a GPT-2 name ('gpt2', 'gpt2-medium', ...)
-    save_best: bool = True  # also keep the best-validation checkpoint
-    keep_every_n_evals: int = 0  # keep a periodic checkpoint every N evaluations; 0 = off
-    # wandb
-    wandb_log: bool = False
-    wandb_project: str = "owt"
-    wandb_run_name: str = "gpt2"
-    wandb_run_id: str = ""  # set to continue an existing wandb run; resume takes it from the checkpoint
-    # data: the token files live in data_path/dataset (data/<name>/prepare.py writes them)
-    data_path: str = "data"
-    dataset: str = "openwebtext"  # or 'fineweb_edu', 'shakespeare_char', ...
-    # Micro-batches per optimizer step across ALL ranks (nanoGPT's meaning): the global batch
-    # batch_size * gradient_accumulation_steps sequences does not change with the number of GPUs.
-    # 40 = the reference's 5 per GPU on its 8 GPUs.
-    gradient_accumulation_steps: int = 40
-    batch_size: int = 12  # micro-batch size, sequences per forward pass
-    block_size: int = 1024
-    seed: int = 5000  # the reference seeds with 5000 (+ rank; our batches do not depend on rank)
-    # model
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = False
-    scale_attn_by_inverse_layer_idx: bool = True
-    # optimizer
-    optimizer_name: str = "mars"  # 'mars', 'adamw' or 'muon'
-    learning_rate: float = 6e-4  # peak lr (MARS's 2-D tensors, AdamW's everything)
-    max_iters: int = 600000
-    weight_decay: float = 1e-1
-    beta1: float = 0.95
-    beta2: float = 0.99
-    grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
-    # The gradient of a step is grad_multiplier x the mean over its micro-batches. The paper's code
-    # summed each GPU's micro-batch gradients instead of averaging them, i.e. used (micro-batches per GPU)
-    # x the mean: 4 for small/medium (15 x 4 x 8 GPUs), 12 for large/xl (5 x 12 x 8). The paper configs
-    # set it so, which reproduces that scale (it matters to grad_clip and MARS's clip) on any GPU count.
-    grad_multiplier: float = 1.0
-    max_bad_steps: int = 10  # stop after this many consecutive non-finite steps
-    # MARS (mars.py): see its docstring for what each one does
-    gamma: float = 0.025
-    lr_1d: float = 3e-3  # AdamW lr for 1-D tensors when optimize_1d is False; follows the schedule
-    is_approx: bool = True  # False: exact MARS, an extra forward/backward per step
-    mars_type: str = "mars-adamw"
-    optimize_1d: bool = False
-    weight_decay_1d: float = 0.1
-    betas_1d: tuple[float, float] = (0.9, 0.95)
-    # Muon baseline: torch.optim.Muon on the hidden 2-D matrices, AdamW on the rest.
-    # Defaults are the reference train_muon.py's (muon_learning_rate, learning_rate).
-    muon_lr: float = 2e-2
-    muon_adamw_lr: float = 6e-4
-    # learning-rate schedule (optim.lr_factor)
-    decay_lr: bool = True  # False: constant learning_rate, no warmup
-    warmup_iters: int = 2000
-    lr_decay_iters: int = 600000  # cosine reaches min_lr here, ~= max_iters per Chinchilla
-    min_lr: float = 6e-5  # absolute, for learning_rate; every other group gets the same fraction
-    schedule: str = "cosine"  # 'cosine', 'wsd' or 'constant'
-    wsd_decay_frac: float = 0.2  # wsd: linear decay over this last fraction of max_iters
-    # evaluation
-    hellaswag_interval: int = 0  # HellaSwag every N steps; 0 = off
-    hellaswag_path: str = ""  # hellaswag_val.jsonl; empty = download when online
-    # system. 'auto' (and compile=None) choose per device: CUDA if present; NCCL on CUDA, gloo on CPU;
-    # bfloat16 autocast where CUDA supports it, else float16 with a GradScaler, float32 on CPU;
-    # torch.compile on CUDA only. The reference hard-codes cuda / nccl / bfloat16 / compile=True.
-    backend: str = "auto"
-    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'
-    dtype: str = "auto"
-    compile: bool | None = None
-    ddp_timeout_s: int = 600  # collective timeout: a dead rank ends the job instead of hanging it
+    """Every key of a training run (train.py)."""
+
+    # --- run and checkpoints
+    out_dir: str = key("out", "directory of the run: ckpt.pt, best.pt, metrics.jsonl, config.json")
+    init_from: Literal["scratch", "resume", "auto", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] = key(
+        "scratch",
+        "scratch: a new run (refused when out_dir holds one); resume: continue out_dir's ckpt.pt; "
+        "auto: resume when out_dir holds a checkpoint, else scratch; gpt2*: start from OpenAI's weights",
+    )
+    overwrite: bool = key(False, "with init_from=scratch: delete out_dir's previous run (checkpoints, metrics) first")
+    eval_interval: int = key(2000, "evaluate (and write ckpt.pt) every this many steps", positive)
+    log_interval: int = key(1, "print and record a train line every this many steps", positive)
+    eval_iters: int = key(200, "fixed batches per evaluation", positive)
+    eval_only: bool = key(False, "stop right after the first evaluation")
+    save_best: bool = key(True, "also keep the best-validation checkpoint as best.pt")
+    keep_every_n_evals: int = key(0, "keep ckpt_<iter>.pt every N evaluations; 0 = off", non_negative)
+    # --- wandb
+    wandb_log: bool = key(False, "log to wandb as well (offline, with a warning, when there is no login)")
+    wandb_project: str = key("owt", "wandb project")
+    wandb_run_name: str = key("gpt2", "wandb run name")
+    wandb_run_id: str = key("", "continue this wandb run; a resume takes it from the checkpoint")
+    # --- data and batch
+    data_path: str = key("data", "folder holding the datasets (data/<name>/prepare.py writes them)")
+    dataset: str = key("openwebtext", "token files in data_path/dataset: openwebtext, fineweb_edu, ...")
+    gradient_accumulation_steps: int = key(
+        40,
+        "micro-batches per optimizer step across ALL ranks (nanoGPT's meaning): the global batch does not "
+        "change with the number of GPUs; 40 = the reference's 5 per GPU on its 8 GPUs",
+        positive,
+    )
+    batch_size: int = key(12, "micro-batch size: sequences per forward pass", positive)
+    block_size: int = key(1024, "sequence length in tokens", positive)
+    seed: int = key(5000, "seed of the weights, batches and dropout (the reference's 5000)")
+    # --- model
+    n_layer: int = key(12, "transformer blocks", positive)
+    n_head: int = key(12, "attention heads", positive)
+    n_embd: int = key(768, "embedding width (a multiple of n_head)", positive)
+    dropout: float = key(0.0, "dropout probability", fraction)
+    bias: bool = key(False, "biases in Linear and LayerNorm layers")
+    scale_attn_by_inverse_layer_idx: bool = key(True, "divide layer i's attention logits by i + 1 (the paper's)")
+    # --- optimizer
+    optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer (optim.py)")
+    learning_rate: float = key(6e-4, "peak lr: MARS's 2-D tensors, AdamW's everything", non_negative)
+    max_iters: int = key(600000, "optimizer steps of the run", non_negative)
+    weight_decay: float = key(1e-1, "decoupled weight decay of the 2-D tensors", non_negative)
+    beta1: float = key(0.95, "first-moment decay", fraction)
+    beta2: float = key(0.99, "second-moment decay", fraction)
+    grad_clip: float = key(1.0, "global gradient-norm clip; 0 disables", non_negative)
+    grad_multiplier: float = key(
+        1.0,
+        "a step's gradient is this x the mean over its micro-batches; the paper's code summed each GPU's "
+        "micro-batches (4 small/medium, 12 large/xl), which the paper configs reproduce on any GPU count",
+        positive,
+    )
+    max_bad_steps: int = key(10, "stop after this many consecutive non-finite steps", positive)
+    # --- MARS (mars.py's docstring says what each one does)
+    gamma: float = key(0.025, "MARS: strength of the variance-reduction correction", non_negative)
+    lr_1d: float = key(
+        3e-3, "MARS: AdamW lr of the 1-D tensors (optimize_1d=False); follows the schedule", non_negative
+    )
+    is_approx: bool = key(True, "MARS: False = exact MARS, an extra forward/backward per step")
+    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo"] = key("mars-adamw", "MARS: the preconditioner")
+    optimize_1d: bool = key(False, "MARS: apply MARS to the 1-D tensors too (else AdamW)")
+    weight_decay_1d: float = key(0.1, "MARS: weight decay of the 1-D tensors", non_negative)
+    betas_1d: tuple[float, float] = key((0.9, 0.95), "MARS: AdamW betas of the 1-D tensors", betas)
+    # --- Muon baseline: torch.optim.Muon on matrices, AdamW on the rest (defaults: the reference's)
+    muon_lr: float = key(2e-2, "Muon: lr of the matrices", non_negative)
+    muon_adamw_lr: float = key(6e-4, "Muon: lr of the AdamW part", non_negative)
+    # --- learning-rate schedule (optim.lr_factor)
+    decay_lr: bool = key(True, "False: constant learning_rate from step 0, no warmup")
+    warmup_iters: int = key(2000, "linear warmup steps", non_negative)
+    lr_decay_iters: int = key(600000, "cosine reaches min_lr at this step (~= max_iters)", non_negative)
+    min_lr: float = key(6e-5, "the floor of learning_rate (absolute); other groups get the same fraction", non_negative)
+    schedule: Literal["cosine", "wsd", "constant"] = key("cosine", "lr schedule after warmup")
+    wsd_decay_frac: float = key(
+        0.2,
+        "wsd: linear decay over this last fraction of max_iters",
+        lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]",
+    )
+    # --- evaluation
+    hellaswag_interval: int = key(0, "HellaSwag every N steps; 0 = off", non_negative)
+    hellaswag_path: str = key("", "hellaswag_val.jsonl; empty = download when online")
+    # --- system. 'auto' (and compile=None) choose per device; the reference hard-codes
+    # cuda / nccl / bfloat16 / compile=True.
+    backend: Literal["auto", "nccl", "gloo"] = key("auto", "process-group backend: NCCL on CUDA, gloo on CPU")
+    device: str = key("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps", _device)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = key(
+        "auto", "autocast dtype: auto = bfloat16 where CUDA supports it, else float16 + GradScaler; float32 on CPU"
+    )
+    compile: bool | None = key(None, "torch.compile the model; None = on CUDA only")
+    ddp_timeout_s: int = key(600, "collective timeout: a dead rank ends the job instead of hanging it", positive)
+
+    def validate(self):
+        """The checks that involve more than one key."""
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.decay_lr and self.schedule == "cosine" and self.lr_decay_iters <= self.warmup_iters:
+            raise ConfigError(
+                f"lr_decay_iters={self.lr_decay_iters} must exceed warmup_iters={self.warmup_iters} "
+                "for the cosine schedule"
+            )
 
 
-ALLOWED = {
-    "optimizer_name": ("mars", "adamw", "muon"),
-    "mars_type": ("mars-adamw", "mars-lion", "mars-shampoo"),
-    "schedule": ("cosine", "wsd", "constant"),
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "backend": ("auto", "nccl", "gloo"),
-    "init_from": ("scratch", "resume", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"),
-}
-POSITIVE = (
-    "batch_size",
-    "block_size",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "gradient_accumulation_steps",
-    "eval_interval",
-    "log_interval",
-    "eval_iters",
-    "max_bad_steps",
-    "ddp_timeout_s",
-    "grad_multiplier",
-)
-NON_NEGATIVE = (
-    "max_iters",
-    "warmup_iters",
-    "lr_decay_iters",
-    "hellaswag_interval",
-    "keep_every_n_evals",
-    "learning_rate",
-    "min_lr",
-    "lr_1d",
-    "muon_lr",
-    "muon_adamw_lr",
-    "weight_decay",
-    "weight_decay_1d",
-    "gamma",
-    "grad_clip",
-)
-
-_TYPES = typing.get_type_hints(TrainConfig)
-_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+# ---------------------------------------------------------------------------------------------------
+# Parsing: config files and --key=value into any dataclass declared with key().
 
 
-def _type_name(key):
-    return {
-        float: "float",
-        int: "int",
-        bool: "bool (True/False)",
-        str: "str",
-        bool | None: "bool or None",
-        tuple[float, float]: "a pair of floats",
-    }[_TYPES[key]]
+def _type_name(want):
+    if typing.get_origin(want) is Literal:
+        return "one of: " + ", ".join(map(str, typing.get_args(want)))
+    names = {float: "float", int: "int", bool: "bool (True/False)", str: "str", bool | None: "bool or None"}
+    names[tuple[float, float]] = "a pair of floats"
+    return names[want]
 
 
-def _unknown_key(key, source):
-    close = difflib.get_close_matches(key, _KEYS, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"unknown config key '{key}' ({source}){hint}")
-
-
-def _checked(key, value, source):
-    """value converted to key's declared type, or ConfigError. bool is never taken for int or float."""
-    want = _TYPES[key]
+def _checked(types_, name, value, source):
+    """value converted to name's declared type, or ConfigError. bool is never taken for int or float."""
+    want = types_[name]
+    if typing.get_origin(want) is Literal:
+        if value in typing.get_args(want) and isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(typing.get_args(want))}")
     if want is float and type(value) in (int, float):
         return float(value)
     if (
@@ -184,87 +208,86 @@ def _checked(key, value, source):
         return value
     if want in (int, bool, str) and type(value) is want:
         return value
-    raise ConfigError(f"{key} must be {_type_name(key)}, got {value!r} ({source})")
+    raise ConfigError(f"{name} must be {_type_name(want)}, got {value!r} ({source})")
 
 
-def _apply_file(values, path):
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    namespace = dict(values)
-    try:
-        exec(compile(text, path, "exec"), namespace)
-    except SyntaxError as e:
-        raise ConfigError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
-    except Exception as e:
-        raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
-    for key, value in namespace.items():
-        if key.startswith("_") or isinstance(value, types.ModuleType):
-            continue
-        if key not in values:
-            raise _unknown_key(key, path)
-        values[key] = _checked(key, value, path)
+class _Schema:
+    """The declared keys of one config class: their types, defaults and checks."""
+
+    def __init__(self, cls):
+        self.cls = cls
+        self.fields = {f.name: f for f in dataclasses.fields(cls)}
+        self.types = typing.get_type_hints(cls)
+
+    def unknown(self, name, source):
+        close = difflib.get_close_matches(name, list(self.fields), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return ConfigError(f"unknown config key '{name}' ({source}){hint}")
+
+    def apply_file(self, values, path):
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        namespace = dict(values)
+        try:
+            exec(compile(text, path, "exec"), namespace)
+        except SyntaxError as e:
+            raise ConfigError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        except Exception as e:
+            raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
+        for name, value in namespace.items():
+            if name.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+                continue  # imports and helpers the file binds
+            if name not in values:
+                raise self.unknown(name, path)
+            values[name] = _checked(self.types, name, value, path)
+
+    def apply_override(self, values, arg):
+        name, sep, text = arg[2:].partition("=")
+        if not sep or not name:
+            raise ConfigError(f"expected --key=value, got '{arg}'")
+        if name not in values:
+            raise self.unknown(name, "command line")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            value = text
+        if self.types[name] is str and not isinstance(value, str):
+            value = text  # --wandb_run_name=2024 means the string '2024'
+        values[name] = _checked(self.types, name, value, f"--{name}")
+
+    def check(self, cfg):
+        for name, f in self.fields.items():
+            check = f.metadata.get("check")
+            problem = check(getattr(cfg, name)) if check else None
+            if problem:
+                value = getattr(cfg, name)
+                raise ConfigError(
+                    f"{name}={value!r} {problem}" if problem.startswith("is ") else f"{name} {problem}, got {value}"
+                )
+        if hasattr(cfg, "validate"):
+            cfg.validate()
 
 
-def _apply_override(values, arg):
-    key, sep, text = arg[2:].partition("=")
-    if not sep or not key:
-        raise ConfigError(f"expected --key=value, got '{arg}'")
-    if key not in values:
-        raise _unknown_key(key, "command line")
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        value = text
-    if _TYPES[key] is str and not isinstance(value, str):
-        value = text  # --wandb_run_name=2024 means the string '2024'
-    values[key] = _checked(key, value, f"--{key}")
-
-
-def _validate(cfg):
-    for key, allowed in ALLOWED.items():
-        value = getattr(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
-    for key in POSITIVE:
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
-    for key in NON_NEGATIVE:
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-    if not (cfg.device in ("auto", "cpu", "mps") or cfg.device.split(":")[0] == "cuda"):
-        raise ConfigError(f"device={cfg.device!r} is not one of: auto, cpu, cuda, cuda:N, mps")
-    if cfg.n_embd % cfg.n_head:
-        raise ConfigError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
-    for key, betas in (("beta1/beta2", (cfg.beta1, cfg.beta2)), ("betas_1d", cfg.betas_1d)):
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ConfigError(f"{key} must be in [0, 1), got {betas}")
-    if not 0.0 < cfg.wsd_decay_frac <= 1.0:
-        raise ConfigError(f"wsd_decay_frac must be in (0, 1], got {cfg.wsd_decay_frac}")
-    if cfg.decay_lr and cfg.schedule == "cosine" and cfg.lr_decay_iters <= cfg.warmup_iters:
-        raise ConfigError(
-            f"lr_decay_iters={cfg.lr_decay_iters} must exceed warmup_iters={cfg.warmup_iters} for the cosine schedule"
-        )
-
-
-def load_config(argv):
-    """TrainConfig from command-line arguments: config files (in order), then --key=value overrides."""
-    values = config_to_dict(TrainConfig())
+def load_config(argv, cls=TrainConfig):
+    """cls from command-line arguments: config files (in order), then --key=value overrides."""
+    schema = _Schema(cls)
+    values = config_to_dict(cls())
     for arg in argv:
         if arg.startswith("--"):
-            _apply_override(values, arg)
+            schema.apply_override(values, arg)
         elif arg.startswith("-"):
             raise ConfigError(f"expected a config file or --key=value, got '{arg}'")
         else:
-            _apply_file(values, arg)
-    cfg = TrainConfig(**values)
-    _validate(cfg)
+            schema.apply_file(values, arg)
+    cfg = cls(**values)
+    schema.check(cfg)
     return cfg
 
 
@@ -273,14 +296,35 @@ def config_to_dict(cfg):
     return dataclasses.asdict(cfg)
 
 
+def wants_help(argv):
+    return any(arg in ("-h", "--help") for arg in argv)
+
+
+def print_help(cls=TrainConfig, usage="python train.py [config/file.py ...] [--key=value ...]", file=None):
+    """Every key of cls with its type, default and meaning, in declaration order."""
+    schema = _Schema(cls)
+    lines = [f"usage: {usage}", "", inspect.cleandoc(cls.__doc__ or "").splitlines()[0], ""]
+    defaults = config_to_dict(cls())
+    for name, f in schema.fields.items():
+        want = schema.types[name]
+        kind = "str" if want is str else _type_name(want)
+        lines.append(f"  --{name}={defaults[name]!r}  [{kind}]")
+        lines.append(f"      {f.metadata.get('help', '')}")
+    print("\n".join(lines), file=file or sys.stdout)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print_help(usage="python configurator.py [config/file.py ...] [--key=value ...]")
+        return 0
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv)
+        cfg = load_config(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for key, value in config_to_dict(cfg).items():
-        print(f"{key} = {value!r}")
+    for name, value in config_to_dict(cfg).items():
+        print(f"{name} = {value!r}")
     return 0
 
 

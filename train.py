@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 from checkpoint import CheckpointError
-from configurator import ConfigError, config_to_dict, load_config
+from configurator import ConfigError, config_to_dict, load_config, print_help, wants_help
 from model import GPT, GPTConfig
 from optim import build_optimizer, lr_factor, set_lr
 from tokens import DataError, TokenData
@@ -741,6 +741,9 @@ def record_skip(run, progress, result, time_s):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print_help()
+        return 0
     dist_info = None
     try:
         try:

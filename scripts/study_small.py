@@ -89,7 +89,6 @@ COMMON = [
     "--dtype=float32",
     "--compile=False",
     "--wandb_log=False",
-    "--always_save_checkpoint=True",
     "--save_best=False",
 ]
 
