@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import tarfile
+import typing
 
 import numpy as np
 import pytest
@@ -461,3 +462,19 @@ def test_lr_schedule_is_multisteplr_stepped_at_each_epochs_start():
             scheduler.step()  # as train_CV.py: before the epoch's training
             assert train_cifar.lr_factor(epoch, cfg) == pytest.approx(sgd.param_groups[0]["lr"]), (epochs, epoch)
     assert train_cifar.lr_factor(5, train_cifar.CifarConfig(schedule="constant", epochs=6)) == 1.0
+
+
+def test_init_from_auto_starts_then_continues(cifar10_dir, tmp_path):
+    out = str(tmp_path / "out")
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1, init_from="auto")) == 0
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, init_from="auto")) == 0
+    assert [r["epoch"] for r in records(out)] == [1, 2] and final_state(out)["iter_num"] == 10
+
+
+def test_config_choices_match_what_the_code_builds(capsys):
+    hints = typing.get_type_hints(train_cifar.CifarConfig)
+    assert typing.get_args(hints["dataset"]) == tuple(DATASETS)
+    assert typing.get_args(hints["net"]) == tuple(train_cifar.NETS)
+    assert train_cifar.main(["--help"]) == 0
+    shown = capsys.readouterr().out
+    assert all(f"--{f.name}=" in shown for f in dataclasses.fields(train_cifar.CifarConfig))

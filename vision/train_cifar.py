@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+from typing import Literal
 
 # `python vision/train_cifar.py` puts vision/ first on sys.path; the trainer imports mars, optim,
 # checkpoint and tokens from the repository root, and its own modules as vision.*.
@@ -45,11 +46,22 @@ from tqdm import tqdm  # noqa: E402
 
 import checkpoint  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from configurator import ConfigError  # noqa: E402
-from mars import MARS, MARS_TYPES, ROUTINGS  # noqa: E402
+from configurator import (  # noqa: E402
+    ConfigError,
+    betas,
+    config_to_dict,
+    fraction,
+    key,
+    load_config,
+    non_negative,
+    positive,
+    print_help,
+    wants_help,
+)
+from mars import MARS  # noqa: E402
 from optim import ChainedOptimizer, set_lr  # noqa: E402
 from tokens import DataError  # noqa: E402
-from vision.cifar import DATASETS, CifarData  # noqa: E402
+from vision.cifar import CifarData  # noqa: E402
 from vision.muon import Muon  # noqa: E402
 from vision.resnet import ResNet  # noqa: E402
 
@@ -57,90 +69,64 @@ from vision.resnet import ResNet  # noqa: E402
 NETS = {"resnet10": (1, 1, 1, 1), "resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}
 
 
+def _cuda_or_cpu(value):
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return None
+    return "is not one of: auto, cpu, cuda, cuda:N"
+
+
 @dataclasses.dataclass
 class CifarConfig:
-    # data
-    dataset: str = "cifar10"  # 'cifar10' or 'cifar100'
-    data_dir: str = "data/cifar"  # holds the CIFAR distributions; the python one is downloaded here if absent
-    # model
-    net: str = "resnet18"  # 'resnet10', 'resnet18' or 'resnet34' (the reference's CIFAR ResNets)
-    width: int = 64  # channels of the first stage (64 in ResNet-18; each stage doubles them)
-    # optimizer: the reference's defaults
-    optimizer_name: str = "mars"  # 'mars', 'adamw' or 'muon'
-    learning_rate: float = 0.1  # MARS's tensors, AdamW's everything, Muon's matrices (--lr there)
-    lr_1d: float = 3e-3  # MARS's AdamW-rule tensors and Muon's AdamW half (--adamw_lr there)
-    weight_decay: float = 0.0  # MARS's tensors, AdamW's everything, Muon's AdamW half (--wd there)
-    beta1: float = 0.9  # AdamW's and Muon's AdamW half (--beta1 there)
-    beta2: float = 0.999
-    mars_routing: str = "2d"  # '2d': only 2-D tensors take MARS (the paper's code); 'nd': conv kernels too
-    mars_type: str = "mars-adamw"
-    gamma: float = 0.025
-    mars_betas: tuple[float, float] = (0.95, 0.99)
-    betas_1d: tuple[float, float] = (0.9, 0.95)  # MARS's AdamW-rule tensors
-    weight_decay_1d: float = 0.1  # MARS's AdamW-rule tensors
-    # schedule
-    epochs: int = 200
-    batch_size: int = 128
-    eval_batch_size: int = 100
-    schedule: str = "multistep"  # 'multistep' (x0.1 at 1/2 and 3/4 of the epochs) or 'constant'
-    seed: int = 0
-    # I/O and system
-    out_dir: str = "out-cifar"
-    init_from: str = "scratch"  # 'scratch' or 'resume' (out_dir's ckpt.pt)
-    wandb_log: bool = False
-    wandb_project: str = "CV"
-    wandb_run_name: str = ""  # '' = the reference's {dataset}_{net}_{optimizer}_{lr}
-    device: str = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:N'
+    """Every key of a CIFAR run (vision/train_cifar.py); defaults are the reference train_CV.py's."""
 
-
-def validate(cfg):
-    allowed = {
-        "dataset": tuple(DATASETS),
-        "net": tuple(NETS),
-        "optimizer_name": ("mars", "adamw", "muon"),
-        "mars_routing": ROUTINGS,
-        "mars_type": MARS_TYPES,
-        "schedule": ("multistep", "constant"),
-        "init_from": ("scratch", "resume"),
-    }
-    for key, values in allowed.items():
-        if getattr(cfg, key) not in values:
-            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of: {', '.join(values)}")
-    for key in ("width", "epochs", "batch_size", "eval_batch_size", "learning_rate"):
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be positive, got {getattr(cfg, key)}")
-    for key in ("lr_1d", "weight_decay", "weight_decay_1d", "gamma", "seed"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-    for key, betas in (
-        ("beta1/beta2", (cfg.beta1, cfg.beta2)),
-        ("mars_betas", cfg.mars_betas),
-        ("betas_1d", cfg.betas_1d),
-    ):
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ConfigError(f"{key} must be in [0, 1), got {betas}")
-    if not (cfg.device in ("auto", "cpu") or cfg.device.split(":")[0] == "cuda"):
-        raise ConfigError(f"device={cfg.device!r} is not one of: auto, cpu, cuda, cuda:N")
-
-
-def load_config(argv):
-    """CifarConfig from --key=value arguments (a stand-in until configurator.load_config takes any dataclass)."""
-    import ast
-
-    types = {f.name: f.type for f in dataclasses.fields(CifarConfig)}
-    values = {}
-    for arg in argv:
-        key, sep, text = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not sep or key not in types:
-            raise ConfigError(f"expected --key=value with a key of CifarConfig, got '{arg}'")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        values[key] = text if types[key] is str else value
-    cfg = CifarConfig(**values)
-    validate(cfg)
-    return cfg
+    # --- data and model
+    dataset: Literal["cifar10", "cifar100"] = key("cifar10", "which CIFAR")
+    data_dir: str = key("data/cifar", "folder of the CIFAR distributions; the python one is downloaded here if absent")
+    net: Literal["resnet10", "resnet18", "resnet34"] = key("resnet18", "the reference's CIFAR ResNet")
+    width: int = key(64, "channels of the first stage, doubled by each next one (ResNet-18: 64)", positive)
+    # --- optimizer
+    optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer")
+    learning_rate: float = key(
+        0.1, "lr of MARS's tensors, of everything under AdamW, of Muon's tensors (--lr there)", positive
+    )
+    lr_1d: float = key(
+        3e-3, "lr of MARS's AdamW-rule tensors and of Muon's AdamW part (--adamw_lr there)", non_negative
+    )
+    weight_decay: float = key(
+        0.0, "weight decay of MARS's tensors, AdamW's, Muon's AdamW part (--wd there)", non_negative
+    )
+    beta1: float = key(0.9, "AdamW's (and Muon's AdamW part's) first-moment decay", fraction)
+    beta2: float = key(0.999, "AdamW's (and Muon's AdamW part's) second-moment decay", fraction)
+    mars_routing: Literal["2d", "nd"] = key(
+        "2d", "which tensors take MARS: 2d = exactly 2-D ones (the paper's code: conv kernels get AdamW); nd = 2+ dims"
+    )
+    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo"] = key("mars-adamw", "MARS: the preconditioner")
+    gamma: float = key(0.025, "MARS: strength of the variance-reduction correction", non_negative)
+    mars_betas: tuple[float, float] = key((0.95, 0.99), "MARS: betas of its tensors (MARS's defaults)", betas)
+    betas_1d: tuple[float, float] = key((0.9, 0.95), "MARS: AdamW betas of the other tensors", betas)
+    weight_decay_1d: float = key(0.1, "MARS: AdamW weight decay of the other tensors", non_negative)
+    # --- schedule
+    epochs: int = key(200, "passes over the training set", positive)
+    batch_size: int = key(128, "training images per step", positive)
+    eval_batch_size: int = key(100, "test images per forward pass", positive)
+    schedule: Literal["multistep", "constant"] = key(
+        "multistep", "multistep: lr x0.1 from epochs 1/2 and 3/4 of the way (MultiStepLR as the reference steps it)"
+    )
+    seed: int = key(0, "seed of the weights, the batch order and the augmentation", non_negative)
+    # --- run, logging, system
+    out_dir: str = key("out-cifar", "directory of the run: ckpt.pt, metrics.jsonl, config.json")
+    init_from: Literal["scratch", "resume", "auto"] = key(
+        "scratch",
+        "scratch: a new run (refused when out_dir holds a checkpoint); resume: continue out_dir's ckpt.pt; "
+        "auto: resume when there is one, else scratch",
+    )
+    wandb_log: bool = key(False, "log every epoch's record to wandb too")
+    wandb_project: str = key("CV", "wandb project (the reference's)")
+    wandb_run_name: str = key(
+        "", "wandb run name; '' = the reference's {dataset}_{net}_{optimizer_name}_{learning_rate}"
+    )
+    device: str = key("auto", "auto (CUDA when present), cpu, cuda or cuda:N", _cuda_or_cpu)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,12 +217,13 @@ class Run:
 def setup(cfg):
     """(Run, Progress, resumed): everything checked and built; nothing trained yet."""
     ckpt_path = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
+    resume = cfg.init_from == "resume" or (cfg.init_from == "auto" and os.path.exists(ckpt_path))
     if cfg.init_from == "scratch" and os.path.exists(ckpt_path):
         raise CheckpointError(
             f"out_dir {cfg.out_dir} already holds a checkpoint ({ckpt_path}); continue it with "
             f"--init_from=resume, or train from scratch into a new --out_dir"
         )
-    ckpt = checkpoint.load_checkpoint(ckpt_path) if cfg.init_from == "resume" else None
+    ckpt = checkpoint.load_checkpoint(ckpt_path) if resume else None
     device = resolve_device(cfg)
     if device.startswith("cuda"):
         torch.backends.cudnn.benchmark = True  # as the reference: fixed shapes, so the fastest kernels
@@ -317,7 +304,7 @@ def checkpoint_state(run, progress):
         model=run.model.state_dict(),
         model_args=run.model_args,
         optimizer=run.optimizer.state_dict(),
-        config=dataclasses.asdict(run.cfg),
+        config=config_to_dict(run.cfg),
         rng=checkpoint.rng_state(),
         **dataclasses.asdict(progress),
     )
@@ -353,7 +340,7 @@ class MetricsLog:
                 name=name,
                 id=progress.wandb_run_id or None,
                 resume="allow",
-                config=dataclasses.asdict(cfg),
+                config=config_to_dict(cfg),
             )
             progress.wandb_run_id = self.wandb.id  # in every checkpoint: a resumed run continues this one
             self.wandb.define_metric("epoch")
@@ -424,9 +411,9 @@ def fit(run, progress, metrics):
 
 def describe(run):
     cfg = run.cfg
-    config = dataclasses.asdict(cfg)
-    for key, value in config.items():
-        print(f"{key} = {value!r}")
+    config = config_to_dict(cfg)
+    for name, value in config.items():
+        print(f"{name} = {value!r}")
     n_params = sum(p.numel() for p in run.model.parameters())
     n_train, n_test = len(run.data.train_labels), len(run.data.test_labels)
     print(f"{cfg.net} width {cfg.width}: {n_params / 1e6:.2f}M parameters on {run.device}")
@@ -437,8 +424,11 @@ def describe(run):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print_help(CifarConfig, usage="python vision/train_cifar.py [config/file.py ...] [--key=value ...]")
+        return 0
     try:
-        cfg = load_config(argv)
+        cfg = load_config(argv, CifarConfig)
         run, progress, resumed = setup(cfg)
         metrics = MetricsLog(cfg, progress, resumed)
     except (ConfigError, DataError, CheckpointError) as e:
