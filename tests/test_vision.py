@@ -21,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
+from configurator import load_config
 from vision import cifar, train_cifar
 from vision.bench_loader import PerImageCifar, pil_crop_and_flip, pil_to_normalized_tensor
 from vision.cifar import DATASETS, CifarData, crop_and_flip, read_cifar, write_binary_split
@@ -478,3 +479,23 @@ def test_config_choices_match_what_the_code_builds(capsys):
     assert train_cifar.main(["--help"]) == 0
     shown = capsys.readouterr().out
     assert all(f"--{f.name}=" in shown for f in dataclasses.fields(train_cifar.CifarConfig))
+
+
+def test_run_cifar_sh_runs_the_paper_grid_with_valid_keys():
+    script = os.path.join(ROOT, "scripts", "run_cifar.sh")
+    env = dict(os.environ, DRY_RUN="1")
+    result = subprocess.run(
+        ["bash", script, "mars-nd", "cifar100", "--device=cuda:1"], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    commands = [line.split() for line in result.stdout.splitlines()]
+    assert [c[:2] for c in commands] == [["python", "vision/train_cifar.py"]] * 5
+    configs = [load_config(c[2:], train_cifar.CifarConfig) for c in commands]
+    assert [c.learning_rate for c in configs] == [1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
+    assert {(c.dataset, c.optimizer_name, c.mars_routing, c.init_from, c.device, c.epochs) for c in configs} == {
+        ("cifar100", "mars", "nd", "auto", "cuda:1", 200)
+    }
+    assert len({c.out_dir for c in configs}) == 5
+
+    result = subprocess.run(["bash", script, "sgd"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
