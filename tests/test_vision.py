@@ -499,3 +499,13 @@ def test_run_cifar_sh_runs_the_paper_grid_with_valid_keys():
 
     result = subprocess.run(["bash", script, "sgd"], env=env, capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
+def test_resume_refuses_a_different_routing(cifar10_dir, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1)) == 0
+    capsys.readouterr()
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, init_from="resume", mars_routing="nd")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trained with mars_routing='2d', not 'nd'" in err and "--mars_routing=2d" in err
+    assert [r["epoch"] for r in records(out)] == [1]

@@ -214,6 +214,23 @@ class Run:
     optimizer: torch.optim.Optimizer
 
 
+# Keys a resumed run must share with its checkpoint: they decide the model's shapes and what state the
+# optimizer keeps per tensor. Learning rates, betas, epochs and the rest may change on resume.
+RESUME_KEYS = ("dataset", "net", "width", "optimizer_name", "mars_routing", "mars_type")
+
+
+def check_resumable(ckpt, cfg, ckpt_path):
+    saved = ckpt.get("config", {})
+    for name in RESUME_KEYS:
+        if name not in saved:
+            raise CheckpointError(f"{ckpt_path} was not written by vision/train_cifar.py (its config has no {name})")
+        if saved[name] != getattr(cfg, name):
+            raise CheckpointError(
+                f"{ckpt_path} was trained with {name}={saved[name]!r}, not {getattr(cfg, name)!r}; resume with "
+                f"--{name}={saved[name]}, or start a new run in a new --out_dir"
+            )
+
+
 def setup(cfg):
     """(Run, Progress, resumed): everything checked and built; nothing trained yet."""
     ckpt_path = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
@@ -224,6 +241,8 @@ def setup(cfg):
             f"--init_from=resume, or train from scratch into a new --out_dir"
         )
     ckpt = checkpoint.load_checkpoint(ckpt_path) if resume else None
+    if ckpt is not None:
+        check_resumable(ckpt, cfg, ckpt_path)
     device = resolve_device(cfg)
     if device.startswith("cuda"):
         torch.backends.cudnn.benchmark = True  # as the reference: fixed shapes, so the fastest kernels
@@ -237,13 +256,7 @@ def setup(cfg):
     model.to(device)
     optimizer = build_optimizer(model, cfg)
     if ckpt is not None:
-        try:
-            optimizer.load_state_dict(ckpt["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(
-                f"{ckpt_path} holds {ckpt['config']['optimizer_name']} state that does not fit "
-                f"optimizer_name={cfg.optimizer_name} ({e}); resume with the run's configuration"
-            ) from None
+        optimizer.load_state_dict(ckpt["optimizer"])
         checkpoint.set_rng_state(ckpt["rng"])
         progress = Progress(**{f.name: ckpt[f.name] for f in dataclasses.fields(Progress)})
     return Run(cfg, device, data, model, args, optimizer), progress, ckpt is not None
