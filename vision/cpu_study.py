@@ -1,6 +1,6 @@
 """A CPU-sized look at the paper's open question: MARS on the convolutions vs MARS as the paper routes it.
 
-    python vision/cpu_study.py [--out=out-cifar-study] [--epochs=15] [--fashion_mnist_dir=DIR]
+    python vision/cpu_study.py [--out=out-cifar-study] [--epochs=15] [--plot=PNG] [--fashion_mnist_dir=DIR]
 
 CIFAR-10 cannot be downloaded on the machine this was written on, and no Python package ships it, so
 the images are Fashion-MNIST's (Debian's dataset-fashion-mnist package puts its IDX files in
@@ -20,7 +20,9 @@ Three runs, identical but for the optimizer: a narrow ResNet-18 (width 8, 0.18M 
 No learning-rate grid (the paper's best-of-grid needs ~5x the budget): a comparison at one shared lr.
 
 Resumable: a finished run is kept, an interrupted one resumes from its checkpoint. Writes
-OUT/results.md (the table) and OUT/curves.png (test accuracy, test loss and train loss per epoch).
+OUT/results.md (the table) and the plot (test accuracy, test loss and train loss per epoch) to --plot
+(default OUT/curves.png). docs/vision.md shows assets/vision_cpu_study.png, made with
+--plot=assets/vision_cpu_study.png.
 """
 
 import argparse
@@ -112,7 +114,7 @@ def run(name, args, data_dir, out):
         sys.exit(f"error: the {name} run failed; see its output above")
 
 
-def summarize(out, epochs):
+def summarize(out, epochs, plot_path):
     rows = ["| run | best test acc (%) | final test acc (%) | final test loss | final train loss | s/epoch |"]
     rows.append("| --- | --- | --- | --- | --- | --- |")
     curves = {}
@@ -129,7 +131,7 @@ def summarize(out, epochs):
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table + "\n")
     print(table)
-    plot_curves(curves, os.path.join(out, "curves.png"), epochs)
+    plot_curves(curves, plot_path, epochs)
 
 
 def plot_curves(curves, path, epochs):
@@ -163,6 +165,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out-cifar-study")
     parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--plot", help="where to write the plot (default OUT/curves.png)")
     parser.add_argument("--fashion_mnist_dir", default="/usr/share/datasets/fashion-mnist")
     args = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(args.fashion_mnist_dir, "train-images-idx3-ubyte.gz")):
@@ -174,7 +177,7 @@ def main(argv=None):
     write_data(args.fashion_mnist_dir, data_dir)
     for name in RUNS:
         run(name, args, data_dir, args.out)
-    summarize(args.out, args.epochs)
+    summarize(args.out, args.epochs, args.plot or os.path.join(args.out, "curves.png"))
 
 
 if __name__ == "__main__":

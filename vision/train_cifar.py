@@ -279,6 +279,7 @@ def train_epoch(run, epoch, progress):
         desc=f"epoch {epoch}/{cfg.epochs}",
         leave=False,
         mininterval=1.0,
+        disable=None,  # on a terminal only: a log file gets the per-epoch lines, not carriage returns
     )
     for step, (images, labels) in enumerate(run.data.train_batches(cfg.seed, epoch, cfg.batch_size), 1):
         logits = model(images)
