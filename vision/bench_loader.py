@@ -1,6 +1,6 @@
 """Images per second: the trainer's on-device augmentation vs a torchvision-style DataLoader pipeline.
 
-    python vision/bench_loader.py [--device=cpu|cuda] [--images=10000] [--rounds=5] [--workers=N]
+    python vision/bench_loader.py [--device=cpu|cuda] [--images=10000] [--rounds=5] [--workers=N] [--threads=N]
 
 Both produce the same training batches (normalised float [128, 3, 32, 32] with labels, on --device):
 
@@ -14,6 +14,8 @@ Both produce the same training batches (normalised float [128, 3, 32, 32] with l
 
 The pixels are random (the cost of both pipelines does not depend on them). The two alternate for
 --rounds epochs each in one process; the table gives the median images/s of each and their ratio.
+--threads sets torch's intra-op threads in the main process (DataLoader workers use one each): on a
+CPU shared with other jobs, torch's default of one thread per core can be many times slower than one.
 """
 
 import argparse
@@ -95,7 +97,9 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count()), help="the reference uses 4")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (args.images, 3, 32, 32), dtype=np.uint8)
     labels = rng.integers(0, 10, args.images).astype(np.int64)
@@ -117,7 +121,10 @@ def main(argv=None):
         loader_s.append(time_data_loader(loader, args.device))
     device_rate = args.images / statistics.median(device_s)
     loader_rate = args.images / statistics.median(loader_s)
-    print(f"{args.images} images, batch {args.batch_size}, {args.rounds} alternating epochs each, on {args.device}")
+    print(
+        f"{args.images} images, batch {args.batch_size}, {args.rounds} alternating epochs each, on {args.device}, "
+        f"{args.threads} torch thread(s) in the main process"
+    )
     print("| pipeline | images/s (median) |\n| --- | --- |")
     print(f"| on-device gather (vision/cifar.py) | {device_rate:,.0f} |")
     print(f"| per-image PIL + DataLoader, {args.workers} workers | {loader_rate:,.0f} |")
