@@ -21,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
+import checkpoint
 from configurator import load_config
 from vision import cifar, train_cifar
 from vision.bench_loader import PerImageCifar, pil_crop_and_flip, pil_to_normalized_tensor
@@ -125,22 +126,19 @@ def assert_splits_equal(got, want):
 # Reading
 
 
-def test_python_distribution_reads_from_the_folder_and_from_the_archive(tmp_path):
+@pytest.mark.parametrize(
+    "dataset, form, write",
+    [("cifar10", "python", write_python_cifar10), ("cifar100", "binary", write_binary_cifar100)],
+)
+def test_each_distribution_reads_from_its_folder_and_from_its_archive(tmp_path, dataset, form, write):
+    """CIFAR-10 as pickles, CIFAR-100 as records (with the fine label, not the coarse one, as the label)."""
     data_dir = str(tmp_path / "d")
-    want = write_python_cifar10(data_dir)
-    assert_splits_equal(read_cifar("cifar10", data_dir), want)
-    tar_folder(data_dir, "cifar-10-batches-py", "cifar-10-python.tar.gz")
-    os.rename(os.path.join(data_dir, "cifar-10-batches-py"), os.path.join(data_dir, "moved"))
-    assert_splits_equal(read_cifar("cifar10", data_dir), want)
-
-
-def test_binary_distribution_reads_cifar100_fine_labels(tmp_path):
-    data_dir = str(tmp_path / "d")
-    want = write_binary_cifar100(data_dir)
-    assert_splits_equal(read_cifar("cifar100", data_dir), want)
-    tar_folder(data_dir, "cifar-100-binary", "cifar-100-binary.tar.gz")
-    os.rename(os.path.join(data_dir, "cifar-100-binary"), os.path.join(data_dir, "moved"))
-    assert_splits_equal(read_cifar("cifar100", data_dir), want)
+    want = write(data_dir)
+    assert_splits_equal(read_cifar(dataset, data_dir), want)
+    distribution = getattr(DATASETS[dataset], form)
+    tar_folder(data_dir, distribution.folder, distribution.archive)
+    os.rename(os.path.join(data_dir, distribution.folder), os.path.join(data_dir, "moved"))
+    assert_splits_equal(read_cifar(dataset, data_dir), want)
 
 
 class _RunsCode:
@@ -335,26 +333,42 @@ def test_learns_the_separable_toy_set(cifar10_dir, tmp_path, routing):
     assert log[-1]["test/acc"] >= 40.0  # 10 classes: chance is 10 %
 
 
-def test_a_run_killed_mid_epoch_resumes_to_the_same_parameters(cifar10_dir, tmp_path, monkeypatch):
-    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    assert train_cifar.main(tiny_args(cifar10_dir, whole)) == 0
+class Killed(Exception):
+    pass
 
-    class Killed(Exception):
-        pass
 
+def _dies_mid_epoch_2(monkeypatch):
     real_batches = CifarData.train_batches
 
-    def dies_in_epoch_2(self, seed, epoch, batch_size):
+    def batches(self, seed, epoch, batch_size):
         for step, batch in enumerate(real_batches(self, seed, epoch, batch_size)):
             if epoch == 2 and step == 2:
                 raise Killed  # two optimizer steps of epoch 2 done, in memory only
             yield batch
 
-    monkeypatch.setattr(CifarData, "train_batches", dies_in_epoch_2)
-    with pytest.raises(Killed):
-        train_cifar.main(tiny_args(cifar10_dir, killed))
+    monkeypatch.setattr(CifarData, "train_batches", batches)
+
+
+def _dies_saving_epoch_2(monkeypatch):
+    real_save = checkpoint.save_checkpoint
+
+    def save(path, state):
+        if state["epoch"] == 2:
+            raise Killed  # epoch 2's metrics record is written, its checkpoint is not
+        real_save(path, state)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save)
+
+
+@pytest.mark.parametrize("kill", [_dies_mid_epoch_2, _dies_saving_epoch_2])
+def test_a_killed_run_resumes_to_the_same_parameters_and_records(cifar10_dir, tmp_path, monkeypatch, kill):
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    assert train_cifar.main(tiny_args(cifar10_dir, whole)) == 0
+    with monkeypatch.context() as patch:
+        kill(patch)
+        with pytest.raises(Killed):
+            train_cifar.main(tiny_args(cifar10_dir, killed))
     assert final_state(killed)["epoch"] == 1
-    monkeypatch.setattr(CifarData, "train_batches", real_batches)
     assert train_cifar.main(tiny_args(cifar10_dir, killed, init_from="resume")) == 0
 
     a, b = final_state(whole), final_state(killed)

@@ -361,18 +361,11 @@ class MetricsLog:
             self.wandb.define_metric("*", step_metric="epoch")
 
     def _records_up_to(self, epoch):
+        """The first `epoch` lines: one record per epoch, in order, each complete before its checkpoint."""
         if not os.path.exists(self.path):
             return []
-        kept = []
         with open(self.path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by the crash
-                if record.get("epoch", math.inf) <= epoch:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        return kept
+            return f.readlines()[:epoch]
 
     def write(self, record):
         record = {key: _json_number(value) for key, value in record.items()}
