@@ -37,6 +37,8 @@ _GPT2_FILES = {
 }
 _TIKTOKEN_HOST = "openaipublic.blob.core.windows.net"
 
+# Token ids are stored as uint16: at most this many distinct ids.
+UINT16_IDS = 1 << 16
 # A uint16 memmap scanned for out-of-range ids in chunks of this many tokens (128 MiB each).
 _SCAN_CHUNK = 1 << 26
 # check_vocab scans a whole split up to this size; larger splits are checked batch by batch instead.
@@ -157,7 +159,7 @@ def atomic_write_bytes(path, data):
 
 def _as_uint16(tokens):
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= UINT16_IDS):
         raise ValueError(f"token ids must fit in uint16 (0..65535), got range {int(tokens.min())}..{int(tokens.max())}")
     return tokens.astype(np.uint16, copy=False)
 
@@ -189,6 +191,11 @@ def write_char_corpus(output_dir, text):
     vocabulary (meta.pkl), and the ids split 90/10 by position into train.bin and val.bin."""
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     vocab = np.unique(codes)
+    if len(vocab) > UINT16_IDS:  # checked before the uint16 cast, which would wrap the ids
+        raise DataError(
+            f"the text has {len(vocab):,} distinct characters, more than the {UINT16_IDS:,} ids a uint16 "
+            f"token file can hold; use a smaller or less varied text, or a tokenizer such as GPT-2's"
+        )
     ids = np.searchsorted(vocab, codes).astype(np.uint16)
     split = int(0.9 * len(ids))
     os.makedirs(output_dir, exist_ok=True)
