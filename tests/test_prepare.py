@@ -181,31 +181,35 @@ def test_shakespeare_char_from_a_local_file(tmp_path):
     assert "".join(data.meta["itos"][i] for i in data.arrays[0][:14].tolist()) == "First Citizen:"
 
 
+def run_openwebtext(tmp_path, texts):
+    """data/openwebtext/prepare.py on a local parquet file of texts, offline, in a subprocess."""
+    pq.write_table(pa.table(dict(text=texts)), tmp_path / "owt.parquet")
+    env = dict(os.environ, HF_DATASETS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    script = os.path.join(REPO, "data", "openwebtext", "prepare.py")
+    args = ["--data_files", str(tmp_path / "owt.parquet"), "--output_dir", str(tmp_path / "out"), "--num_proc", "1"]
+    return subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True)
+
+
 @pytest.mark.slow
 def test_openwebtext_local_files_nanogpt_split(tmp_path):
     texts = [f"Document {i} says hello." for i in range(4000)]
-    pq.write_table(pa.table(dict(text=texts)), tmp_path / "owt.parquet")
-    env = dict(os.environ, HF_DATASETS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "data", "openwebtext", "prepare.py"),
-            "--data_files",
-            str(tmp_path / "owt.parquet"),
-            "--output_dir",
-            str(tmp_path / "out"),
-            "--num_proc",
-            "1",
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
+    assert run_openwebtext(tmp_path, texts).returncode == 0
     enc = tokens.get_gpt2_encoding()
-    val = TokenData(str(tmp_path / "out"), "val").arrays[0]
-    train = TokenData(str(tmp_path / "out"), "train").arrays[0]
+    val = np.fromfile(tmp_path / "out" / "val.bin", dtype=np.uint16)
+    train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)
     docs = enc.decode(val.tolist()).split("<|endoftext|>")
     assert len(docs) == 3 and docs[-1] == ""  # ceil(4000 * 0.0005) = 2 val documents, EOT after each
     assert val[-1] == train[-1] == EOT_TOKEN
     assert np.count_nonzero(train == EOT_TOKEN) == 3998
     assert sorted(docs[:2] + enc.decode(train.tolist()).split("<|endoftext|>")[:-1]) == sorted(texts)
+
+
+@pytest.mark.slow
+def test_openwebtext_corpus_too_small_to_split_is_one_error_line(tmp_path):
+    result = run_openwebtext(tmp_path, ["The only document."])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (  # after datasets' progress bars
+        "error: the corpus has 1 document(s); nanoGPT's split needs at least 2, one for val.bin and one for "
+        "train.bin: pass more --data_files"
+    )
+    assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []
