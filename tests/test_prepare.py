@@ -170,7 +170,7 @@ def test_stdlib_char_quickstart(tmp_path):
     train, val = TokenData(str(tmp_path), "train"), TokenData(str(tmp_path), "val")
     assert train.num_tokens == 180_000 and val.num_tokens == 20_000
     assert train.vocab_size == meta["vocab_size"] < 128
-    text = "".join(meta["itos"][i] for i in train.arrays[0][:50_000].tolist())
+    text = "".join(meta["itos"][i] for i in np.fromfile(tmp_path / "train.bin", dtype=np.uint16, count=50_000))
     assert "def " in text and "import" in text
 
 
@@ -178,7 +178,8 @@ def test_shakespeare_char_from_a_local_file(tmp_path):
     (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
     load_script("shakespeare_char").main(["--input", str(tmp_path / "input.txt"), "--output_dir", str(tmp_path)])
     data = TokenData(str(tmp_path), "train")
-    assert "".join(data.meta["itos"][i] for i in data.arrays[0][:14].tolist()) == "First Citizen:"
+    first = data.read(0, 0, np.empty(14, dtype=np.uint16))
+    assert "".join(data.meta["itos"][i] for i in first) == "First Citizen:"
 
 
 def run_openwebtext(tmp_path, texts):
