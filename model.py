@@ -28,8 +28,35 @@ PRESETS = {
 # OpenAI's checkpoints on the Hugging Face hub, by preset.
 HF_CHECKPOINTS = {"gpt2": "small", "gpt2-medium": "medium", "gpt2-large": "large", "gpt2-xl": "xl"}
 
-# Peak dense bf16 tensor-core throughput (FLOP/s) by the substring that names the GPU.
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+# Peak dense bf16 tensor-core throughput (FLOP/s, FP32 accumulate, no 2:4 sparsity) by the exact name
+# torch.cuda.get_device_name reports. Datasheets that print only the "with sparsity" figure (marked *)
+# are halved. A GPU missing here -- or a MIG slice, whose name differs -- has no MFU, never a guess.
+PEAK_BF16_FLOPS = {
+    # A100 datasheet (nvidia.com/en-us/data-center/a100): BFLOAT16 Tensor Core 312 | 624* TFLOPS, every model
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    # H100 datasheet (nvidia.com/en-us/data-center/h100): BF16 Tensor Core 1,979* (SXM), 1,513* (PCIe),
+    # 1,671* (NVL) TFLOPS
+    "NVIDIA H100 80GB HBM3": 989.5e12,
+    "NVIDIA H100 PCIe": 756.5e12,
+    "NVIDIA H100 NVL": 835.5e12,
+    # H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 Tensor Core 1,979* TFLOPS (SXM)
+    "NVIDIA H200": 989.5e12,
+    # HGX B200 specifications (nvidia.com/en-us/data-center/hgx): FP16/BF16 Tensor Core 4.5* PFLOPS per GPU
+    "NVIDIA B200": 2.25e15,
+    # L40S datasheet: BF16 Tensor Core 362.05 | 733* TFLOPS
+    "NVIDIA L40S": 362.05e12,
+    # L4 datasheet: BF16 Tensor Core 242* TFLOPS
+    "NVIDIA L4": 121e12,
+    # A10 datasheet: BF16 Tensor Core 125 | 250* TFLOPS
+    "NVIDIA A10": 125e12,
+    # A40 datasheet: peak BF16 Tensor TFLOPS with FP32 accumulate 149.7 | 299.4*
+    "NVIDIA A40": 149.7e12,
+    # Ada architecture whitepaper v2.01, RTX 4090: peak BF16 Tensor TFLOPS with FP32 accumulate 165.2 | 330.4*
+    "NVIDIA GeForce RTX 4090": 165.2e12,
+}
 
 
 @dataclass
@@ -245,8 +272,7 @@ def peak_flops(device):
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device))
 
 
 def param_groups(model, weight_decay):
