@@ -350,10 +350,26 @@ def gpt_from_hf(hf_model, dropout=0.0):
     return model
 
 
+def _fold_layer_scaling_into_queries(state_dict, n_layer, n_embd):
+    """Divide layer i's query projection (weight and bias) by i + 1, in Conv1D layout: (q / (i + 1)) . k
+    is the logit scale_attn_by_inverse_layer_idx computes, so the model no longer needs the flag."""
+    for i in range(n_layer):
+        for key in (f"transformer.h.{i}.attn.c_attn.weight", f"transformer.h.{i}.attn.c_attn.bias"):
+            if key in state_dict:
+                folded = state_dict[key].clone()
+                folded[..., :n_embd] /= i + 1  # the first n_embd outputs of c_attn are the queries
+                state_dict[key] = folded
+
+
 def hf_from_gpt(model, vocab_size=GPT2_VOCAB_SIZE):
     """A Hugging Face GPT2LMHeadModel with our model's weights. Embedding rows past vocab_size (the
     padding up to 50304) are cropped away; a model trained without biases gets zero biases, which
-    computes the same function in GPT-2's always-biased layout."""
+    computes the same function in GPT-2's always-biased layout.
+
+    scale_attn_by_inverse_layer_idx is folded into the query weights and left off in the Hugging Face
+    config: GPT-2's SDPA attention, the default, ignores that flag in transformers 4.42 to 5.3 (fixed in
+    5.4), and those releases would otherwise score a different function. Folded, every release and
+    every attention implementation computes ours."""
     transformers = _import_transformers()
     cfg = model.config
     vocab_size = min(vocab_size, cfg.vocab_size)
@@ -369,7 +385,7 @@ def hf_from_gpt(model, vocab_size=GPT2_VOCAB_SIZE):
         embd_pdrop=cfg.dropout,
         attn_pdrop=cfg.dropout,
         layer_norm_epsilon=1e-5,
-        scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx,
+        scale_attn_by_inverse_layer_idx=False,  # folded into the weights below
         tie_word_embeddings=True,
         # GPT-2's end-of-text token, where the vocabulary has it
         bos_token_id=eot,
@@ -379,6 +395,8 @@ def hf_from_gpt(model, vocab_size=GPT2_VOCAB_SIZE):
     state_dict = _swap_conv1d_layout(model.state_dict())
     for key in ("transformer.wte.weight", "lm_head.weight"):
         state_dict[key] = state_dict[key][:vocab_size]
+    if cfg.scale_attn_by_inverse_layer_idx:
+        _fold_layer_scaling_into_queries(state_dict, cfg.n_layer, cfg.n_embd)
     if not cfg.bias:
         for name, p in hf_model.named_parameters():
             if name.endswith(".bias"):
