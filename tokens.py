@@ -191,6 +191,8 @@ def write_meta(path, itos):
 def write_char_corpus(output_dir, text):
     """A character-level dataset as nanoGPT's shakespeare_char: the sorted set of characters is the
     vocabulary (meta.pkl), and the ids split 90/10 by position into train.bin and val.bin."""
+    if not text:
+        raise DataError("the text is empty: no character dataset to write")
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     vocab = np.unique(codes)
     if len(vocab) > UINT16_IDS:  # checked before the uint16 cast, which would wrap the ids

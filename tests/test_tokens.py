@@ -88,10 +88,13 @@ def test_meta_vocab(tmp_path):
         data.check_vocab(2)
 
 
-def test_char_corpus_with_more_symbols_than_uint16_ids_is_refused_before_writing(tmp_path):
+def test_char_corpus_too_varied_or_empty_is_refused_before_writing(tmp_path):
     symbols = [chr(0x10000 + i) for i in range(65537)]  # outside the BMP: every one a distinct character
     with pytest.raises(DataError, match=r"65,537 distinct characters, more than the 65,536 ids"):
         tokens.write_char_corpus(tmp_path / "out", "".join(symbols))
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(DataError, match="the text is empty"):
+        tokens.write_char_corpus(tmp_path / "out", "")
     assert not os.path.exists(tmp_path / "out")
     # 65,536 symbols still fit: ids 0..65535, none wrapped
     tokens.write_char_corpus(tmp_path / "fits", "".join(symbols[:65536]))
