@@ -11,7 +11,6 @@ Batches are a pure function of (seed, step, micro_step): every rank of every wor
 same global batch for a given step, which is what lets 1 GPU and N GPUs train the same model.
 """
 
-import contextlib
 import glob
 import hashlib
 import os
@@ -21,6 +20,8 @@ import sys
 import tempfile
 
 import numpy as np
+
+from files import atomic_write_bytes, atomic_writer
 
 EOT_TOKEN = 50256  # <|endoftext|>: delimits documents
 GPT2_VOCAB_SIZE = 50257
@@ -133,30 +134,7 @@ def get_gpt2_encoding():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Writing: every file appears under its final name only when complete.
-
-
-@contextlib.contextmanager
-def atomic_writer(path):
-    """Open `path` for binary writing under a temporary name in the same directory; rename on success.
-
-    An interrupted writer leaves only ``<path>.tmp.<pid>``, never a truncated file with the final name.
-    """
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def atomic_write_bytes(path, data):
-    with atomic_writer(path) as f:
-        f.write(data)
+# Writing: every file appears under its final name only when complete (files.atomic_writer).
 
 
 def _as_uint16(tokens):
