@@ -35,7 +35,7 @@ import checkpoint
 from checkpoint import CheckpointError
 from configurator import ConfigError, config_to_dict, load_config, print_help, wants_help
 from model import GPT, GPTConfig
-from optim import build_optimizer, lr_factor, set_lr
+from optim import build_optimizer, set_lr
 from tokens import DataError, TokenData
 
 # Model arguments a checkpoint must share with the config it resumes under (dropout may change).
@@ -395,7 +395,7 @@ def train_step(run, it):
     so every rank takes the same one. This reads one number from the device per step.
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
-    set_lr(optimizer, lr_factor(it, cfg))
+    set_lr(optimizer, it, cfg)
     norms = []
     if run.exact_mars:
         forward_backward(run, it + 1)

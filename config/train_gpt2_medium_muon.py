@@ -1,4 +1,4 @@
-# GPT-2 medium (355M) with Muon (hidden matrices) + AdamW (the rest) on OpenWebText: the paper's baseline.
+# GPT-2 medium (355M) with Muon + AdamW on OpenWebText: the paper's baseline.
 out_dir = "out_medium_muon_100k"
 wandb_log = True
 wandb_project = "mars"
@@ -13,8 +13,9 @@ eval_interval, eval_iters, log_interval = 1000, 200, 10
 optimizer_name = "muon"
 muon_lr = 1e-2
 learning_rate = muon_adamw_lr = 1.5e-3
-weight_decay = 1e-1  # AdamW (embeddings, head, 1-D); Muon itself runs without weight decay
+weight_decay = 1e-1  # AdamW's (the 1-D tensors); Muon itself runs without weight decay
 beta1, beta2 = 0.9, 0.95
-# The reference Muon trainer ignores `schedule`: 2000 warmup steps, constant, then linear to 0 over
-# the last 2000 steps (2% of max_iters).
-schedule, wsd_decay_frac, min_lr = "wsd", 0.02, 0.0
+# As the reference MARS/train_muon.py: Muon on every 2-D tensor (embeddings and tied head included),
+# AdamW on the 1-D ones, both on the cosine schedule down to the same absolute min_lr.
+muon_matrices = "all"
+min_lr = 6e-5

@@ -179,9 +179,8 @@ def test_every_shipped_config_loads_with_the_paper_s_training_setup():
         assert (cfg.eval_interval, cfg.eval_iters, cfg.log_interval) == (1000, 200, 10)
         assert not cfg.bias and cfg.dropout == 0.0 and cfg.scale_attn_by_inverse_layer_idx
         assert cfg.dataset == "openwebtext" and cfg.wandb_log and size in cfg.out_dir
-        if cfg.optimizer_name != "muon":
-            assert (cfg.schedule, cfg.lr_decay_iters) == ("cosine", 100000)
-            assert cfg.min_lr == min_lr or "mars_" in path  # lion/shampoo scale min_lr with their lr
+        assert (cfg.schedule, cfg.lr_decay_iters) == ("cosine", 100000)
+        assert cfg.min_lr == min_lr or "mars_" in path  # lion/shampoo scale min_lr with their lr
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -205,8 +204,8 @@ def test_muon_configs(size):
     cfg = config(f"train_gpt2_{size}_muon.py")
     assert cfg.optimizer_name == "muon" and (cfg.muon_lr, cfg.muon_adamw_lr) == MUON_LRS[size]
     assert (cfg.weight_decay, cfg.beta1, cfg.beta2) == (0.1, 0.9, 0.95)
-    # the reference Muon trainer: warmup, constant, linear to 0 over the last 2000 steps
-    assert (cfg.schedule, cfg.wsd_decay_frac * cfg.max_iters, cfg.min_lr) == ("wsd", 2000, 0.0)
+    # the reference Muon trainer: cosine, both optimizers down to the size's min_lr; Muon on every matrix
+    assert (cfg.schedule, cfg.min_lr, cfg.muon_matrices) == ("cosine", SIZES[size][4], "all")
 
 
 def test_mars_lion_and_shampoo_variants():
