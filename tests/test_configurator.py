@@ -1,4 +1,4 @@
-"""configurator.py: config files, overrides and their order, every error, and the shipped configs."""
+"""configurator.py: config files, overrides and their order, every error, --help."""
 
 import dataclasses
 import glob
@@ -147,84 +147,6 @@ def test_printed_config_is_a_config_file_that_loads_back(tmp_path, capsys):
     assert load_config([path]) == load_config(argv)
     cfg = load_config(argv)
     assert TrainConfig(**config_to_dict(cfg)) == cfg
-
-
-# --- the shipped configs: the paper's runs (AGI-Arena/MARS config/*.py on its train_*.py defaults) ---
-
-SIZES = {
-    "small": (12, 12, 768, 15, 3e-5),
-    "medium": (24, 16, 1024, 15, 6e-5),
-    "large": (36, 20, 1280, 5, 1e-5),
-    "xl": (48, 25, 1600, 5, 1e-5),
-}
-MARS_LRS = {"small": (6e-3, 3e-3), "medium": (3e-3, 1.5e-3), "large": (2e-3, 1e-3), "xl": (2e-3, 1e-3)}
-ADAMW_LRS = {"small": 6e-4, "medium": 3e-4, "large": 2e-4, "xl": 2e-4}
-MUON_LRS = {"small": (2e-2, 3e-3), "medium": (1e-2, 1.5e-3), "large": (6.67e-3, 1e-3)}
-
-
-def config(name, *more):
-    return load_config([os.path.join(ROOT, "config", name), *more])
-
-
-def test_every_shipped_config_loads_with_the_paper_s_training_setup():
-    files = sorted(glob.glob(os.path.join(ROOT, "config", "train_gpt2_*.py")))
-    assert len(files) == 13
-    for path in files:
-        size = os.path.basename(path).split("_")[2]
-        cfg = load_config([path])
-        n_layer, n_head, n_embd, batch_size, min_lr = SIZES[size]
-        assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.batch_size) == (n_layer, n_head, n_embd, batch_size)
-        assert cfg.batch_size * cfg.gradient_accumulation_steps == 480 and cfg.block_size == 1024
-        assert (cfg.max_iters, cfg.warmup_iters, cfg.grad_clip) == (100000, 2000, 1.0)
-        assert (cfg.eval_interval, cfg.eval_iters, cfg.log_interval) == (1000, 200, 10)
-        assert not cfg.bias and cfg.dropout == 0.0 and cfg.scale_attn_by_inverse_layer_idx
-        assert cfg.dataset == "openwebtext" and cfg.wandb_log and size in cfg.out_dir
-        assert (cfg.schedule, cfg.lr_decay_iters) == ("cosine", 100000)
-        assert cfg.min_lr == min_lr or "mars_" in path  # lion/shampoo scale min_lr with their lr
-
-
-@pytest.mark.parametrize("size", SIZES)
-def test_mars_configs(size):
-    cfg = config(f"train_gpt2_{size}_mars.py")
-    assert (cfg.optimizer_name, cfg.mars_type, cfg.is_approx, cfg.optimize_1d) == ("mars", "mars-adamw", True, False)
-    assert (cfg.learning_rate, cfg.lr_1d) == MARS_LRS[size]
-    assert (cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.gamma) == (1e-2, 0.95, 0.99, 0.025)
-    assert (cfg.weight_decay_1d, cfg.betas_1d) == (0.1, (0.9, 0.95))
-
-
-@pytest.mark.parametrize("size", SIZES)
-def test_adamw_configs(size):
-    cfg = config(f"train_gpt2_{size}_adamw.py")
-    assert cfg.optimizer_name == "adamw" and cfg.learning_rate == ADAMW_LRS[size]
-    assert (cfg.weight_decay, cfg.beta1, cfg.beta2) == (0.1, 0.9, 0.95)
-
-
-@pytest.mark.parametrize("size", MUON_LRS)
-def test_muon_configs(size):
-    cfg = config(f"train_gpt2_{size}_muon.py")
-    assert cfg.optimizer_name == "muon" and (cfg.muon_lr, cfg.muon_adamw_lr) == MUON_LRS[size]
-    assert (cfg.weight_decay, cfg.beta1, cfg.beta2) == (0.1, 0.9, 0.95)
-    # the reference Muon trainer: cosine, both optimizers down to the size's min_lr; Muon on every matrix
-    assert (cfg.schedule, cfg.min_lr, cfg.muon_matrices) == ("cosine", SIZES[size][4], "all")
-
-
-def test_mars_lion_and_shampoo_variants():
-    lion, shampoo = config("train_gpt2_small_mars_lion.py"), config("train_gpt2_small_mars_shampoo.py")
-    assert (lion.mars_type, shampoo.mars_type) == ("mars-lion", "mars-shampoo")
-    assert lion.out_dir != shampoo.out_dir != config("train_gpt2_small_mars.py").out_dir
-
-
-@pytest.mark.parametrize("run", ["small_mars", "xl_mars", "small_adamw", "xl_adamw"])
-def test_fineweb_edu_overlay(run):
-    plain = config(f"train_gpt2_{run}.py")
-    fw = config(f"train_gpt2_{run}.py", os.path.join(ROOT, "config", "fineweb_edu.py"))
-    assert fw.dataset == "fineweb_edu" and os.path.isfile(os.path.join(ROOT, "data", "fineweb_edu", "prepare.py"))
-    assert (fw.out_dir, fw.wandb_run_name) == (plain.out_dir + "_fw", plain.wandb_run_name + "-fw")
-    assert config_to_dict(fw) | {"dataset": 0, "out_dir": 0, "wandb_run_name": 0} == config_to_dict(plain) | {
-        "dataset": 0,
-        "out_dir": 0,
-        "wandb_run_name": 0,
-    }
 
 
 # --- scripts/: each run script launches torchrun over the node's GPUs with its config files ---
