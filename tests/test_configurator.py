@@ -1,7 +1,6 @@
 """configurator.py: config files, overrides and their order, every error, --help."""
 
 import dataclasses
-import glob
 import os
 import subprocess
 import sys
@@ -147,79 +146,6 @@ def test_printed_config_is_a_config_file_that_loads_back(tmp_path, capsys):
     assert load_config([path]) == load_config(argv)
     cfg = load_config(argv)
     assert TrainConfig(**config_to_dict(cfg)) == cfg
-
-
-# --- scripts/: each run script launches torchrun over the node's GPUs with its config files ---
-
-
-def fake_bin(tmp_path, gpus=None, torch_gpus=0):
-    """A PATH where torchrun prints its arguments, nvidia-smi lists `gpus` GPUs and python (asked for
-    torch.cuda.device_count()) prints torch_gpus, or fails when that is None (no torch)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(parents=True)
-    tools = {"torchrun": 'echo "$@"'}
-    if gpus is not None:
-        tools["nvidia-smi"] = f'for i in $(seq 0 {gpus - 1}); do echo "GPU $i: H100 (UUID: x)"; done'
-    tools["python"] = "exit 1" if torch_gpus is None else f"echo {torch_gpus}"
-    for name, body in tools.items():
-        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NPROC": ""}
-
-
-def launch(script, env, *args):
-    run = subprocess.run(
-        ["bash", os.path.join(ROOT, "scripts", script), *args], env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr
-    return run.stdout.split()
-
-
-def test_run_scripts_launch_torchrun_with_their_configs(tmp_path):
-    env = fake_bin(tmp_path)
-    scripts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "scripts", "run_*.sh")))
-    assert len(scripts) == 13
-    for script in scripts:
-        name = script[len("run_") : -len(".sh")]
-        opt, size = name.split("_")[:2]
-        argv = launch(script, env, "--max_iters=10")
-        configs = [f"config/train_gpt2_{size}_{opt}.py"] + (["config/fineweb_edu.py"] if name.endswith("_fw") else [])
-        assert argv == ["--standalone", "--nproc_per_node=1", "train.py", *configs, "--max_iters=10"], script
-        load_config([os.path.join(ROOT, c) for c in configs])
-
-
-def test_gpu_count_nproc_override_and_nvidia_smi_fallback(tmp_path):
-    assert "--nproc_per_node=8" in launch("run_mars_small.sh", fake_bin(tmp_path, gpus=8, torch_gpus=8))
-    assert "--nproc_per_node=3" in launch("run_mars_small.sh", {**fake_bin(tmp_path / "a", torch_gpus=8), "NPROC": "3"})
-    assert "--nproc_per_node=4" in launch("run_mars_small.sh", fake_bin(tmp_path / "b", gpus=4, torch_gpus=None))
-    assert "--nproc_per_node=1" in launch("run_mars_small.sh", fake_bin(tmp_path / "c", torch_gpus=None))
-
-
-def test_multinode_uses_c10d_rendezvous(tmp_path):
-    env = {**fake_bin(tmp_path), "NPROC": "8", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0"}
-    argv = launch("multinode.sh", env, "config/train_gpt2_xl_mars.py")
-    assert argv[:5] == [
-        "--nnodes=2",
-        "--node_rank=1",
-        "--rdzv_id=mars",
-        "--rdzv_backend=c10d",
-        "--rdzv_endpoint=node0:29500",
-    ]
-    assert argv[5:] == ["--nproc_per_node=8", "train.py", "config/train_gpt2_xl_mars.py"]
-    missing = subprocess.run(
-        ["bash", os.path.join(ROOT, "scripts", "multinode.sh")],
-        env=fake_bin(tmp_path / "c"),
-        capture_output=True,
-        text=True,
-    )
-    assert missing.returncode != 0 and "set NNODES" in missing.stderr
-
-
-def test_slurm_script_is_valid_bash_and_runs_multinode():
-    path = os.path.join(ROOT, "scripts", "slurm_mars_small.sbatch")
-    assert subprocess.run(["bash", "-n", path]).returncode == 0
-    text = open(path).read()
-    assert "#SBATCH --nodes=" in text and "srun bash scripts/multinode.sh config/train_gpt2_small_mars.py" in text
 
 
 def test_help_lists_every_key_with_type_default_and_meaning():
