@@ -146,11 +146,17 @@ class TrainConfig:
     # --- Muon baseline: torch.optim.Muon on matrices, AdamW on the rest (defaults: the reference's)
     muon_lr: float = key(2e-2, "Muon: lr of the matrices", non_negative)
     muon_adamw_lr: float = key(6e-4, "Muon: lr of the AdamW part", non_negative)
-    # --- learning-rate schedule (optim.lr_factor)
+    muon_matrices: Literal["all", "hidden"] = key(
+        "all",
+        "Muon: all = every 2-D tensor, the embeddings and tied head included (the reference's); "
+        "hidden = the blocks' matrices only, AdamW takes embeddings and head at weight_decay",
+        fixed=True,
+    )
+    # --- learning-rate schedule (optim.scheduled_lr)
     decay_lr: bool = key(True, "False: constant learning_rate from step 0, no warmup")
     warmup_iters: int = key(2000, "linear warmup steps", non_negative)
     lr_decay_iters: int = key(600000, "cosine reaches min_lr at this step (~= max_iters)", non_negative)
-    min_lr: float = key(6e-5, "the floor of learning_rate (absolute); other groups get the same fraction", non_negative)
+    min_lr: float = key(6e-5, "where every group's lr decays to (absolute, as the reference)", non_negative)
     schedule: Literal["cosine", "wsd", "constant"] = key("cosine", "lr schedule after warmup")
     wsd_decay_frac: float = key(
         0.2,

@@ -290,9 +290,17 @@ def param_groups(model, weight_decay):
     ]
 
 
+def matrix_params(model):
+    """The reference's Muon split (MARS/train_muon.py through opt.CombinedOptimizer): (every tensor with
+    2 or more dimensions -- the token and position embeddings and the tied output head included --, every
+    other tensor), each in model.parameters() order. In GPT the first are all 2-D."""
+    params = list(model.parameters())
+    return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+
+
 def hidden_matrix_params(model):
-    """The Muon split: (2-D weights inside the transformer blocks, every other parameter). Embeddings,
-    the output head, LayerNorms and biases go to the second list, for AdamW."""
+    """The hidden-layer Muon split: (2-D weights inside the transformer blocks, every other parameter).
+    Embeddings, the output head, LayerNorms and biases go to the second list, for AdamW."""
     hidden = [p for p in model.transformer.h.parameters() if p.ndim == 2]
     hidden_ids = {id(p) for p in hidden}
     return hidden, [p for p in model.parameters() if id(p) not in hidden_ids]

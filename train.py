@@ -46,7 +46,7 @@ from checkpoint import CheckpointError, CheckpointWriter, RNGState
 from configurator import ConfigError, config_to_dict, fixed_keys, load_config, print_help, wants_help
 from metrics import LogWindow, MetricsLog
 from model import GPT, GPTConfig, peak_flops
-from optim import build_optimizer, lr_factor, set_lr
+from optim import build_optimizer, group_hyperparameters, set_lr
 from runtime import SetupError, agree, decide_on_master, set_deterministic, setup_distributed, setup_precision
 from tokens import DataError, TokenData
 
@@ -244,18 +244,15 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path):
     return model, model_args
 
 
-def load_optimizer_state(optimizer, state):
+def load_optimizer_state(optimizer, state, cfg):
     """The checkpoint's optimizer state with the configuration's hyperparameters.
 
     load_state_dict restores each group's saved settings (lr, initial_lr, weight decay, betas, gamma,
-    MARS's 1-D lr factor, ...); the groups as build_optimizer made them from this run's configuration are
-    put back on top, so a resume with --learning_rate=1e-4 trains at 1e-4. The moments and step counts
-    are the checkpoint's.
+    MARS's 1-D lr factor, ...); group_hyperparameters writes this run's configuration back on top, so a
+    resume with --learning_rate=1e-4 trains at 1e-4. The moments and step counts are the checkpoint's.
     """
-    from_config = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
-    for group, settings in zip(optimizer.param_groups, from_config):
-        group.update(settings)
+    group_hyperparameters(optimizer, cfg)
 
 
 def setup_hellaswag(cfg, train_data, dist_info):
@@ -321,7 +318,7 @@ def setup(cfg, dist_info):
     rng = RNGState(dist_info.rank, gather_rng(dist_info))
     progress = Progress()
     if ckpt is not None:
-        load_optimizer_state(optimizer, ckpt["optimizer"])
+        load_optimizer_state(optimizer, ckpt["optimizer"], cfg)
         if scaler.is_enabled() and ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         rng.load_state_dict(ckpt["rng"], dist_info.world_size)
@@ -484,7 +481,7 @@ def train_step(run, it):
     so every rank takes the same one. This reads one number from the device per step.
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
-    set_lr(optimizer, lr_factor(it, cfg))
+    set_lr(optimizer, it, cfg)
     norms = []
     if run.exact_mars:
         forward_backward(run, it + 1)

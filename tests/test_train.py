@@ -13,6 +13,7 @@ from train_helpers import make_char_data, tiny_args
 import checkpoint
 import train
 from model import GPT, GPTConfig
+from optim import scheduled_lr
 from tokens import TokenData, write_shard
 
 
@@ -492,7 +493,7 @@ def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one
     resumed = [r for r in read_metrics(out) if "train/loss" in r and r["iter"] > 5]
     assert [r["iter"] for r in resumed] == list(range(6, 21))
     for r in resumed:  # a record at iter i was logged after step i - 1
-        assert r["lr"] == pytest.approx(1e-4 * train.lr_factor(r["iter"] - 1, cfg), rel=1e-12)
+        assert r["lr"] == pytest.approx(scheduled_lr(r["iter"] - 1, cfg, 1e-4), rel=1e-12)
         assert math.isfinite(r["train/loss"])
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     groups = ckpt["optimizer"]["param_groups"]
