@@ -154,6 +154,11 @@ def strip_compile_prefix(state_dict):
     return {k.removeprefix(COMPILE_PREFIX): v for k, v in state_dict.items()}
 
 
+def is_reference_mask(key):
+    """The paper's code saves each layer's causal mask as a buffer 'attn.bias'; our SDPA model has none."""
+    return key.endswith(".attn.bias")
+
+
 def load_model_state(model, state_dict, path):
     """Load `state_dict` into `model`, naming the first key whose presence or shape does not match."""
     state_dict = strip_compile_prefix(state_dict)
@@ -169,7 +174,7 @@ def load_model_state(model, state_dict, path):
                 f"{path}: '{key}' has shape {tuple(state_dict[key].shape)} in the "
                 f"checkpoint but {tuple(value.shape)} in the model built from the config"
             )
-    extra = [key for key in state_dict if key not in expected]
+    extra = [key for key in state_dict if key not in expected and not is_reference_mask(key)]
     if extra:
         raise CheckpointError(
             f"{path}: the checkpoint has '{extra[0]}', which the model built from the "

@@ -151,11 +151,20 @@ def test_state_dict_uses_nanogpt_names():
 
 
 def test_loads_reference_checkpoints_with_causal_mask_buffer():
+    import checkpoint
+
     gpt = tiny_gpt()
     state_dict = gpt.state_dict()
     for i in range(3):  # the reference code saves its T×T mask as 'attn.bias'
         state_dict[f"transformer.h.{i}.attn.bias"] = torch.ones(1, 1, 16, 16).tril()
-    tiny_gpt(seed=1).load_state_dict(state_dict)
+    for load in (
+        lambda model: model.load_state_dict(state_dict),
+        lambda model: checkpoint.load_model_state(model, dict(state_dict), "ref.pt"),
+    ):
+        other = tiny_gpt(seed=1)
+        assert not torch.equal(other.lm_head.weight, gpt.lm_head.weight)
+        load(other)
+        assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), gpt.state_dict().values()))
 
 
 def test_param_groups_split_like_the_reference():

@@ -290,7 +290,8 @@ def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
             "starts pulling up roofing on a roof.",
         ],
     )
-    examples.write_text(json.dumps(example) + "\n" + json.dumps(dict(example, label=3)) + "\n")
+    rotations = [dict(example, endings=example["endings"][i:] + example["endings"][:i], label=i) for i in range(4)]
+    examples.write_text("".join(json.dumps(e) + "\n" for e in rotations + [dict(e, label=3) for e in rotations]))
     out = str(tmp_path / "out")
     run_ok(
         tiny_args(
@@ -307,7 +308,12 @@ def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
     )
     scores = [r for r in read_metrics(out) if "hellaswag/acc_norm" in r]
     assert [r["iter"] for r in scores] == [0, 2]
-    assert all(r["hellaswag/acc_norm"] in (0.0, 0.5, 1.0) for r in scores)
+    # the score at step 2 is the one hellaswag.py gives the model the step-2 checkpoint holds
+    import hellaswag
+
+    model, _ = checkpoint.load_model(out)
+    expected = hellaswag.evaluate(model, hellaswag.load_examples(str(examples)), "cpu")
+    assert scores[-1]["hellaswag/acc_norm"] == expected["acc_norm"] and expected["n"] == 8
 
 
 def test_hellaswag_on_a_char_dataset_warns_once_and_trains(data_path, tmp_path, capsys):
