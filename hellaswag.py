@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from checkpoint import CheckpointError, load_model
 from files import atomic_writer
 from model import GPT
-from runtime import autocast, resolve_device, resolve_dtype
+from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
 from tokens import DataError, get_gpt2_encoding
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -181,13 +181,7 @@ def main(argv=None):
         help="GPT-2 weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder",
     )
     p.add_argument("--data", default="", help="hellaswag_val.jsonl (default: download into data/hellaswag/)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N or mps")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="autocast dtype (auto: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
-    )
+    add_device_arguments(p)
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples (0 = all)")
     p.add_argument("--batch_examples", type=int, default=4, help="examples per forward pass")
     args = p.parse_args(argv)

@@ -88,6 +88,18 @@ def setup_distributed(cfg):
     return info
 
 
+def add_device_arguments(parser):
+    """--device and --dtype for the tools after training (sample.py, hellaswag.py), meaning what they mean
+    to train.py."""
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N or mps")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="autocast dtype (auto: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # Precision and determinism.
 

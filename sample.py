@@ -16,7 +16,7 @@ import torch
 
 from checkpoint import CheckpointError, load_model
 from model import GPT
-from runtime import autocast, resolve_device, resolve_dtype
+from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
 from tokens import DataError, get_gpt2_encoding
 
 
@@ -35,13 +35,7 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.8, help="< 1 sharper, > 1 more random")
     p.add_argument("--top_k", type=int, default=200, help="keep only the k likeliest tokens (0 = all)")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N or mps")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="autocast dtype (auto: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
-    )
+    add_device_arguments(p)
     args = p.parse_args(argv)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(args, name) < 1:

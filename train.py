@@ -141,16 +141,9 @@ def model_vocab_size(data):
 
 
 def model_args_from_config(cfg, vocab_size):
-    return dict(
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
-        block_size=cfg.block_size,
-        bias=cfg.bias,
-        vocab_size=vocab_size,
-        dropout=cfg.dropout,
-        scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx,
-    )
+    """GPTConfig's fields: the run's configuration declares each of them but the vocabulary (the data's)."""
+    shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
+    return shape | {"vocab_size": vocab_size}
 
 
 def run_files(out_dir):
@@ -229,8 +222,7 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path):
         model = GPT.from_pretrained(cfg.init_from, dict(dropout=cfg.dropout))
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
-        model_args = {k: getattr(model.config, k) for k in model_args_from_config(cfg, vocab_size)}
-        return model, model_args
+        return model, dataclasses.asdict(model.config)
     model_args = model_args_from_config(cfg, vocab_size)
     if ckpt is not None and ckpt["model_args"].get("vocab_size") != vocab_size:
         raise CheckpointError(
