@@ -1,41 +1,35 @@
-"""Checkpoints: atomic saves, safe loads, and the model loader the tools after training share.
+"""Checkpoints: atomic saves written in the background, safe loads, and the model loader the tools share.
 
-A checkpoint is one torch.save'd dict (keys below) that torch.load(weights_only=True) accepts, so
-loading one cannot run code: every value is a tensor, a number, a string or a list/tuple/dict of them.
+A checkpoint is one torch.save'd dict that torch.load(weights_only=True) accepts, so loading one cannot
+run code: every value is a tensor, a number, a string or a list/tuple/dict of them. It holds
 
-    model         the model's state_dict, without torch.compile's '_orig_mod.' prefix
     model_args    the GPTConfig fields the model was built with
-    optimizer     the optimizer's state_dict (for exact MARS this includes its stored gradients)
-    scaler        the float16 GradScaler's state_dict ({} when it is disabled)
-    iter_num      optimizer steps taken; training resumes with this step
-    best_val_loss lowest validation loss so far
     config        the run's full configuration (configurator.config_to_dict)
-    rng           python / numpy / torch / CUDA generator states (see rng_state)
-    wandb_run_id  so a resumed run continues the same wandb run ('' without wandb)
-    tokens        training tokens consumed so far
-    elapsed_s     training wall-clock seconds so far, carried across resumes
-    bad_steps     consecutive non-finite steps skipped right before this checkpoint
-    skipped_steps non-finite steps skipped in the whole run
-    clip_count    steps whose gradient norm exceeded grad_clip (for the running clip rate)
+    <part>        the state_dict() of each stateful part train.py names in checkpoint_parts():
+                  model, optimizer, scaler, rng (RNGState), progress (train.Progress)
 
-The batches need no state of their own: tokens.TokenData.get_batch is a pure function of
-(seed, step, micro_step), so iter_num and the config are all the sampler needs.
+and nothing else: what a resume restores is exactly what was saved, part by part. The batches need no
+state of their own: tokens.TokenData.get_batch is a pure function of (seed, step, micro_step), so the
+progress's iter_num and the config are all the sampler needs.
 """
 
 import os
 import pickle
 import random
 import shutil
+import threading
 import zipfile
 
 import numpy as np
 import torch
 
+from files import atomic_writer
+
 CKPT_NAME = "ckpt.pt"
 BEST_NAME = "best.pt"
 COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter with this prefix
 
-REQUIRED_KEYS = ("model", "model_args", "iter_num")
+REQUIRED_KEYS = ("model", "model_args")  # what the tools after training (sample, hellaswag, export) read
 
 
 class CheckpointError(Exception):
@@ -48,37 +42,16 @@ def checkpoint_path(path):
 
 
 def save_checkpoint(path, state):
-    """Write `state` to `path` atomically: a crash, kill -9 or full disk leaves any previous file intact.
-
-    The bytes go to a temporary file in the same directory (so the rename cannot cross filesystems),
-    are flushed and fsync'ed, and only then renamed over `path`; the directory is fsync'ed so the
-    rename itself survives a power loss.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp.{os.getpid()}"
+    """Write `state` to `path` atomically: a crash, kill -9 or full disk leaves any previous file intact."""
     try:
-        with open(tmp, "wb") as f:
+        with atomic_writer(path) as f:
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        directory = os.path.dirname(os.path.abspath(path))
         raise CheckpointError(
-            f"cannot write checkpoint {path}: {e.strerror or e}; the previous one is "
+            f"cannot write checkpoint {path}: {getattr(e, 'strerror', None) or e}; the previous one is "
             f"kept (free disk space in {directory} and resume)"
         ) from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory):
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def keep_copy(src, dst):
@@ -101,15 +74,72 @@ def keep_copy(src, dst):
             os.remove(tmp)
 
 
-def load_checkpoint(path):
-    """The checkpoint dict at `path` (a file, or a directory holding ckpt.pt), loaded onto the CPU."""
+def cpu_copy(value):
+    """A deep copy of a state tree with every tensor copied to the CPU: what the background write
+    serialises while training goes on changing the live tensors (and the live lr values)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(v) for v in value)
+    return value
+
+
+class CheckpointWriter:
+    """Writes checkpoints in a background thread, so training goes on while the bytes reach storage.
+
+    save() takes a CPU copy of the state at once (the checkpoint is exactly the state at that moment),
+    then a thread writes it atomically and makes its copies (best.pt, periodic ones). One write is in
+    flight at a time: the next save, or wait(), first waits for it and raises its CheckpointError, if
+    any. With a GPT-2 XL checkpoint (~25 GB) on storage at 40 MB/s a synchronous save would stall every
+    rank for ten minutes and trip the collective timeout; here it costs the device-to-host copy.
+    The cost is host memory for one copy of the state on the saving rank.
+    """
+
+    def __init__(self):
+        self._thread = None
+        self._error = None
+
+    def save(self, path, state, copies=()):
+        self.wait()
+        snapshot = cpu_copy(state)
+        self._thread = threading.Thread(target=self._write, args=(path, snapshot, tuple(copies)), daemon=False)
+        self._thread.start()
+
+    def _write(self, path, snapshot, copies):
+        try:
+            save_checkpoint(path, snapshot)
+            for dst in copies:
+                keep_copy(path, dst)
+        except CheckpointError as e:
+            self._error = e
+
+    def wait(self):
+        """Block until the write in flight is on disk; raise its error, if it had one."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def load_checkpoint(path, mmap=False):
+    """The checkpoint dict at `path` (a file, or a directory holding ckpt.pt), loaded onto the CPU.
+
+    mmap=True maps the file instead of reading it: the tensors are paged in from the page cache as they
+    are copied to their device, so the 8 ranks of a node resuming a GPT-2 XL run share one copy of the
+    file in memory instead of holding 8 (about 200 GB). The mapping is private (copy-on-write), and
+    checkpoints are only ever replaced by a rename, which leaves a mapped file intact.
+    """
     path = checkpoint_path(path)
     if not os.path.isfile(path):
         raise CheckpointError(
             f"no checkpoint at {path}; train with --init_from=scratch first, or point out_dir at the run to resume"
         )
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
@@ -122,6 +152,11 @@ def load_checkpoint(path):
 
 def strip_compile_prefix(state_dict):
     return {k.removeprefix(COMPILE_PREFIX): v for k, v in state_dict.items()}
+
+
+def is_reference_mask(key):
+    """The paper's code saves each layer's causal mask as a buffer 'attn.bias'; our SDPA model has none."""
+    return key.endswith(".attn.bias")
 
 
 def load_model_state(model, state_dict, path):
@@ -139,7 +174,7 @@ def load_model_state(model, state_dict, path):
                 f"{path}: '{key}' has shape {tuple(state_dict[key].shape)} in the "
                 f"checkpoint but {tuple(value.shape)} in the model built from the config"
             )
-    extra = [key for key in state_dict if key not in expected]
+    extra = [key for key in state_dict if key not in expected and not is_reference_mask(key)]
     if extra:
         raise CheckpointError(
             f"{path}: the checkpoint has '{extra[0]}', which the model built from the "
@@ -165,37 +200,51 @@ def load_model(path_or_out_dir, device="cpu"):
 # Random number generator states, in forms weights_only loading accepts (numpy's array becomes a tensor).
 
 
-def rng_state():
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "name": np_name,
-            "keys": torch.from_numpy(np_keys.astype(np.int64)),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "cached_gaussian": float(np_gauss),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class RNGState:
+    """The Python, numpy and torch generators of this process, and the CUDA generators of every rank.
 
+    Each rank's CUDA generators differ (they are seeded per device), so state_dict() takes every rank's
+    (gathered by the caller: `cuda_by_rank`) and load_state_dict() gives each rank its own when the world
+    size is the same; on a different world size the CUDA generators keep their fresh seeds. Nothing in
+    training draws from them between checkpoints except dropout, which is reseeded every micro-batch.
+    """
 
-def set_rng_state(state):
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            np_state["name"],
-            np_state["keys"].numpy().astype(np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
+    def __init__(self, rank=0, gather=None):
+        self.rank = rank
+        self.gather = gather or (lambda state: [state])  # this rank's CUDA state -> every rank's
+
+    def state_dict(self):
+        np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return {
+            "python": random.getstate(),
+            "numpy": {
+                "name": np_name,
+                "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                "pos": int(np_pos),
+                "has_gauss": int(np_has_gauss),
+                "cached_gaussian": float(np_gauss),
+            },
+            "torch": torch.get_rng_state(),
+            "cuda_by_rank": self.gather(cuda),
+        }
+
+    def load_state_dict(self, state, world_size=1):
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+        np_state = state["numpy"]
+        np.random.set_state(
+            (
+                np_state["name"],
+                np_state["keys"].numpy().astype(np.uint32),
+                np_state["pos"],
+                np_state["has_gauss"],
+                np_state["cached_gaussian"],
+            )
         )
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.set_rng_state(state["torch"])
+        cuda_by_rank = state.get("cuda_by_rank", [])
+        if len(cuda_by_rank) == world_size and torch.cuda.is_available():
+            mine = cuda_by_rank[self.rank]
+            if len(mine) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(mine)

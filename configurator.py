@@ -38,9 +38,10 @@ class ConfigError(ValueError):
 # end of the message "<key> <what>, got <value>".
 
 
-def key(default, help, check=None):
-    """A config field with its one-line meaning (for --help) and an optional value check."""
-    return dataclasses.field(default=default, metadata={"help": help, "check": check})
+def key(default, help, check=None, fixed=False):
+    """A config field with its one-line meaning (for --help), an optional value check, and whether it is
+    fixed for the life of a run (a resume that changes it is refused: the model's shape, the optimizer)."""
+    return dataclasses.field(default=default, metadata={"help": help, "check": check, "fixed": fixed})
 
 
 def positive(value):
@@ -104,17 +105,19 @@ class TrainConfig:
         positive,
     )
     batch_size: int = key(12, "micro-batch size: sequences per forward pass", positive)
-    block_size: int = key(1024, "sequence length in tokens", positive)
+    block_size: int = key(1024, "sequence length in tokens", positive, fixed=True)
     seed: int = key(5000, "seed of the weights, batches and dropout (the reference's 5000)")
     # --- model
-    n_layer: int = key(12, "transformer blocks", positive)
-    n_head: int = key(12, "attention heads", positive)
-    n_embd: int = key(768, "embedding width (a multiple of n_head)", positive)
+    n_layer: int = key(12, "transformer blocks", positive, fixed=True)
+    n_head: int = key(12, "attention heads", positive, fixed=True)
+    n_embd: int = key(768, "embedding width (a multiple of n_head)", positive, fixed=True)
     dropout: float = key(0.0, "dropout probability", fraction)
-    bias: bool = key(False, "biases in Linear and LayerNorm layers")
-    scale_attn_by_inverse_layer_idx: bool = key(True, "divide layer i's attention logits by i + 1 (the paper's)")
+    bias: bool = key(False, "biases in Linear and LayerNorm layers", fixed=True)
+    scale_attn_by_inverse_layer_idx: bool = key(
+        True, "divide layer i's attention logits by i + 1 (the paper's)", fixed=True
+    )
     # --- optimizer
-    optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer (optim.py)")
+    optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer (optim.py)", fixed=True)
     learning_rate: float = key(6e-4, "peak lr: MARS's 2-D tensors, AdamW's everything", non_negative)
     max_iters: int = key(600000, "optimizer steps of the run", non_negative)
     weight_decay: float = key(1e-1, "decoupled weight decay of the 2-D tensors", non_negative)
@@ -133,19 +136,27 @@ class TrainConfig:
     lr_1d: float = key(
         3e-3, "MARS: AdamW lr of the 1-D tensors (optimize_1d=False); follows the schedule", non_negative
     )
-    is_approx: bool = key(True, "MARS: False = exact MARS, an extra forward/backward per step")
-    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo"] = key("mars-adamw", "MARS: the preconditioner")
-    optimize_1d: bool = key(False, "MARS: apply MARS to the 1-D tensors too (else AdamW)")
+    is_approx: bool = key(True, "MARS: False = exact MARS, an extra forward/backward per step", fixed=True)
+    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo"] = key(
+        "mars-adamw", "MARS: the preconditioner", fixed=True
+    )
+    optimize_1d: bool = key(False, "MARS: apply MARS to the 1-D tensors too (else AdamW)", fixed=True)
     weight_decay_1d: float = key(0.1, "MARS: weight decay of the 1-D tensors", non_negative)
     betas_1d: tuple[float, float] = key((0.9, 0.95), "MARS: AdamW betas of the 1-D tensors", betas)
     # --- Muon baseline: torch.optim.Muon on matrices, AdamW on the rest (defaults: the reference's)
     muon_lr: float = key(2e-2, "Muon: lr of the matrices", non_negative)
     muon_adamw_lr: float = key(6e-4, "Muon: lr of the AdamW part", non_negative)
-    # --- learning-rate schedule (optim.lr_factor)
+    muon_matrices: Literal["all", "hidden"] = key(
+        "all",
+        "Muon: all = every 2-D tensor, the embeddings and tied head included (the reference's); "
+        "hidden = the blocks' matrices only, AdamW takes embeddings and head at weight_decay",
+        fixed=True,
+    )
+    # --- learning-rate schedule (optim.scheduled_lr)
     decay_lr: bool = key(True, "False: constant learning_rate from step 0, no warmup")
     warmup_iters: int = key(2000, "linear warmup steps", non_negative)
     lr_decay_iters: int = key(600000, "cosine reaches min_lr at this step (~= max_iters)", non_negative)
-    min_lr: float = key(6e-5, "the floor of learning_rate (absolute); other groups get the same fraction", non_negative)
+    min_lr: float = key(6e-5, "where every group's lr decays to (absolute, as the reference)", non_negative)
     schedule: Literal["cosine", "wsd", "constant"] = key("cosine", "lr schedule after warmup")
     wsd_decay_frac: float = key(
         0.2,
@@ -163,6 +174,11 @@ class TrainConfig:
         "auto", "autocast dtype: auto = bfloat16 where CUDA supports it, else float16 + GradScaler; float32 on CPU"
     )
     compile: bool | None = key(None, "torch.compile the model; None = on CUDA only")
+    deterministic: bool = key(
+        False,
+        "CUDA: deterministic kernels (torch.use_deterministic_algorithms, math attention), so a resume is bit-exact; "
+        "slower. CPU runs are deterministic anyway",
+    )
     ddp_timeout_s: int = key(600, "collective timeout: a dead rank ends the job instead of hanging it", positive)
 
     def validate(self):
@@ -289,6 +305,11 @@ def load_config(argv, cls=TrainConfig):
     cfg = cls(**values)
     schema.check(cfg)
     return cfg
+
+
+def fixed_keys(cls=TrainConfig):
+    """The keys a resumed run must keep (declared with fixed=True)."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("fixed")]
 
 
 def config_to_dict(cfg):

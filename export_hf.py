@@ -5,7 +5,9 @@
 
 The folder holds config.json and model.safetensors (the tied embedding stored once, the vocabulary
 cropped back to GPT-2's 50257 tokens) and, for GPT-2-vocabulary models, the GPT-2 tokenizer files, so
-`lm_eval --model hf --model_args pretrained=hf/` needs nothing else.
+`lm_eval --model hf --model_args pretrained=hf/` needs nothing else. A model trained with
+scale_attn_by_inverse_layer_idx (every paper config) is written with that scaling folded into its query
+weights and the flag off (see model.hf_from_gpt): the same function in every transformers release.
 """
 
 import argparse

@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_model
+from files import atomic_writer
 from model import GPT
-from sample import autocast
+from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
 from tokens import DataError, get_gpt2_encoding
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -49,15 +50,12 @@ def ensure_data(path="", cache_dir=CACHE_DIR, url=VAL_URL, timeout_s=15):
     if os.path.isfile(cached):
         return cached
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{cached}.tmp{os.getpid()}"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as f:
+        # never a half-downloaded file under the final name
+        with urllib.request.urlopen(url, timeout=timeout_s) as response, atomic_writer(cached) as f:
             while chunk := response.read(1 << 20):
                 f.write(chunk)
-        os.replace(tmp, cached)  # never leave a half-downloaded file under the final name
     except (urllib.error.URLError, OSError):
-        if os.path.exists(tmp):
-            os.remove(tmp)
         return None
     return cached
 
@@ -183,13 +181,7 @@ def main(argv=None):
         help="GPT-2 weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder",
     )
     p.add_argument("--data", default="", help="hellaswag_val.jsonl (default: download into data/hellaswag/)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="autocast dtype (default: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
-    )
+    add_device_arguments(p)
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples (0 = all)")
     p.add_argument("--batch_examples", type=int, default=4, help="examples per forward pass")
     args = p.parse_args(argv)
@@ -203,13 +195,19 @@ def main(argv=None):
         examples = load_examples(path)
         if args.limit > 0:
             examples = examples[: args.limit]
+        args.device = resolve_device(args.device)
+        device_type = torch.device(args.device).type
         if args.ckpt:
             model, _ = load_model(args.ckpt, device=args.device)
         else:
             model = GPT.from_pretrained(args.init_from).to(args.device)
         t0 = time.time()
         result = evaluate(
-            model, examples, args.device, ctx=autocast(args.device, args.dtype), batch_examples=args.batch_examples
+            model,
+            examples,
+            args.device,
+            ctx=autocast(device_type, resolve_dtype(args.dtype, device_type)),
+            batch_examples=args.batch_examples,
         )
     except (ValueError, OSError, ImportError, CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

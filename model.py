@@ -28,8 +28,35 @@ PRESETS = {
 # OpenAI's checkpoints on the Hugging Face hub, by preset.
 HF_CHECKPOINTS = {"gpt2": "small", "gpt2-medium": "medium", "gpt2-large": "large", "gpt2-xl": "xl"}
 
-# Peak dense bf16 tensor-core throughput (FLOP/s) by the substring that names the GPU.
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+# Peak dense bf16 tensor-core throughput (FLOP/s, FP32 accumulate, no 2:4 sparsity) by the exact name
+# torch.cuda.get_device_name reports. Datasheets that print only the "with sparsity" figure (marked *)
+# are halved. A GPU missing here -- or a MIG slice, whose name differs -- has no MFU, never a guess.
+PEAK_BF16_FLOPS = {
+    # A100 datasheet (nvidia.com/en-us/data-center/a100): BFLOAT16 Tensor Core 312 | 624* TFLOPS, every model
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    # H100 datasheet (nvidia.com/en-us/data-center/h100): BF16 Tensor Core 1,979* (SXM), 1,513* (PCIe),
+    # 1,671* (NVL) TFLOPS
+    "NVIDIA H100 80GB HBM3": 989.5e12,
+    "NVIDIA H100 PCIe": 756.5e12,
+    "NVIDIA H100 NVL": 835.5e12,
+    # H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 Tensor Core 1,979* TFLOPS (SXM)
+    "NVIDIA H200": 989.5e12,
+    # HGX B200 specifications (nvidia.com/en-us/data-center/hgx): FP16/BF16 Tensor Core 4.5* PFLOPS per GPU
+    "NVIDIA B200": 2.25e15,
+    # L40S datasheet: BF16 Tensor Core 362.05 | 733* TFLOPS
+    "NVIDIA L40S": 362.05e12,
+    # L4 datasheet: BF16 Tensor Core 242* TFLOPS
+    "NVIDIA L4": 121e12,
+    # A10 datasheet: BF16 Tensor Core 125 | 250* TFLOPS
+    "NVIDIA A10": 125e12,
+    # A40 datasheet: peak BF16 Tensor TFLOPS with FP32 accumulate 149.7 | 299.4*
+    "NVIDIA A40": 149.7e12,
+    # Ada architecture whitepaper v2.01, RTX 4090: peak BF16 Tensor TFLOPS with FP32 accumulate 165.2 | 330.4*
+    "NVIDIA GeForce RTX 4090": 165.2e12,
+}
 
 
 @dataclass
@@ -245,8 +272,7 @@ def peak_flops(device):
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device))
 
 
 def param_groups(model, weight_decay):
@@ -264,9 +290,17 @@ def param_groups(model, weight_decay):
     ]
 
 
+def matrix_params(model):
+    """The reference's Muon split (MARS/train_muon.py through opt.CombinedOptimizer): (every tensor with
+    2 or more dimensions -- the token and position embeddings and the tied output head included --, every
+    other tensor), each in model.parameters() order. In GPT the first are all 2-D."""
+    params = list(model.parameters())
+    return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+
+
 def hidden_matrix_params(model):
-    """The Muon split: (2-D weights inside the transformer blocks, every other parameter). Embeddings,
-    the output head, LayerNorms and biases go to the second list, for AdamW."""
+    """The hidden-layer Muon split: (2-D weights inside the transformer blocks, every other parameter).
+    Embeddings, the output head, LayerNorms and biases go to the second list, for AdamW."""
     hidden = [p for p in model.transformer.h.parameters() if p.ndim == 2]
     hidden_ids = {id(p) for p in hidden}
     return hidden, [p for p in model.parameters() if id(p) not in hidden_ids]
@@ -324,10 +358,26 @@ def gpt_from_hf(hf_model, dropout=0.0):
     return model
 
 
+def _fold_layer_scaling_into_queries(state_dict, n_layer, n_embd):
+    """Divide layer i's query projection (weight and bias) by i + 1, in Conv1D layout: (q / (i + 1)) . k
+    is the logit scale_attn_by_inverse_layer_idx computes, so the model no longer needs the flag."""
+    for i in range(n_layer):
+        for key in (f"transformer.h.{i}.attn.c_attn.weight", f"transformer.h.{i}.attn.c_attn.bias"):
+            if key in state_dict:
+                folded = state_dict[key].clone()
+                folded[..., :n_embd] /= i + 1  # the first n_embd outputs of c_attn are the queries
+                state_dict[key] = folded
+
+
 def hf_from_gpt(model, vocab_size=GPT2_VOCAB_SIZE):
     """A Hugging Face GPT2LMHeadModel with our model's weights. Embedding rows past vocab_size (the
     padding up to 50304) are cropped away; a model trained without biases gets zero biases, which
-    computes the same function in GPT-2's always-biased layout."""
+    computes the same function in GPT-2's always-biased layout.
+
+    scale_attn_by_inverse_layer_idx is folded into the query weights and left off in the Hugging Face
+    config: GPT-2's SDPA attention, the default, ignores that flag in transformers 4.42 to 5.3 (fixed in
+    5.4), and those releases would otherwise score a different function. Folded, every release and
+    every attention implementation computes ours."""
     transformers = _import_transformers()
     cfg = model.config
     vocab_size = min(vocab_size, cfg.vocab_size)
@@ -343,7 +393,7 @@ def hf_from_gpt(model, vocab_size=GPT2_VOCAB_SIZE):
         embd_pdrop=cfg.dropout,
         attn_pdrop=cfg.dropout,
         layer_norm_epsilon=1e-5,
-        scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx,
+        scale_attn_by_inverse_layer_idx=False,  # folded into the weights below
         tie_word_embeddings=True,
         # GPT-2's end-of-text token, where the vocabulary has it
         bos_token_id=eot,
@@ -353,6 +403,8 @@ def hf_from_gpt(model, vocab_size=GPT2_VOCAB_SIZE):
     state_dict = _swap_conv1d_layout(model.state_dict())
     for key in ("transformer.wte.weight", "lm_head.weight"):
         state_dict[key] = state_dict[key][:vocab_size]
+    if cfg.scale_attn_by_inverse_layer_idx:
+        _fold_layer_scaling_into_queries(state_dict, cfg.n_layer, cfg.n_embd)
     if not cfg.bias:
         for name, p in hf_model.named_parameters():
             if name.endswith(".bias"):

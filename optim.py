@@ -1,22 +1,24 @@
-"""Builds the optimizer a TrainConfig names, and the learning-rate schedules.
+"""Builds the optimizer a TrainConfig names, and the learning-rate schedule.
 
 mars  -- mars.MARS over model.param_groups, constructed as the paper's reference code does
          (MARS/train_mars.py + its model's configure_optimizers): the two weight-decay groups,
          lr=learning_rate, betas=(beta1, beta2) and the MARS keys; 1-D tensors take lr_1d.
 adamw -- torch.optim.AdamW over the same two groups, betas=(beta1, beta2), fused on CUDA.
-muon  -- torch.optim.Muon on the hidden 2-D matrices (lr muon_lr, weight decay 0) chained with AdamW
-         on embeddings, head and 1-D tensors (lr muon_adamw_lr, betas=(beta1, beta2), weight_decay),
-         as one object.
+muon  -- torch.optim.Muon (lr muon_lr, weight decay 0) chained with AdamW (lr muon_adamw_lr,
+         betas=(beta1, beta2), weight_decay), as one object. muon_matrices="all", as the reference
+         MARS/train_muon.py: Muon takes every 2-D tensor -- the token and position embeddings and the
+         tied head included -- and AdamW the 1-D ones; "hidden": Muon takes only the blocks' matrices.
 
-Every group keeps 'initial_lr'; set_lr(optimizer, lr_factor(it, cfg)) applies the schedule to all of
-them, so MARS's 1-D lr and both halves of Muon follow the same curve.
+Every hyperparameter the configuration sets is written into the groups by group_hyperparameters, at
+construction and again after a resume's load_state_dict. Each group keeps its peak lr as 'initial_lr';
+set_lr(optimizer, it, cfg) applies the schedule to every group.
 """
 
 import math
 
 import torch
 
-from model import hidden_matrix_params, param_groups
+from model import hidden_matrix_params, matrix_params, param_groups
 
 
 class ChainedOptimizer:
@@ -58,86 +60,100 @@ class ChainedOptimizer:
             opt.load_state_dict(sd)
 
 
-def _muon(model, cfg, fused):
-    hidden, other = hidden_matrix_params(model)
-    if any(p.ndim != 2 for p in hidden):
-        raise ValueError("hidden_matrix_params returned a tensor that is not 2-D; Muon takes matrices only")
-    # The reference's Muon (modded-nanogpt) scales each update by sqrt(max(1, rows/cols));
-    # torch's adjust_lr_fn="original" is that rule ("match_rms_adamw" would change the lr scale).
-    muon = torch.optim.Muon(
-        hidden, lr=cfg.muon_lr, weight_decay=0.0, momentum=0.95, nesterov=True, adjust_lr_fn="original"
-    )
-    # As the issue's Muon baseline: AdamW decays everything it holds (embeddings, head, 1-D tensors).
-    # The reference's Muon also took the embeddings, leaving AdamW only the 1-D tensors, at the same 0.1.
-    adamw = torch.optim.AdamW(
-        other, lr=cfg.muon_adamw_lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, fused=fused
-    )
-    return ChainedOptimizer(muon, adamw)
+def _group_settings(cfg):
+    """The hyperparameters cfg sets in each group, in the order build_optimizer makes the groups."""
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer_name == "muon":
+        return [
+            dict(lr=cfg.muon_lr, weight_decay=0.0),  # the reference's muon_weight_decay
+            dict(lr=cfg.muon_adamw_lr, betas=betas, weight_decay=cfg.weight_decay),
+        ]
+    shared = dict(lr=cfg.learning_rate, betas=betas)
+    if cfg.optimizer_name == "mars":
+        shared.update(
+            gamma=cfg.gamma, lr_1d=cfg.lr_1d, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d
+        )
+    # model.param_groups' order: the decayed matrices, then everything else
+    return [dict(shared, weight_decay=cfg.weight_decay), dict(shared, weight_decay=0.0)]
+
+
+def group_hyperparameters(optimizer, cfg):
+    """Write every hyperparameter cfg sets into optimizer's groups (after load_state_dict, which restores
+    the checkpoint's): lr and 'initial_lr' (the peak), weight decays, betas, MARS's gamma and 1-D
+    settings. set_lr then schedules the lr. Optimizer-internal constants (eps, Muon's momentum) stay."""
+    settings = _group_settings(cfg)
+    groups = optimizer.param_groups
+    if len(groups) != len(settings):
+        raise ValueError(f"{cfg.optimizer_name} has {len(settings)} parameter groups, this optimizer {len(groups)}")
+    for group, setting in zip(groups, settings):
+        group.update(setting, initial_lr=setting["lr"])
+        if "lr_1d_factor" in group:  # MARS: the 1-D lr is lr_1d / lr times the scheduled lr (reference)
+            group["lr_1d_factor"] = setting["lr_1d"] / setting["lr"] if setting["lr"] else 1.0
 
 
 def build_optimizer(model, cfg, device_type):
     """The optimizer cfg.optimizer_name names, over model's parameters (already on their device)."""
     fused = device_type == "cuda"
-    if cfg.optimizer_name == "mars":
-        from mars import MARS
-
-        optimizer = MARS(
-            param_groups(model, cfg.weight_decay),
-            lr=cfg.learning_rate,
-            betas=(cfg.beta1, cfg.beta2),
-            gamma=cfg.gamma,
-            is_approx=cfg.is_approx,
-            mars_type=cfg.mars_type,
-            optimize_1d=cfg.optimize_1d,
-            lr_1d=cfg.lr_1d,
-            betas_1d=tuple(cfg.betas_1d),
-            weight_decay_1d=cfg.weight_decay_1d,
+    settings = _group_settings(cfg)
+    if cfg.optimizer_name == "muon":
+        split = matrix_params if cfg.muon_matrices == "all" else hidden_matrix_params
+        muon_params, adamw_params = split(model)
+        # The reference Muon (MARS/optimizers/muon.py, after modded-nanogpt) scales each update by
+        # sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original". Its other differences from
+        # torch's Muon are in the README's note.
+        optimizer = ChainedOptimizer(
+            torch.optim.Muon(
+                [dict(params=muon_params, **settings[0])], momentum=0.95, nesterov=True, adjust_lr_fn="original"
+            ),
+            torch.optim.AdamW([dict(params=adamw_params, **settings[1])], fused=fused),
         )
-    elif cfg.optimizer_name == "adamw":
-        optimizer = torch.optim.AdamW(
-            param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused
-        )
-    elif cfg.optimizer_name == "muon":
-        optimizer = _muon(model, cfg, fused)
     else:
-        raise ValueError(f"optimizer_name={cfg.optimizer_name!r} is not one of: mars, adamw, muon")
-    for group in optimizer.param_groups:
-        group["initial_lr"] = group["lr"]
+        groups = [{**group, **setting} for group, setting in zip(param_groups(model, cfg.weight_decay), settings)]
+        if cfg.optimizer_name == "mars":
+            from mars import MARS
+
+            optimizer = MARS(groups, is_approx=cfg.is_approx, mars_type=cfg.mars_type, optimize_1d=cfg.optimize_1d)
+        elif cfg.optimizer_name == "adamw":
+            optimizer = torch.optim.AdamW(groups, fused=fused)
+        else:
+            raise ValueError(f"optimizer_name={cfg.optimizer_name!r} is not one of: mars, adamw, muon")
+    group_hyperparameters(optimizer, cfg)
     return optimizer
 
 
-def lr_factor(it, cfg):
-    """The learning rate at iteration `it` as a multiple of every group's initial lr.
+def scheduled_lr(it, cfg, peak):
+    """The lr at iteration `it` of a group whose peak lr is `peak`: the reference get_lr
+    (MARS/train_muon.py's, which takes each optimizer's base lr; train_mars.py's is the same for one).
 
-    cosine   -- the reference get_lr: linear warmup from 0 (lr * it / warmup_iters), cosine from
-                learning_rate down to min_lr between warmup_iters and lr_decay_iters, min_lr after.
+    cosine   -- linear warmup from 0 (peak * it / warmup_iters), cosine from peak down to min_lr
+                between warmup_iters and lr_decay_iters, min_lr after.
     wsd      -- warmup, constant, then linear decay to min_lr over the last wsd_decay_frac of max_iters
-                (the reference's FineWeb trainers, which decay to 0: use min_lr=0 for that).
+                (the reference's FineWeb trainers decay to 0 over the last 20%: min_lr=0, wsd_decay_frac=0.2).
     constant -- warmup, then constant.
-    decay_lr=False -- constant learning_rate from step 0, as the reference.
-    min_lr is absolute for learning_rate; other groups (lr_1d, Muon's two) get the same fraction.
+    decay_lr=False -- constant peak from step 0, no warmup.
+    min_lr is absolute and the same for every group, as in the reference, whose Muon trainer decays both
+    of its optimizers to it. (MARS's 1-D tensors run at lr_1d / learning_rate times their group's lr.)
     """
     if not cfg.decay_lr:
-        return 1.0
+        return peak
     if it < cfg.warmup_iters:
-        return it / cfg.warmup_iters
-    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 0.0
+        return peak * it / cfg.warmup_iters
     if cfg.schedule == "constant":
-        return 1.0
+        return peak
     if cfg.schedule == "wsd":
         decay_start = (1.0 - cfg.wsd_decay_frac) * cfg.max_iters
         if it < decay_start:
-            return 1.0
+            return peak
         remaining = max(0.0, (cfg.max_iters - it) / max(1.0, cfg.wsd_decay_frac * cfg.max_iters))
-        return floor + (1.0 - floor) * remaining
+        return cfg.min_lr + remaining * (peak - cfg.min_lr)
     if it > cfg.lr_decay_iters:
-        return floor
+        return cfg.min_lr
     decay_ratio = (it - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
-    return floor + coeff * (1.0 - floor)
+    return cfg.min_lr + coeff * (peak - cfg.min_lr)
 
 
-def set_lr(optimizer, factor):
-    """Every group's lr = its initial_lr * factor."""
+def set_lr(optimizer, it, cfg):
+    """Every group's lr at iteration `it`: the schedule from its 'initial_lr'."""
     for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] * factor
+        group["lr"] = scheduled_lr(it, cfg, group["initial_lr"])

@@ -5,7 +5,6 @@ tokens and against wall-clock time, one line per run -- the figures the MARS pap
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -14,39 +13,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed on a cluster node
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-SERIES = ("train/loss", "val/loss")
-
-
-def read_metrics(run_dir):
-    """{'train/loss': [(iter, tokens, time_s, loss)...], 'val/loss': [...]} from run_dir/metrics.jsonl.
-
-    A resumed run logs again the iterations after its checkpoint; the latest record of an iteration wins.
-    """
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} does not exist: is {run_dir!r} a training run's out_dir?")
-    latest = {name: {} for name in SERIES}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                if not line.endswith("\n"):
-                    continue  # a half-written last line: the run was killed mid-write
-                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
-            for name in SERIES:
-                if record.get(name) is None:
-                    continue
-                missing = [k for k in ("iter", "tokens", "time_s") if k not in record]
-                if missing:
-                    raise ValueError(f"{path}, line {lineno}: a {name} record without {', '.join(missing)}")
-                latest[name][record["iter"]] = (record["iter"], record["tokens"], record["time_s"], record[name])
-    series = {name: [points[i] for i in sorted(points)] for name, points in latest.items()}
-    if not any(series.values()):
-        raise ValueError(f"{path} has no train/loss or val/loss records yet")
-    return series
+from metrics import LOSS_SERIES as SERIES  # noqa: E402
+from metrics import read_metrics  # noqa: E402
 
 
 def default_labels(run_dirs):

@@ -8,7 +8,6 @@ dataset has one, else with GPT-2's BPE.
 """
 
 import argparse
-import contextlib
 import os
 import pickle
 import sys
@@ -17,6 +16,7 @@ import torch
 
 from checkpoint import CheckpointError, load_model
 from model import GPT
+from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
 from tokens import DataError, get_gpt2_encoding
 
 
@@ -35,13 +35,7 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.8, help="< 1 sharper, > 1 more random")
     p.add_argument("--top_k", type=int, default=200, help="keep only the k likeliest tokens (0 = all)")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="autocast dtype (default: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
-    )
+    add_device_arguments(p)
     args = p.parse_args(argv)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -102,20 +96,10 @@ def read_prompt(start):
     return start
 
 
-def autocast(device, dtype):
-    device_type = "cuda" if str(device).startswith("cuda") else "cpu"
-    if dtype is None:
-        if device_type == "cpu":
-            return contextlib.nullcontext()
-        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.amp.autocast(device_type=device_type, dtype=getattr(torch, dtype))
-
-
 def generate(args):
     """The samples as a list of strings."""
     torch.manual_seed(args.seed)
+    args.device = resolve_device(args.device)
     prompt = read_prompt(args.start)
     if args.init_from == "resume":
         model, ckpt = load_model(args.out_dir, device=args.device)
@@ -129,7 +113,8 @@ def generate(args):
         raise ValueError("the prompt encodes to no tokens; give some text with --start")
     x = torch.tensor(start_ids, dtype=torch.long, device=args.device)[None, ...]
     samples = []
-    with torch.no_grad(), autocast(args.device, args.dtype):
+    device_type = torch.device(args.device).type
+    with torch.no_grad(), autocast(device_type, resolve_dtype(args.dtype, device_type)):
         for _ in range(args.num_samples):
             y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
             samples.append(decode(y[0].tolist()))

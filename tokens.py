@@ -1,6 +1,6 @@
 """Token files on disk, the window sampler train.py uses, and the offline-capable GPT-2 tokenizer.
 
-Two layouts are read, both memory-mapped without copying:
+Two layouts are read:
 
 * headerless ``train.bin`` / ``val.bin``: raw uint16 token ids, the layout nanoGPT and the MARS
   reference code write and read (optionally with a ``meta.pkl`` holding a character vocabulary);
@@ -11,7 +11,6 @@ Batches are a pure function of (seed, step, micro_step): every rank of every wor
 same global batch for a given step, which is what lets 1 GPU and N GPUs train the same model.
 """
 
-import contextlib
 import glob
 import hashlib
 import os
@@ -21,6 +20,8 @@ import sys
 import tempfile
 
 import numpy as np
+
+from files import atomic_write_bytes, atomic_writer
 
 EOT_TOKEN = 50256  # <|endoftext|>: delimits documents
 GPT2_VOCAB_SIZE = 50257
@@ -37,10 +38,14 @@ _GPT2_FILES = {
 }
 _TIKTOKEN_HOST = "openaipublic.blob.core.windows.net"
 
+# Token ids are stored as uint16: at most this many distinct ids.
+UINT16_IDS = 1 << 16
 # A uint16 memmap scanned for out-of-range ids in chunks of this many tokens (128 MiB each).
 _SCAN_CHUNK = 1 << 26
 # check_vocab scans a whole split up to this size; larger splits are checked batch by batch instead.
 _FULL_SCAN_LIMIT = 1 << 30
+# TokenData keeps at most this many token files open (per split).
+_MAX_OPEN_FILES = 128
 
 
 class DataError(Exception):
@@ -129,35 +134,12 @@ def get_gpt2_encoding():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Writing: every file appears under its final name only when complete.
-
-
-@contextlib.contextmanager
-def atomic_writer(path):
-    """Open `path` for binary writing under a temporary name in the same directory; rename on success.
-
-    An interrupted writer leaves only ``<path>.tmp.<pid>``, never a truncated file with the final name.
-    """
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def atomic_write_bytes(path, data):
-    with atomic_writer(path) as f:
-        f.write(data)
+# Writing: every file appears under its final name only when complete (files.atomic_writer).
 
 
 def _as_uint16(tokens):
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= UINT16_IDS):
         raise ValueError(f"token ids must fit in uint16 (0..65535), got range {int(tokens.min())}..{int(tokens.max())}")
     return tokens.astype(np.uint16, copy=False)
 
@@ -187,8 +169,15 @@ def write_meta(path, itos):
 def write_char_corpus(output_dir, text):
     """A character-level dataset as nanoGPT's shakespeare_char: the sorted set of characters is the
     vocabulary (meta.pkl), and the ids split 90/10 by position into train.bin and val.bin."""
+    if not text:
+        raise DataError("the text is empty: no character dataset to write")
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     vocab = np.unique(codes)
+    if len(vocab) > UINT16_IDS:  # checked before the uint16 cast, which would wrap the ids
+        raise DataError(
+            f"the text has {len(vocab):,} distinct characters, more than the {UINT16_IDS:,} ids a uint16 "
+            f"token file can hold; use a smaller or less varied text, or a tokenizer such as GPT-2's"
+        )
     ids = np.searchsorted(vocab, codes).astype(np.uint16)
     split = int(0.9 * len(ids))
     os.makedirs(output_dir, exist_ok=True)
@@ -205,8 +194,8 @@ def write_char_corpus(output_dir, text):
 # Reading.
 
 
-def read_shard(path):
-    """Memory-map an llm.c shard's tokens after checking its header against the file size."""
+def shard_token_count(path):
+    """The token count of an llm.c shard, after checking its header against the file size."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
         raise DataError(
@@ -225,9 +214,22 @@ def read_shard(path):
             f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} "
             f"bytes (truncated or corrupt); delete it and rerun the prepare script"
         )
+    return count
+
+
+def read_shard(path):
+    """Memory-map an llm.c shard's tokens after checking its header against the file size."""
+    count = shard_token_count(path)
     if count == 0:
         return np.zeros(0, dtype=np.uint16)
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def _headerless_token_count(path):
+    size = os.path.getsize(path)
+    if size % 2:
+        raise DataError(f"{path}: {size} bytes is not a whole number of uint16 tokens (truncated); rerun the prepare")
+    return size // 2
 
 
 def _prepare_hint(data_dir):
@@ -239,7 +241,12 @@ def _prepare_hint(data_dir):
 
 
 class TokenData:
-    """One split of a token dataset, memory-mapped; serves training windows and fixed eval windows.
+    """One split of a token dataset, read from disk on demand; serves training windows and fixed eval windows.
+
+    Windows are read with seek/readinto from at most 128 open files, the most recently used: a split of
+    any number of shards -- sample-100BT is about 1,000 -- runs under the common `ulimit -n 1024`, which
+    one memory map (one descriptor) per shard would exceed. Reading a cached file costs about what
+    slicing a memory map does; opening one a few microseconds more.
 
     Out-of-range ids (>= the model's vocabulary) are caught exactly yet affordably: check_vocab scans
     every token of a split up to 2**30 tokens (val always; train for small corpora) in 128 MiB chunks,
@@ -249,6 +256,7 @@ class TokenData:
     """
 
     def __init__(self, data_dir, split):
+        self._open_files = {}  # file index -> open file, least recently used first
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if not os.path.isdir(data_dir):
@@ -257,15 +265,17 @@ class TokenData:
         headerless = os.path.join(data_dir, f"{split}.bin")
         if os.path.exists(headerless):
             self.paths = [headerless]
-            self.arrays = [np.memmap(headerless, dtype=np.uint16, mode="r")]
+            self.lengths = [_headerless_token_count(headerless)]
+            self._first_token_byte = 0
         else:
             self.paths = sorted(glob.glob(os.path.join(data_dir, f"fineweb_{split}_*.bin")))
             if not self.paths:
                 raise DataError(
                     f"{data_dir} has neither {split}.bin nor fineweb_{split}_*.bin shards; {_prepare_hint(data_dir)}"
                 )
-            self.arrays = [read_shard(p) for p in self.paths]
-        self.num_tokens = sum(len(a) for a in self.arrays)
+            self.lengths = [shard_token_count(p) for p in self.paths]
+            self._first_token_byte = HEADER_BYTES
+        self.num_tokens = sum(self.lengths)
         meta_path = os.path.join(data_dir, "meta.pkl")
         self.meta = None
         if os.path.exists(meta_path):
@@ -273,6 +283,33 @@ class TokenData:
                 self.meta = pickle.load(f)
         self.vocab_size = int(self.meta["vocab_size"]) if self.meta else GPT2_VOCAB_SIZE
         self._max_id = None  # set by check_vocab; get_batch then checks every batch
+
+    def read(self, index, start, out):
+        """Fill the uint16 array `out` with tokens start, start + 1, ... of file `index`; returns it."""
+        file = self._open_files.pop(index, None)
+        if file is None:
+            if len(self._open_files) == _MAX_OPEN_FILES:  # close the least recently used
+                self._open_files.pop(next(iter(self._open_files))).close()
+            file = open(self.paths[index], "rb", buffering=0)  # unbuffered: readinto lands in `out`
+        self._open_files[index] = file  # a dict keeps insertion order: most recently used last
+        file.seek(self._first_token_byte + 2 * start)
+        view, filled = memoryview(out).cast("B"), 0
+        while filled < len(view):
+            read = file.readinto(view[filled:])
+            if not read:
+                raise DataError(
+                    f"{self.paths[index]}: shorter than when the run started (changed on disk?); "
+                    f"rerun the prepare script"
+                )
+            filled += read
+        return out
+
+    def close(self):
+        """Close the open token files (reading again reopens them)."""
+        while self._open_files:
+            self._open_files.popitem()[1].close()
+
+    __del__ = close
 
     def check_vocab(self, model_vocab_size):
         """Raise DataError if the data holds (or may hold) ids >= model_vocab_size. See the class doc."""
@@ -283,9 +320,10 @@ class TokenData:
             )
         self._max_id = model_vocab_size - 1
         if self.num_tokens <= _FULL_SCAN_LIMIT:
-            for path, array in zip(self.paths, self.arrays):
-                for start in range(0, len(array), _SCAN_CHUNK):
-                    self._check_ids(path, start, array[start : start + _SCAN_CHUNK])
+            for index, length in enumerate(self.lengths):
+                for start in range(0, length, _SCAN_CHUNK):
+                    chunk = np.empty(min(_SCAN_CHUNK, length - start), dtype=np.uint16)
+                    self._check_ids(self.paths[index], start, self.read(index, start, chunk))
 
     def _check_ids(self, path, start, tokens):
         if tokens.size and int(tokens.max()) > self._max_id:
@@ -297,26 +335,25 @@ class TokenData:
 
     def _windows(self, rng, batch_size, block_size):
         """batch_size windows of block_size + 1 tokens, uniform over all windows that fit in one shard."""
-        starts_per_array = np.array([max(len(a) - block_size, 0) for a in self.arrays], dtype=np.int64)
-        if starts_per_array.sum() == 0:
+        starts_per_file = np.array([max(n - block_size, 0) for n in self.lengths], dtype=np.int64)
+        if starts_per_file.sum() == 0:
             raise DataError(
                 f"{self.data_dir}: the {self.split} split has {self.num_tokens} tokens, fewer than "
                 f"one window of block_size + 1 = {block_size + 1} (per file); use a smaller "
                 f"block_size or more data"
             )
-        cumulative = np.cumsum(starts_per_array)
+        cumulative = np.cumsum(starts_per_file)
         offsets = rng.integers(0, cumulative[-1], size=batch_size)
         which = np.searchsorted(cumulative, offsets, side="right")
-        batch = np.empty((batch_size, block_size + 1), dtype=np.int64)
-        for row, (i, offset) in enumerate(zip(which, offsets)):
-            start = int(offset - (cumulative[i] - starts_per_array[i]))
-            window = self.arrays[i][start : start + block_size + 1]
+        windows = np.empty((batch_size, block_size + 1), dtype=np.uint16)
+        for row, (i, offset) in enumerate(zip(which.tolist(), offsets.tolist())):
+            start = offset - int(cumulative[i] - starts_per_file[i])
+            self.read(i, start, windows[row])
             if self._max_id is not None:
-                self._check_ids(self.paths[i], start, window)
-            batch[row] = window
+                self._check_ids(self.paths[i], start, windows[row])
         import torch  # here, not at the top: the prepare scripts import this module and need no torch
 
-        batch = torch.from_numpy(batch)
+        batch = torch.from_numpy(windows.astype(np.int64))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def get_batch(self, seed, step, micro_step, batch_size, block_size):

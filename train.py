@@ -2,9 +2,17 @@
 
     python train.py [config/a.py ...] [--key=value ...]              # one process: CPU or one GPU
     torchrun --standalone --nproc_per_node=8 train.py config/...     # DDP on one node
+    python train.py --help                                           # every key
 
-The configuration (configurator.py) is checked, and so are the data, the world size and any
-checkpoint, before any work starts; a mistake prints `error: ...` and exits 2.
+The configuration (configurator.py) is checked, and so are the data, the world size, out_dir and any
+checkpoint, before any work starts; a mistake prints `error: ...` and exits 2, on every rank at once.
+
+Runs and out_dir: init_from=scratch refuses an out_dir that already holds a run (--overwrite=True
+deletes it first); init_from=resume continues out_dir's ckpt.pt; init_from=auto does whichever applies,
+so a preempted job relaunched with the same command continues. A resume applies the configuration it is
+given: changed hyperparameters (learning rates, weight decays, betas, clip, ...) take effect, each
+printed as `resume: key old -> new`; keys that cannot change mid-run (configurator's fixed keys: the
+model shape, the optimizer and its MARS variant) are refused.
 
 Data parallelism: gradient_accumulation_steps counts the micro-batches of one optimizer step across ALL
 ranks. Micro-batch k of step s is TokenData.get_batch(seed, s, k) wherever it runs; rank r takes
@@ -12,14 +20,15 @@ k = r, r + world_size, ... . So the windows, and up to float rounding the model,
 number of GPUs, and a run can resume on a different number of GPUs.
 
 Exact resume: checkpoints are written after the evaluation that follows a step, holding everything the
-next steps depend on (see checkpoint.py); batches and dropout masks are pure functions of
+next steps depend on (checkpoint_parts below); batches and dropout masks are pure functions of
 (seed, step, micro-batch); evaluation windows are fixed. A run killed at any moment and restarted with
---init_from=resume ends with the same losses and parameters as one left alone.
+--init_from=resume ends with the same losses and parameters as one left alone (bit for bit on CPU; on
+CUDA with --deterministic=True, see set_deterministic).
 """
 
 import contextlib
 import dataclasses
-import datetime
+import glob
 import json
 import math
 import os
@@ -32,14 +41,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
-from checkpoint import CheckpointError
-from configurator import ConfigError, config_to_dict, load_config, print_help, wants_help
-from model import GPT, GPTConfig
-from optim import build_optimizer, lr_factor, set_lr
+import metrics
+from checkpoint import CheckpointError, CheckpointWriter, RNGState
+from configurator import ConfigError, config_to_dict, fixed_keys, load_config, print_help, wants_help
+from metrics import LogWindow, MetricsLog
+from model import GPT, GPTConfig, peak_flops
+from optim import build_optimizer, group_hyperparameters, set_lr
+from runtime import SetupError, agree, decide_on_master, set_deterministic, setup_distributed, setup_precision
 from tokens import DataError, TokenData
 
-# Model arguments a checkpoint must share with the config it resumes under (dropout may change).
-SHAPE_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "scale_attn_by_inverse_layer_idx")
+# The errors a user's input or a missing file can cause: printed as one `error:` line, exit 2.
+USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError, ValueError, OSError)
 
 
 class TrainingStopped(Exception):
@@ -47,25 +59,8 @@ class TrainingStopped(Exception):
 
 
 @dataclasses.dataclass
-class Dist:
-    ddp: bool = False  # launched by torchrun (even with one process)
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: str = "cpu"
-
-    @property
-    def device_type(self):
-        return torch.device(self.device).type
-
-    @property
-    def is_master(self):
-        return self.rank == 0
-
-
-@dataclasses.dataclass
 class Progress:
-    """What the loop carries from step to step; saved in every checkpoint under these names."""
+    """What the loop carries from step to step (a checkpoint part)."""
 
     iter_num: int = 0
     best_val_loss: float = math.inf
@@ -76,9 +71,16 @@ class Progress:
     clip_count: int = 0
     wandb_run_id: str = ""
 
+    def state_dict(self):
+        return dataclasses.asdict(self)
 
-# What resuming needs beyond the weights: the rest of checkpoint.py's list.
-RESUME_KEYS = ("optimizer", "scaler", "rng", *(f.name for f in dataclasses.fields(Progress)))
+    def load_state_dict(self, state):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, state[f.name])
+
+
+# The parts of a run a checkpoint holds, by name; checkpoint_parts() maps them to the run's objects.
+CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress")
 
 
 @dataclasses.dataclass
@@ -86,7 +88,7 @@ class Run:
     """The objects one training run is built from."""
 
     cfg: object
-    dist: Dist
+    dist: object  # runtime.Dist
     model: torch.nn.Module  # the plain GPT: parameters, state_dict, estimate_mfu
     train_model: torch.nn.Module  # what the training forward goes through (compiled, DDP-wrapped)
     eval_model: torch.nn.Module  # compiled, without DDP
@@ -94,12 +96,14 @@ class Run:
     optimizer: object
     scaler: torch.amp.GradScaler
     autocast: object
+    rng: RNGState
     train_data: TokenData
     val_data: TokenData
     val_batches: list  # this rank's share of the fixed evaluation windows
     train_batches: list
     hellaswag_examples: list | None
-    metrics: "MetricsLog"
+    metrics: MetricsLog
+    writer: CheckpointWriter
 
     @property
     def exact_mars(self):
@@ -110,63 +114,25 @@ class Run:
         return self.cfg.batch_size * self.cfg.gradient_accumulation_steps * self.cfg.block_size
 
 
+def checkpoint_parts(run, progress):
+    """Each checkpoint part's object: what it saves with state_dict() and restores with load_state_dict()."""
+    objects = dict(model=run.model, optimizer=run.optimizer, scaler=run.scaler, rng=run.rng, progress=progress)
+    return {name: objects[name] for name in CHECKPOINT_PARTS}
+
+
 # ---------------------------------------------------------------------------------------------------
-# Setup: every check on the user's input happens here, before the first step.
-
-
-def setup_distributed(cfg):
-    """Dist for this process; joins the process group under torchrun (NCCL on CUDA, gloo on CPU)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.gradient_accumulation_steps % world_size:
-        raise ValueError(
-            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (micro-batches per step "
-            f"across all ranks) is not divisible by the world size {world_size}; use a multiple "
-            f"of {world_size} or a different number of processes"
-        )
-    ddp = "RANK" in os.environ
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={cfg.device!r} but CUDA is not available; use --device=cpu")
-        if ddp:
-            device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
-    info = Dist(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    if ddp:
-        backend = cfg.backend
-        if backend == "auto":
-            backend = "nccl" if info.device_type == "cuda" else "gloo"
-        # The timeout bounds every collective: when a rank dies or hangs the others fail with an error
-        # after ddp_timeout_s instead of waiting forever.
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s))
-    return info
-
-
-def setup_precision(cfg, device_type):
-    """(autocast context, GradScaler): bfloat16 where CUDA supports it, else float16 with loss scaling."""
-    dtype = cfg.dtype
-    if dtype == "auto":
-        if device_type == "cuda":
-            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-        else:
-            dtype = "float32"
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls
-        torch.backends.cudnn.allow_tf32 = True
-    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    autocast = (
-        contextlib.nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
-    )
-    return autocast, torch.amp.GradScaler(device_type, enabled=(ptdtype == torch.float16))
+# Setup: every check on the user's input happens here, before the first step and before any file in
+# out_dir changes. Whatever a rank reads from disk or the network is agreed on by all ranks (runtime.agree),
+# so a rank that cannot read it makes every rank exit with the same error instead of a hang.
 
 
 def load_data(cfg):
     data_dir = os.path.join(cfg.data_path, cfg.dataset)
-    return TokenData(data_dir, "train"), TokenData(data_dir, "val")
+    train_data, val_data = TokenData(data_dir, "train"), TokenData(data_dir, "val")
+    vocab_size = model_vocab_size(train_data)
+    train_data.check_vocab(vocab_size)
+    val_data.check_vocab(vocab_size)
+    return train_data, val_data, vocab_size
 
 
 def model_vocab_size(data):
@@ -175,16 +141,79 @@ def model_vocab_size(data):
 
 
 def model_args_from_config(cfg, vocab_size):
-    return dict(
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
-        block_size=cfg.block_size,
-        bias=cfg.bias,
-        vocab_size=vocab_size,
-        dropout=cfg.dropout,
-        scale_attn_by_inverse_layer_idx=cfg.scale_attn_by_inverse_layer_idx,
-    )
+    """GPTConfig's fields: the run's configuration declares each of them but the vocabulary (the data's)."""
+    shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
+    return shape | {"vocab_size": vocab_size}
+
+
+def run_files(out_dir):
+    """The files in out_dir that belong to a run: its checkpoints and its metrics."""
+    names = [checkpoint.CKPT_NAME, checkpoint.BEST_NAME, metrics.FILE_NAME]
+    found = [os.path.join(out_dir, n) for n in names if os.path.isfile(os.path.join(out_dir, n))]
+    return found + sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
+
+
+def resolve_init_from(cfg):
+    """init_from as this launch means it: 'auto' becomes 'resume' when out_dir holds ckpt.pt, else 'scratch'.
+
+    A fresh start (anything but resume) into an out_dir that holds a run is refused unless overwrite is
+    set: a relaunch that forgot --init_from=resume must not erase days of training.
+    """
+    has_checkpoint = os.path.isfile(os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
+    init_from = cfg.init_from
+    if init_from == "auto":
+        init_from = "resume" if has_checkpoint else "scratch"
+    previous = run_files(cfg.out_dir)
+    if cfg.init_from == "auto" and not has_checkpoint:
+        previous = []  # a run killed before its first checkpoint: nothing to keep
+    if init_from != "resume" and previous and not cfg.overwrite:
+        raise ConfigError(
+            f"out_dir {cfg.out_dir} already holds a run ({os.path.basename(previous[0])}); continue it with "
+            f"--init_from=resume (or auto), start elsewhere with a new --out_dir, or delete it with --overwrite=True"
+        )
+    return init_from
+
+
+def remove_previous_run(cfg):
+    """--overwrite=True: the old run's checkpoints and metrics go before the new run writes anything."""
+    for path in run_files(cfg.out_dir):
+        os.remove(path)
+
+
+def load_resume_checkpoint(cfg, device_type):
+    """The checkpoint to resume, checked for every part and for keys the configuration may not change."""
+    path = checkpoint.checkpoint_path(cfg.out_dir)
+    ckpt = checkpoint.load_checkpoint(path, mmap=device_type == "cuda")
+    missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
+            f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
+        )
+    saved = ckpt["config"]
+    for key in fixed_keys():
+        new = getattr(cfg, key)
+        old = type(new)(saved[key]) if isinstance(new, tuple) else saved.get(key, new)
+        if old != new:
+            raise CheckpointError(
+                f"{path} was trained with {key}={old!r} but the config gives {key}={new!r}; a resumed run cannot "
+                f"change {key}: resume with --{key}={old!r}, or start a new run in a new out_dir"
+            )
+    return ckpt
+
+
+def config_changes(saved, cfg):
+    """`resume: key old -> new` for every key the resumed run's configuration changes."""
+    lines = []
+    for key, new in config_to_dict(cfg).items():
+        if key in ("init_from", "overwrite") or key not in saved:
+            continue
+        old = saved[key]
+        if isinstance(new, tuple):
+            old = tuple(old)
+        if old != new:
+            lines.append(f"resume: {key} {old!r} -> {new!r}")
+    return lines
 
 
 def build_model(cfg, vocab_size, ckpt, ckpt_path):
@@ -193,17 +222,13 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path):
         model = GPT.from_pretrained(cfg.init_from, dict(dropout=cfg.dropout))
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
-        model_args = {k: getattr(model.config, k) for k in model_args_from_config(cfg, vocab_size)}
-        return model, model_args
+        return model, dataclasses.asdict(model.config)
     model_args = model_args_from_config(cfg, vocab_size)
-    if ckpt is not None:
-        for key in SHAPE_ARGS:
-            if ckpt["model_args"].get(key) != model_args[key]:
-                raise CheckpointError(
-                    f"{ckpt_path} was trained with {key}={ckpt['model_args'].get(key)!r} but "
-                    f"the config gives {key}={model_args[key]!r}; resume with the same "
-                    f"model settings (--{key}={ckpt['model_args'].get(key)!r})"
-                )
+    if ckpt is not None and ckpt["model_args"].get("vocab_size") != vocab_size:
+        raise CheckpointError(
+            f"{ckpt_path} was trained with a vocabulary of {ckpt['model_args'].get('vocab_size')} tokens but "
+            f"the dataset {cfg.dataset} has {vocab_size}; resume on data with the same vocabulary"
+        )
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = GPT(GPTConfig(**model_args))
     if ckpt is not None:
@@ -211,8 +236,22 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path):
     return model, model_args
 
 
+def load_optimizer_state(optimizer, state, cfg):
+    """The checkpoint's optimizer state with the configuration's hyperparameters.
+
+    load_state_dict restores each group's saved settings (lr, initial_lr, weight decay, betas, gamma,
+    MARS's 1-D lr factor, ...); group_hyperparameters writes this run's configuration back on top, so a
+    resume with --learning_rate=1e-4 trains at 1e-4. The moments and step counts are the checkpoint's.
+    """
+    optimizer.load_state_dict(state)
+    group_hyperparameters(optimizer, cfg)
+
+
 def setup_hellaswag(cfg, train_data, dist_info):
-    """HellaSwag examples when hellaswag_interval asks for them and they can be scored, else None."""
+    """HellaSwag examples when hellaswag_interval asks for them and they can be scored, else None.
+
+    Rank 0 finds or downloads the file; every rank then reads it, and all agree that they could.
+    """
     if cfg.hellaswag_interval == 0:
         return None
     import hellaswag
@@ -221,11 +260,11 @@ def setup_hellaswag(cfg, train_data, dist_info):
     if train_data.meta is not None:
         reason = f"the dataset {cfg.dataset} is not GPT-2-tokenized"
     else:
-        path = hellaswag.ensure_data(cfg.hellaswag_path)
+        path = decide_on_master(dist_info, lambda: hellaswag.ensure_data(cfg.hellaswag_path), USER_ERRORS)
         if path is None:
             reason = "its data is not available offline (give --hellaswag_path)"
         else:
-            return hellaswag.load_examples(path)
+            return agree(dist_info, lambda: hellaswag.load_examples(path), USER_ERRORS)
     if dist_info.is_master:
         print(f"warning: HellaSwag evaluation disabled: {reason}", file=sys.stderr)
     return None
@@ -235,41 +274,61 @@ def resolve_compile(cfg, device_type):
     return cfg.compile if cfg.compile is not None else device_type == "cuda"
 
 
+def gather_rng(dist_info):
+    """RNGState's gather: every rank's CUDA generator states (a collective under DDP on CUDA)."""
+    if not (dist_info.ddp and torch.cuda.is_available()):
+        return lambda state: [state]
+
+    def gather(state):
+        states = [None] * dist_info.world_size
+        dist.all_gather_object(states, state)
+        return states
+
+    return gather
+
+
 def setup(cfg, dist_info):
     """(Run, Progress, resumed): everything checked and built; nothing trained yet."""
-    train_data, val_data = load_data(cfg)
-    vocab_size = model_vocab_size(train_data)
-    train_data.check_vocab(vocab_size)
-    val_data.check_vocab(vocab_size)
+    train_data, val_data, vocab_size = agree(dist_info, lambda: load_data(cfg), USER_ERRORS)
+    init_from = decide_on_master(dist_info, lambda: resolve_init_from(cfg), USER_ERRORS)
+    cfg = dataclasses.replace(cfg, init_from=init_from)
     ckpt, ckpt_path = None, checkpoint.checkpoint_path(cfg.out_dir)
-    if cfg.init_from == "resume":
-        ckpt = checkpoint.load_checkpoint(ckpt_path)
-        missing = [key for key in RESUME_KEYS if key not in ckpt]
-        if missing:
-            raise CheckpointError(
-                f"{ckpt_path} lacks {', '.join(missing)}: it was not written by this train.py, "
-                f"so it cannot be resumed (init_from=resume); load its weights instead"
-            )
+    if init_from == "resume":
+        ckpt = agree(dist_info, lambda: load_resume_checkpoint(cfg, dist_info.device_type), USER_ERRORS)
     hellaswag_examples = setup_hellaswag(cfg, train_data, dist_info)
+    model, model_args = agree(dist_info, lambda: build_model(cfg, vocab_size, ckpt, ckpt_path), USER_ERRORS)
 
-    model, model_args = build_model(cfg, vocab_size, ckpt, ckpt_path)
+    if dist_info.is_master:
+        if cfg.overwrite and init_from != "resume":
+            remove_previous_run(cfg)
+        for line in config_changes(ckpt["config"], cfg) if ckpt else []:
+            print(line, flush=True)
+    set_deterministic(cfg.deterministic, dist_info.device_type)
     model.to(dist_info.device)
-    autocast, scaler = setup_precision(cfg, dist_info.device_type)
+    autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
     optimizer = build_optimizer(model, cfg, dist_info.device_type)
+    rng = RNGState(dist_info.rank, gather_rng(dist_info))
     progress = Progress()
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(optimizer, ckpt["optimizer"], cfg)
         if scaler.is_enabled() and ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
-        checkpoint.set_rng_state(ckpt["rng"])
-        progress = Progress(**{f.name: ckpt[f.name] for f in dataclasses.fields(Progress)})
+        rng.load_state_dict(ckpt["rng"], dist_info.world_size)
+        progress.load_state_dict(ckpt["progress"])
     if cfg.wandb_run_id:
         progress.wandb_run_id = cfg.wandb_run_id
+    ckpt = None  # with mmap, this unmaps the file: everything is in the model and optimizer now
 
     eval_model = torch.compile(model) if resolve_compile(cfg, dist_info.device_type) else model
     train_model = eval_model
     if dist_info.ddp:
-        train_model = DDP(eval_model, device_ids=[dist_info.local_rank] if dist_info.device_type == "cuda" else None)
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside them,
+        # which saves one gradient-sized copy (6.2 GB on GPT-2 XL).
+        train_model = DDP(
+            eval_model,
+            device_ids=[dist_info.local_rank] if dist_info.device_type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
 
     def my_share(batches):  # every rank scores every world_size-th window; evaluate() all-reduces
         return batches[dist_info.rank :: dist_info.world_size]
@@ -277,7 +336,19 @@ def setup(cfg, dist_info):
     val_batches = my_share(val_data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size))
     train_batches = my_share(train_data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size))
 
-    metrics = MetricsLog(cfg, dist_info, progress, resume_iter=progress.iter_num if ckpt else None)
+    resumed = init_from == "resume"
+    log = agree(
+        dist_info,
+        lambda: MetricsLog(
+            cfg,
+            dist_info.is_master,
+            resume_iter=progress.iter_num if resumed else None,
+            wandb_run_id=progress.wandb_run_id,
+            config=config_to_dict(cfg),
+        ),
+        USER_ERRORS,
+    )
+    progress.wandb_run_id = log.wandb_run_id
     run = Run(
         cfg=cfg,
         dist=dist_info,
@@ -288,14 +359,16 @@ def setup(cfg, dist_info):
         optimizer=optimizer,
         scaler=scaler,
         autocast=autocast,
+        rng=rng,
         train_data=train_data,
         val_data=val_data,
         val_batches=val_batches,
         train_batches=train_batches,
         hellaswag_examples=hellaswag_examples,
-        metrics=metrics,
+        metrics=log,
+        writer=CheckpointWriter(),
     )
-    return run, progress, ckpt is not None
+    return run, progress, resumed
 
 
 def describe(run):
@@ -314,6 +387,11 @@ def describe(run):
     )
     print(f"total tokens: {run.tokens_per_step * cfg.max_iters:,} over max_iters {cfg.max_iters:,}")
     print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
+    if run.dist.device_type == "cuda" and peak_flops(run.dist.device) is None:
+        print(
+            f"note: mfu is logged as null: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name()} "
+            "(model.PEAK_BF16_FLOPS)"
+        )
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
@@ -395,7 +473,7 @@ def train_step(run, it):
     so every rank takes the same one. This reads one number from the device per step.
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
-    set_lr(optimizer, lr_factor(it, cfg))
+    set_lr(optimizer, it, cfg)
     norms = []
     if run.exact_mars:
         forward_backward(run, it + 1)
@@ -450,126 +528,29 @@ def evaluate(run, batches):
     return all_reduce_sum(run, loss_sum).item() / run.cfg.eval_iters
 
 
-def checkpoint_state(run, progress):
-    return dict(
-        model=run.model.state_dict(),
-        model_args=run.model_args,
-        optimizer=run.optimizer.state_dict(),
-        scaler=run.scaler.state_dict(),
-        config=config_to_dict(run.cfg),
-        rng=checkpoint.rng_state(),
-        **dataclasses.asdict(progress),
-    )
-
-
 def save_checkpoints(run, progress, is_best):
-    """ckpt.pt (the latest, what resume reads), plus best.pt and periodic copies as the config asks."""
+    """ckpt.pt (the latest, what resume reads), plus best.pt and periodic copies as the config asks.
+
+    Every rank takes part (the RNG part gathers each rank's CUDA generators); rank 0 hands the state to
+    the background writer and goes on training.
+    """
     cfg = run.cfg
-    latest = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
-    checkpoint.save_checkpoint(latest, checkpoint_state(run, progress))
+    state = {name: part.state_dict() for name, part in checkpoint_parts(run, progress).items()}
+    if not run.dist.is_master:
+        return
+    state.update(model_args=run.model_args, config=config_to_dict(cfg))
     it = progress.iter_num
+    copies = []
     if is_best and cfg.save_best:
-        checkpoint.keep_copy(latest, os.path.join(cfg.out_dir, checkpoint.BEST_NAME))
+        copies.append(os.path.join(cfg.out_dir, checkpoint.BEST_NAME))
     if (
         cfg.keep_every_n_evals
         and it > 0
         and it % cfg.eval_interval == 0
         and (it // cfg.eval_interval) % cfg.keep_every_n_evals == 0
     ):
-        checkpoint.keep_copy(latest, os.path.join(cfg.out_dir, f"ckpt_{it:07d}.pt"))
-
-
-def _json_number(value):
-    return value if value is None or math.isfinite(value) else None  # JSON has no NaN / inf
-
-
-class MetricsLog:
-    """out_dir/metrics.jsonl (always) and wandb (when wandb_log): the same records, from rank 0 only.
-
-    On resume the file is cut back to the checkpoint's iteration, so the steps redone after a crash are
-    not recorded twice; wandb continues the checkpoint's run and plots against 'iter'.
-    """
-
-    def __init__(self, cfg, dist_info, progress, resume_iter):
-        self.enabled = dist_info.is_master
-        self.wandb = None
-        if not self.enabled:
-            return
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        if resume_iter is not None:
-            self._truncate(resume_iter)
-        elif os.path.exists(self.path):
-            os.remove(self.path)  # a fresh run in an old out_dir
-        self.file = open(self.path, "a")
-        if cfg.wandb_log:
-            import wandb
-
-            self.wandb = wandb.init(
-                project=cfg.wandb_project,
-                name=cfg.wandb_run_name,
-                id=progress.wandb_run_id or None,
-                resume="allow",
-                config=config_to_dict(cfg),
-            )
-            progress.wandb_run_id = self.wandb.id  # saved in every checkpoint: resume continues this run
-            self.wandb.define_metric("iter")
-            self.wandb.define_metric("*", step_metric="iter")
-
-    def _truncate(self, resume_iter):
-        if not os.path.exists(self.path):
-            return
-        kept = []
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by the crash
-                if record.get("iter", math.inf) <= resume_iter:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
-
-    def write(self, record):
-        if not self.enabled:
-            return
-        record = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(record)
-
-    def close(self):
-        if self.enabled:
-            self.file.close()
-            if self.wandb is not None:
-                self.wandb.finish()
-
-
-@dataclasses.dataclass
-class LogWindow:
-    """Steps since the last train log line: their losses (on the device) and wall-clock time."""
-
-    loss_sum: torch.Tensor | None = None
-    losses: int = 0
-    steps: int = 0
-    t0: float = dataclasses.field(default_factory=time.perf_counter)
-
-    def add(self, result):
-        self.steps += 1
-        if not result.skipped:
-            self.loss_sum = result.loss if self.loss_sum is None else self.loss_sum + result.loss
-            self.losses += 1
-
-    def restart(self):
-        self.loss_sum, self.losses, self.steps, self.t0 = None, 0, 0, time.perf_counter()
-
-
-def norm_of(tensors):
-    return torch.nn.utils.get_total_norm(list(tensors)) if tensors else torch.zeros(())
+        copies.append(os.path.join(cfg.out_dir, f"ckpt_{it:07d}.pt"))
+    run.writer.save(os.path.join(cfg.out_dir, checkpoint.CKPT_NAME), state, copies)
 
 
 def log_train(run, progress, window, result, time_s):
@@ -590,30 +571,35 @@ def log_train(run, progress, window, result, time_s):
     passes = 2 if run.exact_mars else 1
     mfu = run.model.estimate_mfu(run.tokens_per_step // run.dist.world_size * passes, dt)
     record = {
-        "iter": progress.iter_num,
-        "tokens": progress.tokens,
-        "time_s": time_s,
-        "train/loss": values[0],
-        "lr": run.optimizer.param_groups[0]["lr"],
-        "grad_norm": result.grad_norm,
-        "clip_rate": progress.clip_count / progress.iter_num,
-        "tokens_per_sec": run.tokens_per_step / dt,
-        "step_ms": dt * 1000,
-        "mfu": None if mfu is None else mfu * 100,
-        "param_norm": values[1],
-        "skipped_steps": progress.skipped_steps,
+        metrics.ITER: progress.iter_num,
+        metrics.TOKENS: progress.tokens,
+        metrics.TIME_S: time_s,
+        metrics.TRAIN_LOSS: values[0],
+        metrics.LR: run.optimizer.param_groups[0]["lr"],
+        metrics.GRAD_NORM: result.grad_norm,
+        metrics.CLIP_RATE: progress.clip_count / progress.iter_num,
+        metrics.TOKENS_PER_SEC: run.tokens_per_step / dt,
+        metrics.STEP_MS: dt * 1000,
+        metrics.MFU: None if mfu is None else mfu * 100,
+        metrics.PARAM_NORM: values[1],
+        metrics.SKIPPED_STEPS: progress.skipped_steps,
     }
     if cfg.optimizer_name == "mars":
-        record.update(
-            momentum_norm=values[2], momentum_norm_sq=values[3], momentum_div=values[2] / (math.sqrt(values[3]) + 1e-8)
-        )
+        record[metrics.MOMENTUM_NORM] = values[2]
+        record[metrics.MOMENTUM_NORM_SQ] = values[3]
+        record[metrics.MOMENTUM_DIV] = values[2] / (math.sqrt(values[3]) + 1e-8)
     mfu_text = "" if mfu is None else f", mfu {mfu * 100:.1f}%"
     print(
-        f"iter {progress.iter_num}: loss {values[0]:.4f}, lr {record['lr']:.3e}, grad_norm {result.grad_norm:.3f}, "
-        f"{dt * 1000:.1f} ms/step, {record['tokens_per_sec']:,.0f} tok/s{mfu_text}",
+        f"iter {progress.iter_num}: loss {values[0]:.4f}, lr {record[metrics.LR]:.3e}, "
+        f"grad_norm {result.grad_norm:.3f}, {dt * 1000:.1f} ms/step, "
+        f"{record[metrics.TOKENS_PER_SEC]:,.0f} tok/s{mfu_text}",
         flush=True,
     )
     run.metrics.write(record)
+
+
+def norm_of(tensors):
+    return torch.nn.utils.get_total_norm(list(tensors)) if tensors else torch.zeros(())
 
 
 def evaluate_and_save(run, progress, time_s):
@@ -628,14 +614,14 @@ def evaluate_and_save(run, progress, time_s):
         print(f"step {progress.iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
         run.metrics.write(
             {
-                "iter": progress.iter_num,
-                "tokens": progress.tokens,
-                "time_s": time_s,
-                "val/loss": val_loss,
-                "eval/train_loss": train_loss,
+                metrics.ITER: progress.iter_num,
+                metrics.TOKENS: progress.tokens,
+                metrics.TIME_S: time_s,
+                metrics.VAL_LOSS: val_loss,
+                metrics.EVAL_TRAIN_LOSS: train_loss,
             }
         )
-    if run.dist.is_master and not cfg.eval_only:
+    if not cfg.eval_only:
         progress.elapsed_s = time_s
         save_checkpoints(run, progress, is_best)
 
@@ -655,10 +641,10 @@ def evaluate_hellaswag(run, progress, time_s):
         print(f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (n={result['n']})", flush=True)
         run.metrics.write(
             {
-                "iter": progress.iter_num,
-                "tokens": progress.tokens,
-                "time_s": time_s,
-                "hellaswag/acc_norm": result["acc_norm"],
+                metrics.ITER: progress.iter_num,
+                metrics.TOKENS: progress.tokens,
+                metrics.TIME_S: time_s,
+                metrics.HELLASWAG: result["acc_norm"],
             }
         )
 
@@ -701,7 +687,7 @@ def step_and_log(run, progress, window, time_s):
     progress.iter_num += 1
     progress.tokens += run.tokens_per_step
     progress.clip_count += result.clipped
-    window.add(result)
+    window.add(result.loss, result.skipped)
     if result.skipped:
         record_skip(run, progress, result, time_s())
     else:
@@ -723,10 +709,10 @@ def record_skip(run, progress, result, time_s):
         )
         run.metrics.write(
             {
-                "iter": progress.iter_num,
-                "tokens": progress.tokens,
-                "time_s": time_s,
-                "skipped_steps": progress.skipped_steps,
+                metrics.ITER: progress.iter_num,
+                metrics.TOKENS: progress.tokens,
+                metrics.TIME_S: time_s,
+                metrics.SKIPPED_STEPS: progress.skipped_steps,
             }
         )
     if progress.bad_steps >= run.cfg.max_bad_steps:
@@ -749,23 +735,42 @@ def main(argv=None):
         try:
             cfg = load_config(argv)
             dist_info = setup_distributed(cfg)
-            if dist_info.is_master:
-                os.makedirs(cfg.out_dir, exist_ok=True)
             run, progress, resumed = setup(cfg, dist_info)
-        except (ConfigError, DataError, CheckpointError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
+        except USER_ERRORS as e:
+            if dist_info is None or dist_info.is_master or not isinstance(e, SetupError):
+                print(f"error: {e}", file=sys.stderr)
             return 2
         if dist_info.is_master:
             describe(run)
         try:
             fit(run, progress, resumed)
+            run.writer.wait()
         except (DataError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except TrainingStopped as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except RuntimeError as e:
+            if not (dist_info.ddp and "timed out" in str(e).lower()):
+                raise
+            print(
+                f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
+                f"(another rank died or hangs); resume from {checkpoint.checkpoint_path(cfg.out_dir)} with "
+                "--init_from=resume",
+                file=sys.stderr,
+            )
+            # After a timeout the process group cannot be torn down (its communication threads may abort
+            # the interpreter at exit): finish the checkpoint in flight and the metrics, then leave.
+            with contextlib.suppress(CheckpointError):
+                run.writer.wait()
+            run.metrics.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         finally:
+            with contextlib.suppress(CheckpointError):
+                run.writer.wait()  # a checkpoint in flight reaches the disk before the process ends
             run.metrics.close()
         return 0
     finally:

@@ -36,6 +36,7 @@ import train  # noqa: E402
 from bench.bench_model import with_explicit_attention  # noqa: E402
 from bench.common import print_table, row, time_it  # noqa: E402
 from configurator import load_config  # noqa: E402
+from optim import scheduled_lr  # noqa: E402
 from tokens import write_bin, write_meta  # noqa: E402
 
 LOG_INTERVAL = 10
@@ -89,7 +90,7 @@ class ReferenceStyleLoop:
 
     def step(self):
         cfg, optimizer = self.cfg, self.optimizer
-        lr = cfg.learning_rate * train.lr_factor(self.iter_num, cfg)
+        lr = scheduled_lr(self.iter_num, cfg, cfg.learning_rate)
         for group in optimizer.param_groups:
             group["lr"] = lr
         current = [self.batches.popleft() for _ in range(cfg.gradient_accumulation_steps)]

@@ -1,16 +1,6 @@
 # GPT-2 large (774M) with AdamW on OpenWebText: the paper's baseline.
-out_dir = "out_large_adamw_100k"
-wandb_log = True
-wandb_project = "mars"
-wandb_run_name = "gpt2-large-adamw-100k"
-n_layer, n_head, n_embd = 36, 20, 1280
-batch_size = 5
-gradient_accumulation_steps = 480 // batch_size  # global batch 480 x 1024 tokens on any number of GPUs
-grad_multiplier = 12  # the paper's gradient scale: its code summed the 12 micro-batches each of its 8 GPUs ran
-max_iters = lr_decay_iters = 100000  # 100k steps x 491,520 tokens = 49.2B tokens
-warmup_iters = 2000
-eval_interval, eval_iters, log_interval = 1000, 200, 10
-optimizer_name = "adamw"
-learning_rate, min_lr = 2e-4, 1e-5
-weight_decay = 1e-1
-beta1, beta2 = 0.9, 0.95
+# Its numbers live in config/paper.py (model size, the 100k-step recipe, the optimizer's lrs);
+# `python configurator.py config/train_gpt2_large_adamw.py` prints every key.
+from config.paper import paper_run
+
+globals().update(paper_run("large", "adamw"))

@@ -1,20 +1,6 @@
-# GPT-2 medium (355M) with Muon (hidden matrices) + AdamW (the rest) on OpenWebText: the paper's baseline.
-out_dir = "out_medium_muon_100k"
-wandb_log = True
-wandb_project = "mars"
-wandb_run_name = "gpt2-medium-muon-100k"
-n_layer, n_head, n_embd = 24, 16, 1024
-batch_size = 15
-gradient_accumulation_steps = 480 // batch_size  # global batch 480 x 1024 tokens on any number of GPUs
-grad_multiplier = 4  # the paper's gradient scale: its code summed the 4 micro-batches each of its 8 GPUs ran
-max_iters = lr_decay_iters = 100000  # 100k steps x 491,520 tokens = 49.2B tokens
-warmup_iters = 2000
-eval_interval, eval_iters, log_interval = 1000, 200, 10
-optimizer_name = "muon"
-muon_lr = 1e-2
-learning_rate = muon_adamw_lr = 1.5e-3
-weight_decay = 1e-1  # AdamW (embeddings, head, 1-D); Muon itself runs without weight decay
-beta1, beta2 = 0.9, 0.95
-# The reference Muon trainer ignores `schedule`: 2000 warmup steps, constant, then linear to 0 over
-# the last 2000 steps (2% of max_iters).
-schedule, wsd_decay_frac, min_lr = "wsd", 0.02, 0.0
+# GPT-2 medium (355M) with Muon + AdamW on OpenWebText: the paper's baseline, as its reference trainer runs it.
+# Its numbers live in config/paper.py (model size, the 100k-step recipe, the optimizer's lrs);
+# `python configurator.py config/train_gpt2_medium_muon.py` prints every key.
+from config.paper import paper_run
+
+globals().update(paper_run("medium", "muon"))

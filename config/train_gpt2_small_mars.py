@@ -1,16 +1,6 @@
 # GPT-2 small (124M) with MARS-AdamW (approximate) on OpenWebText: the paper's run.
-out_dir = "out_small_mars_100k"
-wandb_log = True
-wandb_project = "mars"
-wandb_run_name = "gpt2-small-mars-100k"
-n_layer, n_head, n_embd = 12, 12, 768
-batch_size = 15
-gradient_accumulation_steps = 480 // batch_size  # global batch 480 x 1024 tokens on any number of GPUs
-grad_multiplier = 4  # the paper's gradient scale: its code summed the 4 micro-batches each of its 8 GPUs ran
-max_iters = lr_decay_iters = 100000  # 100k steps x 491,520 tokens = 49.2B tokens
-warmup_iters = 2000
-eval_interval, eval_iters, log_interval = 1000, 200, 10
-optimizer_name = "mars"
-learning_rate, lr_1d, min_lr = 6e-3, 3e-3, 3e-5
-weight_decay = 1e-2
-beta1, beta2 = 0.95, 0.99
+# Its numbers live in config/paper.py (model size, the 100k-step recipe, the optimizer's lrs);
+# `python configurator.py config/train_gpt2_small_mars.py` prints every key.
+from config.paper import paper_run
+
+globals().update(paper_run("small", "mars"))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Shared by the run_*.sh scripts: torchrun train.py with the given config files and --key=value
-# arguments, one process per visible GPU of this node (NPROC overrides; 1 without GPUs). Runs from the
-# repository root, so paths are relative to it. TORCHRUN_ARGS replaces --standalone (multinode.sh).
+# Shared by the run_*.sh scripts and multinode.sh: torchrun train.py with the given config files and
+# --key=value arguments, one process per visible GPU of this node (NPROC overrides; 1 without GPUs). Runs
+# from the repository root, so paths are relative to it. TORCHRUN_ARGS replaces --standalone (multinode.sh).
+# --init_from=auto goes first: the same command run again (a requeued or preempted job, a crash) resumes
+# from out_dir's checkpoint, and the caller's own --init_from=... (given later) wins.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -z "${NPROC:-}" ]]; then
@@ -11,4 +13,4 @@ if [[ -z "${NPROC:-}" ]]; then
   NPROC=$(( gpus > 0 ? gpus : 1 ))
 fi
 read -r -a launcher <<< "${TORCHRUN_ARGS:---standalone}"
-exec torchrun "${launcher[@]}" --nproc_per_node="$NPROC" train.py "$@"
+exec torchrun "${launcher[@]}" --nproc_per_node="$NPROC" train.py --init_from=auto "$@"

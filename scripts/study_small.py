@@ -27,6 +27,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import plot  # noqa: E402
+from metrics import read_metrics  # noqa: E402
 
 # The paper's GPT-2 small values (config/train_gpt2_small_*.py). The reference tunes only MARS-AdamW;
 # MARS-Lion's and MARS-Shampoo's values are the repository's untuned starting points.
@@ -121,7 +122,7 @@ def max_iters_of(args):
 def finished(out_dir, max_iters):
     """Whether the run logged its final validation loss (train.py evaluates at max_iters, then stops)."""
     try:
-        series = plot.read_metrics(out_dir)
+        series = read_metrics(out_dir)
     except ValueError:
         return False
     return any(point[0] == max_iters for point in series["val/loss"])
@@ -178,7 +179,7 @@ def summarize(optimizer, factor, out_dir):
         tokens=None,
     )
     try:
-        series = plot.read_metrics(out_dir)
+        series = read_metrics(out_dir)
     except ValueError:
         return row
     val = series["val/loss"]

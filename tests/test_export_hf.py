@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ def random_hf_gpt2(scale_attn_by_inverse_layer_idx, seed=0):
         n_layer=3,
         n_head=4,
         scale_attn_by_inverse_layer_idx=scale_attn_by_inverse_layer_idx,
+        attn_implementation="eager",  # the path that honours the layer scaling in every transformers release
         bos_token_id=None,
         eos_token_id=None,
     )
@@ -46,7 +48,7 @@ def test_hf_to_ours_and_back_gives_the_same_logits(scale_by_layer):
         assert gpt.config.scale_attn_by_inverse_layer_idx == scale_by_layer
         assert (expected - all_logits(gpt, idx)).abs().max() <= 1e-5
         back = hf_from_gpt(gpt).eval()
-        assert back.config.scale_attn_by_inverse_layer_idx == scale_by_layer
+        assert not back.config.scale_attn_by_inverse_layer_idx  # folded into the query weights
         assert (expected - back(idx).logits).abs().max() <= 1e-5
 
 
@@ -61,7 +63,7 @@ def test_export_folder_loads_in_transformers_and_matches_our_logits(tmp_path):
     export_hf(gpt, tmp_path)
     assert {"config.json", "model.safetensors", "vocab.json", "merges.txt"} <= set(os.listdir(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["vocab_size"] == 50257 and config["scale_attn_by_inverse_layer_idx"] is True
+    assert config["vocab_size"] == 50257 and config["scale_attn_by_inverse_layer_idx"] is False  # folded
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
     idx = torch.randint(0, 50257, (2, 32))
@@ -74,6 +76,39 @@ def test_export_folder_loads_in_transformers_and_matches_our_logits(tmp_path):
         assert (ours - all_logits(again, idx)).abs().max() <= 1e-5
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer.encode("Hello world") == [15496, 995] and tokenizer.eos_token_id == 50256
+
+
+def sdpa_without_scale(monkeypatch):
+    """Make every SDPA call ignore its `scale`, as GPT-2's SDPA path in transformers 4.42-5.3 does."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def ignoring_scale(*args, scale=None, **kwargs):
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", ignoring_scale)
+
+
+@pytest.mark.parametrize("sdpa_drops_scale", [False, True])
+@pytest.mark.parametrize("scale_by_layer", [False, True])
+def test_lm_eval_harness_loading_scores_our_function(tmp_path, monkeypatch, scale_by_layer, sdpa_drops_scale):
+    """Loaded as lm-evaluation-harness loads it (AutoModelForCausalLM.from_pretrained, default arguments),
+    the export gives our logits with the layer scaling on or off, also where SDPA ignores the scaling."""
+    gpt = tiny_gpt(scale_attn_by_inverse_layer_idx=scale_by_layer, n_layer=3)
+    with torch.no_grad():  # sharp attention, so that the layer scaling moves the logits far beyond 1e-5
+        for block in gpt.transformer.h:
+            block.attn.c_attn.weight.mul_(30)
+    idx = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        ours = all_logits(gpt, idx)[..., :50257]
+        flipped = GPT(dataclasses.replace(gpt.config, scale_attn_by_inverse_layer_idx=not scale_by_layer)).eval()
+        flipped.load_state_dict(gpt.state_dict())
+        assert (ours - all_logits(flipped, idx)[..., :50257]).abs().max() > 1e-2  # the flag matters here
+    export_hf(gpt, tmp_path)
+    if sdpa_drops_scale:
+        sdpa_without_scale(monkeypatch)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert (ours - loaded(idx).logits).abs().max() <= 1e-5
 
 
 def test_export_of_a_model_without_biases(tmp_path):

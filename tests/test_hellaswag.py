@@ -7,7 +7,6 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from test_sample import save_tiny_checkpoint
 
 import hellaswag
 from tokens import get_gpt2_encoding
@@ -204,9 +203,9 @@ def test_losses_match_a_direct_computation_with_padding_and_truncation():
         )
 
 
-def test_real_gpt_losses_match_and_cli_reports_accuracy(tmp_path, capsys):
+def test_real_gpt_losses_match_and_cli_reports_accuracy(tmp_path, capsys, tiny_checkpoint):
     examples = [dict(ctx=i["ctx"], endings=i["endings"], label=i["label"]) for i in ITEMS]
-    model = save_tiny_checkpoint(tmp_path / "out", PADDED_VOCAB, block_size=20).eval()
+    model = tiny_checkpoint(tmp_path / "out", PADDED_VOCAB, block_size=20).eval()
     enc = get_gpt2_encoding()
     summed, lengths = hellaswag.ending_losses(model, [hellaswag.render_example(e, enc, 20) for e in examples], "cpu")
     for i, example in enumerate(examples):

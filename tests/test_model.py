@@ -151,11 +151,20 @@ def test_state_dict_uses_nanogpt_names():
 
 
 def test_loads_reference_checkpoints_with_causal_mask_buffer():
+    import checkpoint
+
     gpt = tiny_gpt()
     state_dict = gpt.state_dict()
     for i in range(3):  # the reference code saves its T×T mask as 'attn.bias'
         state_dict[f"transformer.h.{i}.attn.bias"] = torch.ones(1, 1, 16, 16).tril()
-    tiny_gpt(seed=1).load_state_dict(state_dict)
+    for load in (
+        lambda model: model.load_state_dict(state_dict),
+        lambda model: checkpoint.load_model_state(model, dict(state_dict), "ref.pt"),
+    ):
+        other = tiny_gpt(seed=1)
+        assert not torch.equal(other.lm_head.weight, gpt.lm_head.weight)
+        load(other)
+        assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), gpt.state_dict().values()))
 
 
 def test_param_groups_split_like_the_reference():
@@ -222,14 +231,31 @@ def test_estimate_mfu(monkeypatch):
 
 @pytest.mark.parametrize(
     "name, peak",
-    [
+    [  # names as torch.cuda.get_device_name reports them
+        ("NVIDIA A100-SXM4-40GB", 312e12),
         ("NVIDIA A100-SXM4-80GB", 312e12),
-        ("NVIDIA H100 80GB HBM3", 989e12),
-        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-PCIE-40GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA H100 80GB HBM3", 989.5e12),
+        ("NVIDIA H100 PCIe", 756.5e12),
+        ("NVIDIA H100 NVL", 835.5e12),
+        ("NVIDIA H200", 989.5e12),
+        ("NVIDIA B200", 2.25e15),
+        ("NVIDIA L40S", 362.05e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA A40", 149.7e12),
+        ("NVIDIA GeForce RTX 4090", 165.2e12),
+        # unknown: no guess, not even for names that contain a known one
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),
+        ("NVIDIA H200 NVL", None),
+        ("NVIDIA H20", None),
+        ("NVIDIA A10G", None),
+        ("NVIDIA L40", None),
         ("Tesla V100-SXM2-16GB", None),
     ],
 )
-def test_peak_flops_by_gpu_name(monkeypatch, name, peak):
+def test_peak_flops_by_exact_gpu_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda", 0)) == peak
     assert peak_flops("cpu") is None

@@ -1,4 +1,5 @@
-"""optim.py: the learning-rate schedules at their boundaries, and each optimizer built on a tiny GPT."""
+"""optim.py: every group's lr against the reference's get_lr, each optimizer built as the reference builds
+it (the Muon split on GPT-2 small by name), torch's Muon against the reference's, group_hyperparameters."""
 
 import copy
 import dataclasses
@@ -8,54 +9,18 @@ import os
 
 import pytest
 import torch
+from reference_runs import PAPER_RUNS, reference_get_lr, reference_run
 
 from configurator import TrainConfig, load_config
 from mars import MARS
-from model import GPT, GPTConfig, hidden_matrix_params, param_groups
-from optim import ChainedOptimizer, build_optimizer, lr_factor, set_lr
+from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, param_groups
+from optim import ChainedOptimizer, build_optimizer, group_hyperparameters, scheduled_lr, set_lr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def reference_cosine_lr(it, cfg):
-    """The paper's reference get_lr (MARS/train_mars.py), transcribed: the absolute lr."""
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * it / cfg.warmup_iters
-    if it > cfg.lr_decay_iters:
-        return cfg.min_lr
-    decay_ratio = (it - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (cfg.learning_rate - cfg.min_lr)
-
-
-def test_cosine_matches_the_reference_at_its_boundaries():
-    cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_mars.py")])
-    floor = cfg.min_lr / cfg.learning_rate
-    assert lr_factor(0, cfg) == 0.0  # the reference's warmup starts from lr 0
-    assert lr_factor(1000, cfg) == pytest.approx(0.5)
-    assert lr_factor(2000, cfg) == pytest.approx(1.0)  # warmup end: the peak
-    assert lr_factor(51000, cfg) == pytest.approx((1 + floor) / 2)  # halfway through the cosine
-    assert lr_factor(100000, cfg) == pytest.approx(floor)  # lr_decay_iters: min_lr
-    assert lr_factor(100001, cfg) == lr_factor(10**7, cfg) == pytest.approx(floor)  # and beyond
-    for it in (0, 1, 1999, 2000, 2001, 30000, 99999, 100000, 100001, 200000):
-        assert cfg.learning_rate * lr_factor(it, cfg) == pytest.approx(reference_cosine_lr(it, cfg), rel=1e-12)
-
-
-def test_wsd_and_constant():
-    cfg = TrainConfig(schedule="wsd", max_iters=1000, warmup_iters=100, learning_rate=1e-3, min_lr=1e-4)
-    assert [lr_factor(it, cfg) for it in (0, 50, 100, 799, 800)] == pytest.approx([0, 0.5, 1, 1, 1])
-    assert lr_factor(900, cfg) == pytest.approx(0.55)  # halfway through the last 20%: between 1 and 0.1
-    assert lr_factor(1000, cfg) == lr_factor(5000, cfg) == pytest.approx(0.1)  # min_lr at max_iters, after
-    const = dataclasses.replace(cfg, schedule="constant")
-    assert [lr_factor(it, const) for it in (0, 50, 100, 10**6)] == pytest.approx([0, 0.5, 1, 1])
-    assert lr_factor(0, dataclasses.replace(cfg, decay_lr=False)) == 1.0  # no schedule, no warmup
-
-
-def test_muon_configs_reproduce_the_reference_muon_schedule():
-    """train_muon.py: warmup 2000, constant, then base_lr * (max_iters - it) / 2000 over the last 2000."""
-    cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_muon.py")])
-    for it in (0, 1000, 2000, 50000, 97999, 98000, 99000, 99999, 100000):
-        expect = it / 2000 if it < 2000 else 1.0 if it < 98000 else (100000 - it) / 2000
-        assert lr_factor(it, cfg) == pytest.approx(expect, abs=1e-12)
+def paper_config(size, optimizer, *more):
+    return load_config([os.path.join(ROOT, "config", f"train_gpt2_{size}_{optimizer}.py"), *more])
 
 
 def tiny_model(seed=0):
@@ -88,8 +53,60 @@ def train_steps(model, optimizer, steps, seed=1):
     return losses
 
 
+# --- the schedule
+
+ITERS = (0, 1, 1000, 1999, 2000, 2001, 25000, 51000, 75000, 99999, 100000)
+
+
+@pytest.mark.parametrize("size, optimizer", PAPER_RUNS)
+def test_every_group_follows_the_reference_get_lr(size, optimizer):
+    ref = reference_run(size, optimizer)
+    cfg = paper_config(size, optimizer)
+    opt = build_optimizer(tiny_model(), cfg, "cpu")
+    if optimizer == "muon":  # train_muon.py: each optimizer from its own base lr to the same min_lr
+        peaks = [ref["muon_lr"], ref["learning_rate"]]  # Muon's group, then its AdamW's
+    else:
+        peaks = [ref["learning_rate"]] * 2  # the two weight-decay groups
+    for it in ITERS:
+        set_lr(opt, it, cfg)
+        expected = [reference_get_lr(it, peak, ref["min_lr"]) for peak in peaks]
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(expected, rel=1e-12, abs=1e-18), it
+        if optimizer == "mars":  # the 1-D tensors' AdamW: the scheduled lr x lr_1d / lr (optimizers/mars.py)
+            lr_1d = expected[0] * ref["lr_1d"] / ref["learning_rate"]
+            assert [g["lr"] * g["lr_1d_factor"] for g in opt.param_groups] == pytest.approx([lr_1d] * 2, rel=1e-12)
+
+
+def test_cosine_beyond_lr_decay_iters_stays_at_min_lr():
+    cfg = TrainConfig(warmup_iters=10, lr_decay_iters=100, max_iters=200, learning_rate=1e-3, min_lr=1e-4)
+    assert scheduled_lr(100, cfg, 2e-2) == pytest.approx(1e-4)
+    assert scheduled_lr(101, cfg, 2e-2) == scheduled_lr(10**7, cfg, 5e-3) == 1e-4  # absolute, any peak
+    assert scheduled_lr(55, cfg, 2e-2) == pytest.approx((2e-2 + 1e-4) / 2)  # halfway through the cosine
+
+
+def test_wsd_and_constant():
+    cfg = TrainConfig(schedule="wsd", max_iters=1000, warmup_iters=100, learning_rate=1e-3, min_lr=1e-4)
+    peak = 2e-3  # any group's peak: the floor is min_lr for all of them
+    assert [scheduled_lr(it, cfg, peak) for it in (0, 50, 100, 799, 800)] == pytest.approx([0, 1e-3, 2e-3, 2e-3, 2e-3])
+    assert scheduled_lr(900, cfg, peak) == pytest.approx((2e-3 + 1e-4) / 2)  # halfway through the last 20%
+    assert scheduled_lr(1000, cfg, peak) == scheduled_lr(5000, cfg, peak) == pytest.approx(1e-4)
+    const = dataclasses.replace(cfg, schedule="constant")
+    assert [scheduled_lr(it, const, peak) for it in (0, 50, 100, 10**6)] == pytest.approx([0, 1e-3, 2e-3, 2e-3])
+    assert scheduled_lr(0, dataclasses.replace(cfg, decay_lr=False), peak) == peak  # no schedule, no warmup
+
+
+def test_wsd_with_min_lr_0_is_the_reference_fineweb_trainers_wsd():
+    """train_mars_fw.py: warmup, base lr until 0.8 max_iters, then base_lr * (max_iters - it) / (0.2 max_iters)."""
+    cfg = TrainConfig(schedule="wsd", wsd_decay_frac=0.2, min_lr=0.0, max_iters=100000, warmup_iters=2000)
+    for it in (0, 1000, 2000, 79999, 80000, 90000, 99999, 100000):
+        expect = 6e-3 * (it / 2000 if it < 2000 else 1.0 if it < 80000 else (100000 - it) / 20000)
+        assert scheduled_lr(it, cfg, 6e-3) == pytest.approx(expect, rel=1e-12, abs=1e-18)
+
+
+# --- each optimizer as the reference builds it
+
+
 def test_mars_is_built_as_the_reference_builds_it():
-    cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_mars.py")])
+    cfg = paper_config("small", "mars")
     model = tiny_model()
     opt = build_optimizer(model, cfg, "cpu")
     assert isinstance(opt, MARS)
@@ -100,7 +117,7 @@ def test_mars_is_built_as_the_reference_builds_it():
     assert [g["weight_decay"] for g in opt.param_groups] == [1e-2, 0.0]
     for g in opt.param_groups:
         assert (g["lr"], g["initial_lr"], g["betas"], g["gamma"]) == (6e-3, 6e-3, (0.95, 0.99), 0.025)
-        assert (g["lr_1d"], g["betas_1d"], g["weight_decay_1d"]) == (3e-3, (0.9, 0.95), 0.1)
+        assert (g["lr_1d"], g["lr_1d_factor"], g["betas_1d"], g["weight_decay_1d"]) == (3e-3, 0.5, (0.9, 0.95), 0.1)
         assert (g["mars_type"], g["is_approx"], g["optimize_1d"]) == ("mars-adamw", True, False)
     losses = train_steps(model, opt, 6)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
@@ -108,70 +125,195 @@ def test_mars_is_built_as_the_reference_builds_it():
 
 @pytest.mark.parametrize("mars_type", ["mars-lion", "mars-shampoo"])
 def test_mars_variants_build_from_their_configs(mars_type):
-    cfg = load_config([os.path.join(ROOT, "config", f"train_gpt2_small_{mars_type.replace('-', '_')}.py")])
-    opt = build_optimizer(tiny_model(), cfg, "cpu")
+    opt = build_optimizer(tiny_model(), paper_config("small", mars_type.replace("-", "_")), "cpu")
     assert {g["mars_type"] for g in opt.param_groups} == {mars_type}
 
 
+def test_mars_refuses_a_zero_peak_lr_that_leaves_the_1d_lr_undefined():
+    with pytest.raises(ValueError, match="lr=0 with optimize_1d=False"):
+        build_optimizer(tiny_model(), TrainConfig(learning_rate=0.0), "cpu")
+
+
 def test_adamw_uses_the_reference_groups_and_betas():
-    cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_adamw.py")])
     model = tiny_model()
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, paper_config("small", "adamw"), "cpu")
     assert type(opt) is torch.optim.AdamW
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert all(g["betas"] == (0.9, 0.95) and g["initial_lr"] == 6e-4 and not g["fused"] for g in opt.param_groups)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
-def test_muon_chains_muon_on_hidden_matrices_and_adamw_on_the_rest():
-    cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_muon.py")])
+def gpt2_small():
+    with torch.device("meta"):  # the shapes and names only: no memory, no initialisation cost
+        return GPT(GPTConfig(**PRESETS["small"], bias=False))
+
+
+def split_by_name(model, optimizer):
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [[name_of[id(p)] for g in opt.param_groups for p in g["params"]] for opt in optimizer.optimizers]
+
+
+BLOCK_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def test_muon_split_is_the_reference_s_on_gpt2_small():
+    """MARS/train_muon.py: CombinedOptimizer(model.parameters(), [AdamW, Muon]) gives Muon every tensor with
+    2+ dims, in parameter order -- the token and position embeddings, the tied head (it is wte), the blocks'
+    matrices -- at weight decay 0, and AdamW the LayerNorm weights at weight_decay (no biases: bias=False)."""
+    model = gpt2_small()
+    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
+    muon, adamw = split_by_name(model, opt)
+    assert muon == ["transformer.wte.weight", "transformer.wpe.weight"] + [
+        f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES
+    ]
+    assert adamw == [f"transformer.h.{i}.{ln}.weight" for i in range(12) for ln in ("ln_1", "ln_2")] + [
+        "transformer.ln_f.weight"
+    ]
+    assert any(p is model.lm_head.weight for p in opt.optimizers[0].param_groups[0]["params"])
+    assert [type(o) for o in opt.optimizers] == [torch.optim.Muon, torch.optim.AdamW]
+    assert [(g["weight_decay"], g["initial_lr"]) for g in opt.param_groups] == [(0.0, 2e-2), (0.1, 3e-3)]
+
+
+def test_muon_matrices_hidden_keeps_the_embeddings_and_head_in_adamw():
+    model = gpt2_small()
+    opt = build_optimizer(model, paper_config("small", "muon", "--muon_matrices=hidden"), "cpu")
+    muon, adamw = split_by_name(model, opt)
+    assert muon == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
+    assert adamw[:2] == ["transformer.wte.weight", "transformer.wpe.weight"] and len(adamw) == 2 + 2 * 12 + 1
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.1]  # the embeddings decay in AdamW
+    assert [id(p) for p in opt.optimizers[0].param_groups[0]["params"]] == [
+        id(p) for p in hidden_matrix_params(model)[0]
+    ]
+
+
+def test_muon_chain_trains_and_zero_grads_both_parts():
     model = tiny_model()
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
     assert isinstance(opt, ChainedOptimizer)
-    muon, adamw = opt.optimizers
-    hidden, other = hidden_matrix_params(model)
-    assert type(muon) is torch.optim.Muon and [id(p) for p in muon.param_groups[0]["params"]] == [id(p) for p in hidden]
-    g = muon.param_groups[0]
-    assert (g["lr"], g["weight_decay"], g["momentum"], g["nesterov"], g["adjust_lr_fn"]) == (
-        2e-2,
-        0.0,
-        0.95,
-        True,
-        "original",
-    )
-    assert type(adamw) is torch.optim.AdamW
-    assert {id(p) for g in adamw.param_groups for p in g["params"]} == {id(p) for p in other}
-    assert all(g["lr"] == 3e-3 and g["betas"] == (0.9, 0.95) for g in adamw.param_groups)
-    assert [g["weight_decay"] for g in adamw.param_groups] == [0.1]
-    assert [g["initial_lr"] for g in opt.param_groups] == [2e-2, 3e-3]
+    g = opt.optimizers[0].param_groups[0]
+    assert (g["momentum"], g["nesterov"], g["adjust_lr_fn"]) == (0.95, True, "original")
+    assert all(g["betas"] == (0.9, 0.95) for g in opt.optimizers[1].param_groups)
     losses = train_steps(model, opt, 6)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["small_mars", "small_adamw", "small_muon"])
-def test_state_dict_round_trip_continues_identically(name):
-    cfg = load_config([os.path.join(ROOT, "config", f"train_gpt2_{name}.py")])
+def reference_muon_step(params, grads, buffers, lr, nesterov=True, momentum=0.95):
+    """MARS/optimizers/muon.py's step on one process, transcribed: momentum summed (not averaged),
+    Nesterov, 5 quintic Newton-Schulz steps in bfloat16 on the (transposed, if tall) normalised matrix,
+    the result scaled by sqrt(max(1, rows/cols)); weight decay 0."""
+    for p, g, buf in zip(params, grads, buffers):
+        buf.mul_(momentum).add_(g)
+        update = g.add(buf, alpha=momentum) if nesterov else buf
+        x = update.bfloat16()
+        x /= x.norm() + 1e-7
+        tall = update.size(0) > update.size(1)
+        if tall:
+            x = x.T
+        for _ in range(5):
+            a = x @ x.T
+            b = a @ x
+            x = 3.4445 * x + -4.7750 * b + 2.0315 * a @ b
+        if tall:
+            x = x.T
+        x *= max(1, update.size(0) / update.size(1)) ** 0.5
+        p.add_(x.type_as(p), alpha=-lr)
+
+
+def test_torch_muon_takes_the_reference_muon_s_steps():
+    """torch's Muon averages its momentum (buf = m buf + (1 - m) g) where the reference sums it: the Nesterov
+    update is then (1 - m) times the reference's, and Newton-Schulz normalises that factor away. What is
+    left is bfloat16 rounding (a few %), well apart from what a different rule gives (no Nesterov: over 20%)."""
+    model = tiny_model()
+    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
+    muon = opt.optimizers[0]
+    params = muon.param_groups[0]["params"]
+    assert {(p.size(0) > p.size(1), p.size(0) < p.size(1)) for p in params} >= {(True, False), (False, True)}
+    start = [p.detach().clone() for p in params]
+    ours = [p.clone() for p in start]
+    no_nesterov = [p.clone() for p in start]
+    buffers, buffers_plain = [torch.zeros_like(p) for p in start], [torch.zeros_like(p) for p in start]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=generator) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        muon.step()
+        reference_muon_step(ours, grads, buffers, lr=2e-2)
+        reference_muon_step(no_nesterov, grads, buffers_plain, lr=2e-2, nesterov=False)
+
+    def worst_error(reference):
+        return max(((p.detach() - r).norm() / (r - s).norm()).item() for p, r, s in zip(params, reference, start))
+
+    assert worst_error(ours) < 0.1 < worst_error(no_nesterov)
+
+
+# --- resuming and group_hyperparameters
+
+
+@pytest.mark.parametrize("size, optimizer", [("small", "mars"), ("small", "adamw"), ("small", "muon")])
+def test_state_dict_round_trip_continues_identically(size, optimizer):
+    cfg = paper_config(size, optimizer)
     model, other_model = tiny_model(), tiny_model()
     opt = build_optimizer(model, cfg, "cpu")
     train_steps(model, opt, 2)
     other_model.load_state_dict(model.state_dict())
     other_opt = build_optimizer(other_model, cfg, "cpu")
     other_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as a checkpoint would: no shared tensors
-    set_lr(opt, 0.5)
-    set_lr(other_opt, 0.5)  # after load_state_dict: the group dicts it replaced
+    set_lr(opt, 1000, cfg)
+    set_lr(other_opt, 1000, cfg)  # after load_state_dict: the group dicts it replaced
     train_steps(model, opt, 2, seed=7)
     train_steps(other_model, other_opt, 2, seed=7)
     for a, b in zip(model.parameters(), other_model.parameters()):
         assert torch.equal(a, b)
 
 
-def test_set_lr_scales_every_group_from_its_initial_lr():
-    cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_muon.py")])
-    opt = build_optimizer(tiny_model(), cfg, "cpu")
-    set_lr(opt, 0.25)
-    assert [g["lr"] for g in opt.param_groups] == [2e-2 * 0.25, 3e-3 * 0.25]
-    set_lr(opt, 1.0)
-    assert [g["lr"] for g in opt.param_groups] == [g["initial_lr"] for g in opt.param_groups]
+def changed(cfg):
+    """cfg with every hyperparameter group_hyperparameters writes set to another value."""
+    return dataclasses.replace(
+        cfg,
+        learning_rate=cfg.learning_rate / 3,
+        lr_1d=cfg.lr_1d / 5,
+        weight_decay=cfg.weight_decay * 2,
+        beta1=0.8,
+        beta2=0.9,
+        gamma=0.05,
+        betas_1d=(0.85, 0.97),
+        weight_decay_1d=0.3,
+        muon_lr=cfg.muon_lr / 7,
+        muon_adamw_lr=cfg.muon_adamw_lr / 11,
+    )
+
+
+def hyperparameters(optimizer):
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+@pytest.mark.parametrize("size, optimizer", [("small", "mars"), ("small", "adamw"), ("small", "muon")])
+def test_group_hyperparameters_apply_a_new_config_after_load_state_dict(size, optimizer):
+    old = paper_config(size, optimizer)
+    new = changed(old)
+    model = tiny_model()
+    opt = build_optimizer(model, old, "cpu")
+    train_steps(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = build_optimizer(model, new, "cpu")
+    fresh = hyperparameters(resumed)
+    resumed.load_state_dict(saved)
+    assert hyperparameters(resumed) == hyperparameters(opt) != fresh  # the checkpoint's values came back
+    group_hyperparameters(resumed, new)
+    assert hyperparameters(resumed) == fresh  # every key as a new optimizer built from `new` has it
+    for p in model.parameters():  # and the state stays the checkpoint's
+        assert resumed.state[p].keys() == opt.state[p].keys()
+        assert all(
+            torch.equal(torch.as_tensor(resumed.state[p][k]), torch.as_tensor(v)) for k, v in opt.state[p].items()
+        )
+
+
+def test_group_hyperparameters_refuses_an_optimizer_with_other_groups():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="adamw has 2 parameter groups, this optimizer 1"):
+        group_hyperparameters(torch.optim.SGD(model.parameters(), lr=0.1), paper_config("small", "adamw"))
 
 
 def test_every_shipped_config_builds_its_optimizer():

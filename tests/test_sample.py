@@ -1,40 +1,18 @@
-import dataclasses
 import os
 
 import pytest
-import torch
 
 import sample
-from checkpoint import save_checkpoint
-from model import GPT, GPTConfig
 from tokens import get_gpt2_encoding, write_meta
 
 CHARS = sorted(set("def main():\n    return 42\n"))
 
 
-def save_tiny_checkpoint(out_dir, vocab_size, data_path="", dataset="", block_size=16, seed=0):
-    """A 1-layer GPT saved as train.py saves it (the keys load_model reads); returns the model."""
-    torch.manual_seed(seed)
-    config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16)
-    model = GPT(config)
-    os.makedirs(out_dir, exist_ok=True)
-    save_checkpoint(
-        os.path.join(out_dir, "ckpt.pt"),
-        dict(
-            model=model.state_dict(),
-            model_args=dataclasses.asdict(config),
-            iter_num=0,
-            config=dict(data_path=str(data_path), dataset=dataset),
-        ),
-    )
-    return model
-
-
 @pytest.fixture
-def char_run(tmp_path):
+def char_run(tmp_path, tiny_checkpoint):
     os.makedirs(tmp_path / "data" / "tiny_char")
     write_meta(tmp_path / "data" / "tiny_char" / "meta.pkl", CHARS)
-    save_tiny_checkpoint(tmp_path / "out", len(CHARS), tmp_path / "data", "tiny_char")
+    tiny_checkpoint(tmp_path / "out", len(CHARS), tmp_path / "data", "tiny_char")
     return tmp_path / "out"
 
 
@@ -90,8 +68,8 @@ def test_prompt_from_file_and_top_k_one_is_greedy(char_run, tmp_path):
     assert first.startswith("return ") and first == second  # top_k=1 leaves no randomness
 
 
-def test_bpe_checkpoint_decodes_with_gpt2(tmp_path):
-    save_tiny_checkpoint(tmp_path / "out", 50304)  # no dataset meta.pkl: GPT-2 BPE
+def test_bpe_checkpoint_decodes_with_gpt2(tmp_path, tiny_checkpoint):
+    tiny_checkpoint(tmp_path / "out", 50304)  # no dataset meta.pkl: GPT-2 BPE
     args = sample.parse_args(
         ["--out_dir", str(tmp_path / "out"), "--start", "Hello world", "--max_new_tokens", "5", "--num_samples", "1"]
     )
@@ -115,8 +93,8 @@ def test_errors_are_one_line_and_exit_2(char_run, tmp_path, capsys, args, messag
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
-def test_char_model_without_its_meta_is_refused(tmp_path, capsys):
-    save_tiny_checkpoint(tmp_path / "out", len(CHARS), tmp_path / "gone", "tiny_char")
+def test_char_model_without_its_meta_is_refused(tmp_path, capsys, tiny_checkpoint):
+    tiny_checkpoint(tmp_path / "out", len(CHARS), tmp_path / "gone", "tiny_char")
     assert sample.main(["--out_dir", str(tmp_path / "out")]) == 2
     assert "meta.pkl was not found" in capsys.readouterr().err
 

@@ -1,6 +1,8 @@
 import os
 import pickle
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -44,13 +46,8 @@ def test_read_shard_rejects_corrupt_and_truncated(tmp_path, damage, message):
         TokenData(str(tmp_path), "val")
 
 
-def test_interrupted_write_leaves_no_file(tmp_path):
+def test_out_of_range_tokens_leave_no_file(tmp_path):
     path = tmp_path / "train.bin"
-    with pytest.raises(RuntimeError):
-        with tokens.atomic_writer(path) as f:
-            f.write(b"partial")
-            raise RuntimeError("killed")
-    assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="uint16"):
         write_shard(path, [70000])
     assert os.listdir(tmp_path) == []
@@ -86,6 +83,23 @@ def test_meta_vocab(tmp_path):
         data.check_vocab(2)
 
 
+def test_char_corpus_too_varied_or_empty_is_refused_before_writing(tmp_path):
+    symbols = [chr(0x10000 + i) for i in range(65537)]  # outside the BMP: every one a distinct character
+    with pytest.raises(DataError, match=r"65,537 distinct characters, more than the 65,536 ids"):
+        tokens.write_char_corpus(tmp_path / "out", "".join(symbols))
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(DataError, match="the text is empty"):
+        tokens.write_char_corpus(tmp_path / "out", "")
+    assert not os.path.exists(tmp_path / "out")
+    # 65,536 symbols still fit: ids 0..65535, none wrapped
+    tokens.write_char_corpus(tmp_path / "fits", "".join(symbols[:65536]))
+    data = TokenData(str(tmp_path / "fits"), "train")
+    assert data.vocab_size == 65536
+    data.check_vocab(65536)
+    train_tail = [data.meta["itos"][i] for i in np.fromfile(tmp_path / "fits" / "train.bin", dtype=np.uint16)[-3:]]
+    assert train_tail == symbols[int(0.9 * 65536) - 3 : int(0.9 * 65536)]
+
+
 def _two_shard_dir(tmp_path):
     # Shard k holds ids k*1000 + 0..n-1, so a window crossing a shard boundary would be visible.
     write_shard(tmp_path / "fineweb_train_000001.bin", np.arange(300))
@@ -119,6 +133,40 @@ def test_windows_stay_inside_one_shard_and_cover_all(tmp_path):
     assert shards_seen == {0, 1}  # the 10-token shard cannot hold a window
 
 
+# Run in a subprocess whose open-file limit (200) is below the shard count (300): every shard serves batches.
+_READ_UNDER_A_LOW_FILE_LIMIT = """
+import resource, sys
+import torch  # before the limit: importing opens files
+from tokens import TokenData
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+data = TokenData(sys.argv[1], "train")
+data.check_vocab(50304)
+seen = set()
+for step in range(200):
+    x, y = data.get_batch(0, step, 0, batch_size=64, block_size=8)
+    full = torch.cat([x, y[:, -1:]], dim=1)
+    assert torch.all(full[:, 1:] - full[:, :-1] == 1)
+    seen |= set((x[:, 0] // 100).tolist())
+data.eval_batches(0, 4, 64, 8)
+print(len(seen))
+"""
+
+
+def test_more_shards_than_the_open_file_limit(tmp_path):
+    for k in range(300):  # shard k holds ids 100k .. 100k + 39
+        write_shard(tmp_path / f"fineweb_train_{k + 1:06d}.bin", 100 * k + np.arange(40))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-c", _READ_UNDER_A_LOW_FILE_LIMIT, str(tmp_path)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["300"]
+
+
 def test_eval_batches_are_fixed(tmp_path):
     data = _two_shard_dir(tmp_path)
     a = data.eval_batches(seed=0, num_batches=4, batch_size=8, block_size=16)
@@ -146,6 +194,19 @@ def test_split_shorter_than_a_window(tmp_path):
         data.get_batch(0, 0, 0, batch_size=2, block_size=64)
     with pytest.raises(DataError, match="fewer than one window"):
         data.eval_batches(0, 1, 2, 64)
+
+
+def test_token_files_cut_short(tmp_path):
+    (tmp_path / "train.bin").write_bytes(b"\0" * 201)
+    with pytest.raises(DataError, match="201 bytes is not a whole number of uint16 tokens"):
+        TokenData(str(tmp_path), "train")
+    write_shard(tmp_path / "fineweb_val_000000.bin", np.arange(100))
+    data = TokenData(str(tmp_path), "val")
+    with open(tmp_path / "fineweb_val_000000.bin", "r+b") as f:  # cut short after the run started
+        f.truncate(1024 + 2 * 50)
+    with pytest.raises(DataError, match="fineweb_val_000000.bin: shorter than when the run started"):
+        for step in range(20):
+            data.get_batch(0, step, 0, batch_size=4, block_size=32)
 
 
 def test_token_ids_beyond_the_model_vocabulary(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """train.py in one process on the CPU: learning, metrics, exact MARS, wandb, divergence guard, bad input."""
 
+import glob
+import io
 import json
 import math
 import os
@@ -11,6 +13,7 @@ from train_helpers import make_char_data, tiny_args
 import checkpoint
 import train
 from model import GPT, GPTConfig
+from optim import scheduled_lr
 from tokens import TokenData, write_shard
 
 
@@ -76,8 +79,9 @@ def test_twenty_steps_learn_and_record_metrics(data_path, tmp_path, capsys):
     assert sum(r["train/loss"] for r in train_lines[-5:]) < sum(r["train/loss"] for r in train_lines[:5]) - 2.5
 
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    assert ckpt["iter_num"] == 20 and ckpt["tokens"] == 20 * 256
-    assert ckpt["best_val_loss"] == min(r["val/loss"] for r in eval_lines)
+    progress = ckpt["progress"]
+    assert progress["iter_num"] == 20 and progress["tokens"] == 20 * 256
+    assert progress["best_val_loss"] == min(r["val/loss"] for r in eval_lines)
     assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
     assert os.path.exists(os.path.join(out, "best.pt"))
 
@@ -148,29 +152,47 @@ def test_grad_multiplier_scales_the_gradient_not_the_loss(data_path, tmp_path):
     assert first_lines[4]["grad_norm"] == pytest.approx(4 * first_lines[1]["grad_norm"], rel=1e-5)
 
 
+def wandb_runs(out_dir):
+    """{run id: [offline run folders]} under out_dir/wandb, by the run-<id>.wandb file wandb writes in each
+    (the folder names carry a timestamp, and a suffix when two runs start within the same second)."""
+    runs = {}
+    for folder in sorted(glob.glob(os.path.join(out_dir, "wandb", "*run-*"))):
+        for name in os.listdir(folder):
+            if name.startswith("run-") and name.endswith(".wandb") and os.path.getsize(os.path.join(folder, name)):
+                runs.setdefault(name[len("run-") : -len(".wandb")], []).append(folder)
+    return runs
+
+
 @pytest.mark.slow
 def test_wandb_offline_writes_its_run_and_resume_continues_it(data_path, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = str(tmp_path / "out")
     run_ok(tiny_args(data_path, out, max_iters=3, eval_interval=3, wandb_log=True, wandb_project="test"))
-    run_id = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["wandb_run_id"]
+    run_id = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["wandb_run_id"]
     assert run_id
-    run_ok(
-        tiny_args(
-            data_path, out, max_iters=6, eval_interval=3, wandb_log=True, wandb_project="test", init_from="resume"
-        )
-    )
-    runs = sorted(os.listdir(tmp_path / "wandb"))
-    offline = [r for r in runs if r.startswith("offline-run-")]
-    assert len(offline) == 2 and all(r.endswith(run_id) for r in offline)
-    for r in offline:
-        assert any(
-            f.endswith(".wandb") and os.path.getsize(tmp_path / "wandb" / r / f) > 0
-            for f in os.listdir(tmp_path / "wandb" / r)
-        )
+    args = tiny_args(data_path, out, max_iters=6, eval_interval=3, wandb_log=True, wandb_project="test")
+    run_ok(args + ["--init_from=resume"])
+    runs = wandb_runs(out)
+    assert list(runs) == [run_id] and len(runs[run_id]) == 2  # the resume continued the same run
+
+
+@pytest.mark.slow
+def test_wandb_without_a_login_logs_offline_with_one_warning(data_path, tmp_path, monkeypatch, capsys):
+    """A node without `wandb login` (no key anywhere, WANDB_MODE unset) must neither prompt nor fail."""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # a prompt would read from here and fail
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, max_iters=2, eval_interval=2, wandb_log=True, wandb_project="test"), capsys)
+    err = capsys.readouterr().err
+    assert err.count("warning: wandb_log=True but wandb has no login") == 1
+    assert len(wandb_runs(out)) == 1
 
 
 @pytest.mark.parametrize("is_approx", [True, False])
@@ -245,45 +267,7 @@ def test_consecutive_non_finite_steps_stop_the_run_keeping_the_last_checkpoint(
     assert train.main(tiny_args(data_path, out, max_bad_steps=3)) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: 3 consecutive steps (up to iter 9)") and "Traceback" not in err
-    assert checkpoint.load_checkpoint(out)["iter_num"] == 5  # the evaluation before the bad steps
-
-
-def test_save_interrupted_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    path = str(tmp_path / "ckpt.pt")
-    checkpoint.save_checkpoint(path, {"model": {"w": torch.ones(3)}, "model_args": {}, "iter_num": 1})
-
-    def disk_full(obj, f):
-        f.write(b"partial bytes")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
-    with pytest.raises(checkpoint.CheckpointError, match="No space left on device; the previous one is kept"):
-        checkpoint.save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "model_args": {}, "iter_num": 2})
-    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left
-    assert checkpoint.load_checkpoint(path)["iter_num"] == 1
-
-
-def test_checkpoints_load_without_running_code(tmp_path):
-    class Payload:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    path = tmp_path / "evil.pt"
-    torch.save({"model": Payload(), "model_args": {}, "iter_num": 0}, path)
-    with pytest.raises(checkpoint.CheckpointError, match="not a readable checkpoint"):
-        checkpoint.load_checkpoint(str(path))
-
-
-def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
-    import random
-
-    import numpy as np
-
-    path = str(tmp_path / "rng.pt")
-    checkpoint.save_checkpoint(path, {"model": {}, "model_args": {}, "iter_num": 0, "rng": checkpoint.rng_state()})
-    expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    checkpoint.set_rng_state(checkpoint.load_checkpoint(path)["rng"])
-    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert checkpoint.load_checkpoint(out)["progress"]["iter_num"] == 5  # the evaluation before the bad steps
 
 
 @pytest.mark.slow
@@ -306,7 +290,8 @@ def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
             "starts pulling up roofing on a roof.",
         ],
     )
-    examples.write_text(json.dumps(example) + "\n" + json.dumps(dict(example, label=3)) + "\n")
+    rotations = [dict(example, endings=example["endings"][i:] + example["endings"][:i], label=i) for i in range(4)]
+    examples.write_text("".join(json.dumps(e) + "\n" for e in rotations + [dict(e, label=3) for e in rotations]))
     out = str(tmp_path / "out")
     run_ok(
         tiny_args(
@@ -323,7 +308,12 @@ def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
     )
     scores = [r for r in read_metrics(out) if "hellaswag/acc_norm" in r]
     assert [r["iter"] for r in scores] == [0, 2]
-    assert all(r["hellaswag/acc_norm"] in (0.0, 0.5, 1.0) for r in scores)
+    # the score at step 2 is the one hellaswag.py gives the model the step-2 checkpoint holds
+    import hellaswag
+
+    model, _ = checkpoint.load_model(out)
+    expected = hellaswag.evaluate(model, hellaswag.load_examples(str(examples)), "cpu")
+    assert scores[-1]["hellaswag/acc_norm"] == expected["acc_norm"] and expected["n"] == 8
 
 
 def test_hellaswag_on_a_char_dataset_warns_once_and_trains(data_path, tmp_path, capsys):
@@ -366,8 +356,8 @@ def foreign_checkpoint(tmp_path):
     make_char_data(tmp_path, name="tiny")
     assert train.main(tiny_args(str(tmp_path), str(tmp_path / "out"), max_iters=1, eval_interval=1)) == 0
     ckpt = checkpoint.load_checkpoint(str(tmp_path / "out"))
-    keep = ("model", "model_args", "optimizer", "iter_num", "best_val_loss", "config")
-    torch.save({k: ckpt[k] for k in keep}, tmp_path / "out" / "ckpt.pt")
+    keep = ("model", "model_args", "optimizer", "config")
+    torch.save({k: ckpt[k] for k in keep} | {"iter_num": 1}, tmp_path / "out" / "ckpt.pt")
     return dict(data_path=str(tmp_path), out_dir=str(tmp_path / "out"), init_from="resume")
 
 
@@ -391,8 +381,8 @@ def corrupt_checkpoint(tmp_path):
         (out_of_vocab_data, "token id 200 at position 3 is >= the model's vocabulary size"),
         (lambda p: dict(init_from="resume"), "no checkpoint at"),
         (corrupt_checkpoint, "ckpt.pt is not a readable checkpoint"),
-        (mismatching_checkpoint, "was trained with n_layer=2 but the config gives n_layer=3"),
-        (foreign_checkpoint, "ckpt.pt lacks scaler, rng, tokens"),
+        (mismatching_checkpoint, "was trained with n_layer=2 but the config gives n_layer=3; a resumed run cannot"),
+        (foreign_checkpoint, "ckpt.pt lacks scaler, rng, progress: it was not written by this train.py"),
     ],
     ids=[
         "unknown-key",
@@ -432,3 +422,112 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     state = {k: v[..., :1] if k == "transformer.h.0.mlp.c_fc.weight" else v for k, v in model.state_dict().items()}
     with pytest.raises(checkpoint.CheckpointError, match=r"'transformer.h.0.mlp.c_fc.weight' has shape \(128, 1\)"):
         checkpoint.load_model_state(model, state, "x.pt")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runs and out_dir: a relaunch never destroys a run; a resume applies the configuration it is given.
+
+
+def file_bytes(out_dir):
+    return {name: open(os.path.join(out_dir, name), "rb").read() for name in sorted(os.listdir(out_dir))}
+
+
+@pytest.mark.parametrize("init_from", ["scratch", "gpt2"])
+def test_a_fresh_start_into_an_existing_run_is_refused_and_changes_nothing(data_path, tmp_path, capsys, init_from):
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, max_iters=4, eval_interval=2))
+    before = file_bytes(out)
+    capsys.readouterr()
+    assert train.main(tiny_args(data_path, out, max_iters=1, init_from=init_from)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: out_dir {out} already holds a run (ckpt.pt)"), captured.err
+    assert "--init_from=resume" in captured.err and "--overwrite=True" in captured.err
+    assert captured.err.count("\n") == 1 and captured.out == ""
+    assert file_bytes(out) == before
+
+
+def test_overwrite_replaces_the_previous_run(data_path, tmp_path):
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, max_iters=4, eval_interval=2, keep_every_n_evals=1))
+    assert os.path.exists(os.path.join(out, "ckpt_0000002.pt"))
+    run_ok(tiny_args(data_path, out, max_iters=1, overwrite=True))
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 1
+    assert not os.path.exists(os.path.join(out, "ckpt_0000002.pt"))
+    assert max(r["iter"] for r in read_metrics(out)) == 1
+
+
+def test_init_from_auto_starts_fresh_then_continues_exactly(data_path, tmp_path):
+    """A preempted job relaunched with the same command continues: auto = resume when a checkpoint exists."""
+    whole, pieces = str(tmp_path / "whole"), str(tmp_path / "pieces")
+    run_ok(tiny_args(data_path, whole, max_iters=8, eval_interval=4))
+    run_ok(tiny_args(data_path, pieces, max_iters=4, eval_interval=4, init_from="auto"))
+    run_ok(tiny_args(data_path, pieces, max_iters=8, eval_interval=4, init_from="auto"))
+    timing = {"time_s", "tokens_per_sec", "step_ms"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(pieces)] == [
+        {k: v for k, v in r.items() if k not in timing} for r in read_metrics(whole)
+    ]
+    assert json.load(open(os.path.join(pieces, "config.json")))["init_from"] == "resume"
+
+
+def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one(
+    data_path, tmp_path, monkeypatch, capsys
+):
+    """The scenario the divergence message describes: non-finite steps stop the run; a resume with a lower
+    learning_rate (and lr_1d, min_lr, weight decay, betas) trains with those values, and says so."""
+    real = train.forward_backward
+
+    def inf_from_step_six(run, step):
+        loss = real(run, step)
+        if step >= 6:
+            for p in run.model.parameters():
+                p.grad.fill_(math.inf)
+        return loss
+
+    monkeypatch.setattr(train, "forward_backward", inf_from_step_six)
+    out = str(tmp_path / "out")
+    assert train.main(tiny_args(data_path, out, max_iters=20, max_bad_steps=3, learning_rate=1e-2)) == 1
+    assert "resume it with --init_from=resume and a lower learning_rate" in capsys.readouterr().err
+    monkeypatch.setattr(train, "forward_backward", real)
+
+    changes = dict(learning_rate=1e-4, lr_1d=5e-5, min_lr=1e-5, weight_decay=0.05, beta2=0.98, grad_clip=0.5)
+    argv = tiny_args(data_path, out, max_iters=20, max_bad_steps=3, **changes) + ["--init_from=resume"]
+    run_ok(argv, capsys)
+    out_text = capsys.readouterr().out
+    assert "resume: learning_rate 0.01 -> 0.0001\n" in out_text
+    assert "resume: lr_1d 0.003 -> 5e-05\n" in out_text and "resume: beta2 0.99 -> 0.98\n" in out_text
+    cfg = train.load_config(argv)
+    resumed = [r for r in read_metrics(out) if "train/loss" in r and r["iter"] > 5]
+    assert [r["iter"] for r in resumed] == list(range(6, 21))
+    for r in resumed:  # a record at iter i was logged after step i - 1
+        assert r["lr"] == pytest.approx(scheduled_lr(r["iter"] - 1, cfg, 1e-4), rel=1e-12)
+        assert math.isfinite(r["train/loss"])
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    groups = ckpt["optimizer"]["param_groups"]
+    assert {g["initial_lr"] for g in groups} == {1e-4}
+    assert {g["weight_decay"] for g in groups} == {0.05, 0.0} and {g["betas"] for g in groups} == {(0.95, 0.98)}
+    assert {g["lr_1d_factor"] for g in groups} == {0.5}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(optimizer_name="adamw"),
+            "was trained with optimizer_name='mars' but the config gives optimizer_name='adamw'",
+        ),
+        (dict(mars_type="mars-lion"), "mars_type='mars-adamw' but the config gives mars_type='mars-lion'"),
+        (dict(is_approx=False), "is_approx=True but the config gives is_approx=False"),
+        (dict(optimize_1d=True), "optimize_1d=False but the config gives optimize_1d=True"),
+        (dict(n_embd=32), "n_embd=64 but the config gives n_embd=32"),
+    ],
+)
+def test_resume_refuses_keys_a_run_cannot_change(data_path, tmp_path, capsys, change, message):
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, max_iters=2, eval_interval=2))
+    before = file_bytes(out)
+    capsys.readouterr()
+    assert train.main(tiny_args(data_path, out, max_iters=4, init_from="resume", **change)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and message in captured.err and "a resumed run cannot" in captured.err
+    assert captured.err.count("\n") == 1 and captured.out == ""
+    assert file_bytes(out) == before

@@ -94,13 +94,13 @@ def test_kill_9_during_a_save_and_mid_run_then_resume_ends_identical(data_path, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert any(name.startswith("ckpt.pt.tmp.") for name in os.listdir(out))
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 4
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 4
     # 2. resumed from step 4, killed again between steps, past the checkpoint at 12
     proc = launch(args + ["--init_from=resume"], env=subprocess_env(TEST_FAIL="0:14:hang"))
     wait_for_line(proc, "hanging before step 14")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 12
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 12
     # 3. resumed from step 12 to the end: the same losses, weights and optimizer state as never killed
     run_to_end(args + ["--init_from=resume"])
     assert_same_run(out, uninterrupted)
@@ -154,8 +154,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_ranks(args, fail, timeout_s):
-    """Two gloo ranks started by hand (no torchrun agent to clean up after them); `fail` as TEST_FAIL."""
+def launch_ranks(args, fail, timeout_s, unreadable=""):
+    """Two gloo ranks started by hand (no torchrun agent to clean up after them); `fail` as TEST_FAIL,
+    `unreadable` as TEST_UNREADABLE."""
     port = str(free_port())
     return [
         launch(
@@ -167,6 +168,7 @@ def launch_ranks(args, fail, timeout_s):
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
                 TEST_FAIL=fail,
+                TEST_UNREADABLE=unreadable,
             ),
         )
         for rank in range(2)
@@ -180,7 +182,7 @@ def test_a_dead_rank_ends_the_job_which_then_resumes(data_path, ddp_run, tmp_pat
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert all(proc.returncode != 0 for proc in procs), outputs
     assert "injected failure on rank 1 at step 4" in outputs[1]
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 3
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 3
     procs = launch_ranks(args + ["--init_from=resume"], fail="", timeout_s=60)
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outputs
@@ -192,7 +194,43 @@ def test_a_hung_rank_times_out_instead_of_hanging(data_path, tmp_path):
     rank0, rank1 = launch_ranks(tiny_args(data_path, out, **DDP_RUN), fail="1:2:hang", timeout_s=5)
     try:
         output = rank0.communicate(timeout=90)[0]
-        assert rank0.returncode != 0, output
+        assert rank0.returncode == 1, output
+        assert "error: rank 0: a collective timed out after ddp_timeout_s=5 s" in output, output
     finally:
         rank1.kill()
         rank1.communicate()
+
+
+def gpt2_token_data(root):
+    """A GPT-2-tokenized dataset 'bpe' (no meta.pkl) and a one-example HellaSwag file under root."""
+    from tokens import write_bin
+
+    os.makedirs(os.path.join(root, "bpe"))
+    ids = torch.randint(0, 50257, (4000,), generator=torch.Generator().manual_seed(0)).numpy()
+    write_bin(os.path.join(root, "bpe", "train.bin"), ids)
+    write_bin(os.path.join(root, "bpe", "val.bin"), ids[:1000])
+    example = dict(ctx="A man is sitting on a roof. He", label=1, endings=["waves.", "falls.", "sings.", "naps."])
+    path = os.path.join(root, "hellaswag.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps(example) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "hellaswag"])
+def test_a_file_one_rank_cannot_read_stops_every_rank_at_once(data_path, tmp_path, what):
+    """Setup decisions are agreed: when rank 1 cannot see a file rank 0 reads (a node without the shared
+    file system), both ranks exit with the same one-line error long before the collective timeout."""
+    out = str(tmp_path / "out")
+    if what == "checkpoint":
+        assert train.main(tiny_args(data_path, out, **dict(DDP_RUN, max_iters=3))) == 0
+        args = tiny_args(data_path, out, gradient_accumulation_steps=4, **DDP_RUN) + ["--init_from=resume"]
+        hidden, message = os.path.join(out, "ckpt.pt"), f"error: rank 1: no checkpoint at {out}/ckpt.pt"
+    else:
+        hidden = gpt2_token_data(str(tmp_path))
+        args = tiny_args(str(tmp_path), out, dataset="bpe", n_embd=32, max_iters=2, eval_interval=2)
+        args += ["--hellaswag_interval=2", f"--hellaswag_path={hidden}", "--gradient_accumulation_steps=2"]
+        message = "error: rank 1: [Errno 2] No such file or directory"
+    procs = launch_ranks(args, fail="", timeout_s=600, unreadable=f"1:{hidden}")
+    outputs = [proc.communicate(timeout=240)[0] for proc in procs]  # 600 s would mean a hang
+    assert all(proc.returncode == 2 for proc in procs), outputs
+    assert message in outputs[0] and "Traceback" not in "".join(outputs), outputs

@@ -10,8 +10,11 @@ so train.py and checkpoint.py carry no test code:
     TEST_FAIL=RANK:ITER:MODE   on rank RANK, just before step ITER: MODE 'raise' (the rank dies)
                            or 'hang' (prints 'hanging before step ITER' and stops: no more steps,
                            no answer to collectives)
+    TEST_UNREADABLE=RANK:PATH  on rank RANK the file PATH does not exist (a node without the shared
+                           file system): os.path.isfile says False and open raises FileNotFoundError
 """
 
+import builtins
 import os
 import subprocess
 import sys
@@ -156,6 +159,22 @@ def _install_hooks():
             return real_step(run, it)
 
         train.train_step = train_step
+
+    if os.environ.get("TEST_UNREADABLE"):
+        rank, hidden = os.environ["TEST_UNREADABLE"].split(":", 1)
+        if os.environ.get("RANK", "0") == rank:
+            real_open, real_isfile = builtins.open, os.path.isfile
+
+            def is_hidden(path):
+                return isinstance(path, (str, os.PathLike)) and os.path.abspath(path) == os.path.abspath(hidden)
+
+            def open_(path, *args, **kwargs):
+                if is_hidden(path):
+                    raise FileNotFoundError(2, "No such file or directory", str(path))
+                return real_open(path, *args, **kwargs)
+
+            builtins.open = open_
+            os.path.isfile = lambda path: not is_hidden(path) and real_isfile(path)
 
 
 if __name__ == "__main__":

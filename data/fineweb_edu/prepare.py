@@ -6,15 +6,19 @@
 
 Every document is preceded by <|endoftext|> and documents keep their order; a document may continue
 into the next shard. The first shard is fineweb_val_000000.bin, then fineweb_train_000001.bin, ...
-Each shard is written under a temporary name and renamed when complete, and progress.json records,
-for every finished shard, where in the document stream the next one starts; a rerun with the same
-flags keeps finished shards and continues from there, producing byte-identical shards.
+The input is a list of parquet (or, locally, jsonl) files read one at a time in a fixed order: the
+--data_files as given, or the subset's files on the Hub, listed once and kept in progress.json. Each
+shard is written under a temporary name and renamed when complete, and progress.json records, for
+every finished shard, where the next one starts as (source file, row, tokens into that document); a
+rerun with the same flags keeps finished shards, opens only the files from there on (skipping whole
+row groups inside the first), and produces byte-identical shards.
 Memory: one shard buffer (2 bytes per token) plus a few MB of text in flight per process.
 """
 
 import argparse
 import collections
 import glob
+import io
 import json
 import multiprocessing
 import os
@@ -46,65 +50,111 @@ def shard_name(index):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Document sources: each yields texts in a fixed order, starting after `skip` documents.
+# Document sources: files read one at a time, in order, each through an opener (local or the Hub).
 
 
-def local_documents(paths, skip):
-    for path in paths:
-        if path.endswith(".parquet"):
-            yield from _parquet_documents(path, skip)
-            skip = max(0, skip - _parquet_rows(path))
-        elif path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    if not line.strip():
-                        continue
-                    if skip:
-                        skip -= 1
-                        continue
-                    yield json.loads(line)["text"]
-        else:
-            raise DataError(f"{path}: --data_files takes .parquet or .jsonl files")
+def hub_files(subset):
+    """The subset's parquet files on the Hub, in the order `load_dataset(..., streaming=True)` reads them,
+    as hf:// URLs pinned to the current revision. Resolves the subset exactly as `datasets` does (the
+    dataset card's configs), downloading no data."""
+    from datasets import load_dataset_builder
+
+    try:
+        builder = load_dataset_builder(HUB_DATASET, name=subset)
+    except ValueError as e:  # an unknown config name
+        raise DataError(f"{HUB_DATASET} has no subset {subset!r}: {e}") from None
+    return sorted(builder.config.data_files["train"])
 
 
-def _parquet_rows(path):
-    import pyarrow.parquet as pq
+def open_hub_file(url):
+    """A hub file opened for reading; parquet reads fetch only the byte ranges they need."""
+    import fsspec
 
-    return pq.ParquetFile(path).metadata.num_rows
+    return fsspec.open(url, "rb")
 
 
-def _parquet_documents(path, skip):
+def open_local_file(path):
+    return open(path, "rb")
+
+
+def _parquet_reader(name, file):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     # Every row group's buffers come and go; arrow's default mimalloc pool keeps the freed pages and the
     # process would grow with the corpus. The system allocator returns them.
     pa.set_memory_pool(pa.system_memory_pool())
-    parquet = pq.ParquetFile(path)
+    parquet = pq.ParquetFile(file)
     if "text" not in parquet.schema_arrow.names:
-        raise DataError(f"{path}: no 'text' column (columns: {', '.join(parquet.schema_arrow.names)})")
-    for group in range(parquet.num_row_groups):
-        rows = parquet.metadata.row_group(group).num_rows
-        if skip >= rows:  # a resume skips whole row groups without reading them
-            skip -= rows
-            continue
-        for batch in parquet.iter_batches(batch_size=ROWS_PER_READ, row_groups=[group], columns=["text"]):
-            texts = batch.column(0).to_pylist()
-            yield from texts[skip:]
-            skip = max(0, skip - len(texts))
+        raise DataError(f"{name}: no 'text' column (columns: {', '.join(parquet.schema_arrow.names)})")
+
+    def texts(skip):
+        for group in range(parquet.num_row_groups):
+            rows = parquet.metadata.row_group(group).num_rows
+            if skip >= rows:  # a resume skips whole row groups without reading them
+                skip -= rows
+                continue
+            for batch in parquet.iter_batches(batch_size=ROWS_PER_READ, row_groups=[group], columns=["text"]):
+                batch_texts = batch.column(0).to_pylist()
+                yield from batch_texts[skip:]
+                skip = max(0, skip - len(batch_texts))
+
+    return parquet.metadata.num_rows, texts
 
 
-def hub_documents(subset, skip):
-    if not network_reachable("huggingface.co"):
-        raise DataError(
-            f"cannot reach huggingface.co to stream {HUB_DATASET} ({subset}); on a machine "
-            f"without internet pass --data_files with local parquet or jsonl files"
-        )
-    from datasets import load_dataset
+def _jsonl_reader(name, file):
+    def texts(skip):
+        for line in io.TextIOWrapper(file, encoding="utf-8"):
+            if not line.strip():
+                continue
+            if skip:
+                skip -= 1
+                continue
+            yield json.loads(line)["text"]
 
-    stream = load_dataset(HUB_DATASET, name=subset, split="train", streaming=True)
-    for example in stream.skip(skip):
-        yield example["text"]
+    return None, texts  # the row count is known only once read
+
+
+def open_reader(name, file):
+    """(row count or None, texts(skip)) for an open parquet or jsonl file."""
+    if name.endswith(".parquet"):
+        return _parquet_reader(name, file)
+    if name.endswith((".jsonl", ".json")):
+        return _jsonl_reader(name, file)
+    raise DataError(f"{name}: takes .parquet or .jsonl files")
+
+
+class DocumentStream:
+    """The documents of `files` in order, from row `row` of file `file_index` on, which is document
+    `first_doc` of the whole stream. Remembers where each file it opened begins, so that position()
+    names any document it has read as (file index, row)."""
+
+    def __init__(self, files, open_file, file_index, row, first_doc):
+        self.files, self.open_file = files, open_file
+        self.file_index, self.row, self.first_doc = file_index, row, first_doc
+        self.opened = []  # (file index, stream index of its row 0, its row count or None)
+
+    def __iter__(self):
+        row0 = self.first_doc - self.row
+        for i in range(self.file_index, len(self.files)):
+            skip = self.row if i == self.file_index else 0
+            with self.open_file(self.files[i]) as file:
+                rows, texts = open_reader(self.files[i], file)
+                self.opened.append((i, row0, rows))
+                read = skip
+                for text in texts(skip):
+                    read += 1
+                    yield text
+            row0 += read
+
+    def position(self, doc):
+        """(file index, row) of stream document `doc`; past a file's last row is row 0 of the next."""
+        for file_index, row0, rows in reversed(self.opened):
+            if row0 <= doc:
+                if doc - row0 == rows:
+                    return file_index + 1, 0
+                return file_index, doc - row0
+        raise ValueError(f"document {doc} precedes the files read")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,6 +222,11 @@ def load_progress(output_dir, run):
             f"{output_dir} holds shards of another run ({progress.get('source')}, shard_size "
             f"{progress.get('shard_size')}); rerun with those flags or use a new --output_dir"
         )
+    if progress["shards"] and "next_file" not in progress["shards"][-1]:
+        raise DataError(
+            f"{path} was written by an older prepare.py, which recorded no source-file positions; "
+            f"use a new --output_dir"
+        )
     for i, shard in enumerate(progress["shards"]):
         path = os.path.join(output_dir, shard["name"])
         if not os.path.exists(path) or os.path.getsize(path) != HEADER_BYTES + 2 * shard["tokens"]:
@@ -184,8 +239,9 @@ def save_progress(output_dir, progress):
     atomic_write_bytes(os.path.join(output_dir, PROGRESS_FILE), json.dumps(progress, indent=1).encode())
 
 
-def prepare(documents, source, output_dir, shard_size, num_proc):
-    """Tokenize documents(skip) into shards of shard_size tokens in output_dir; resumes a stopped run."""
+def prepare(source, list_files, open_file, output_dir, shard_size, num_proc):
+    """Tokenize the documents of the files list_files() names, each read through open_file, into shards
+    of shard_size tokens in output_dir; resumes a stopped run from its first unfinished file."""
     os.makedirs(output_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(output_dir, "*.tmp.*")):  # left by a killed run
         os.remove(stale)
@@ -195,20 +251,37 @@ def prepare(documents, source, output_dir, shard_size, num_proc):
         print(f"{output_dir}: all {len(shards)} shards already prepared")
         return shards
     get_gpt2_encoding()  # fail before starting workers; forked workers inherit it
-    doc_index, skip_tokens = (shards[-1]["next_doc"], shards[-1]["doc_offset"]) if shards else (0, 0)
+    if "files" not in progress:  # listed once: a resume reads the same files in the same order
+        progress["files"] = list_files()
+    files = progress["files"]
+    file_index = row = doc_index = skip_tokens = 0
     if shards:
-        print(f"resuming after {len(shards)} finished shards, at document {doc_index:,}")
+        last = shards[-1]
+        file_index = len(files) if last["next_file"] is None else files.index(last["next_file"])
+        row, doc_index, skip_tokens = last["next_row"], last["next_doc"], last["doc_offset"]
+        print(f"resuming after {len(shards)} finished shards, at row {row:,} of {last['next_file']}")
+    stream = DocumentStream(files, open_file, file_index, row, doc_index)
     buffer = np.empty(shard_size, dtype=np.uint16)
     filled = 0
 
     def finish_shard(tokens, next_doc, doc_offset):
         name = shard_name(len(shards))
         write_shard(os.path.join(output_dir, name), tokens)
-        shards.append(dict(name=name, tokens=len(tokens), next_doc=int(next_doc), doc_offset=int(doc_offset)))
+        next_file, next_row = stream.position(next_doc)
+        shards.append(
+            dict(
+                name=name,
+                tokens=len(tokens),
+                next_doc=int(next_doc),
+                next_file=files[next_file] if next_file < len(files) else None,
+                next_row=int(next_row),
+                doc_offset=int(doc_offset),
+            )
+        )
         save_progress(output_dir, progress)
 
     bar = tqdm(unit="tok", unit_scale=True, desc="tokenizing", initial=len(shards) * shard_size)
-    chunks = text_chunks(documents(doc_index))
+    chunks = text_chunks(stream)
     for tokens, lengths in ordered_map(tokenize, chunks, num_proc):
         doc_ends = np.cumsum(lengths)  # token position where each document of this chunk ends
         position, skip_tokens = skip_tokens, 0  # a resumed document drops what the last shard holds
@@ -259,12 +332,19 @@ def main(argv=None):
         missing = [p for p in args.data_files if not os.path.isfile(p)]
         if missing:
             raise DataError(f"--data_files: no such file {missing[0]}")
+        unknown = [p for p in args.data_files if not p.endswith((".parquet", ".jsonl", ".json"))]
+        if unknown:
+            raise DataError(f"--data_files takes .parquet or .jsonl files, got {unknown[0]}")
         source = [os.path.abspath(p) for p in args.data_files]
-        documents = lambda skip: local_documents(source, skip)  # noqa: E731
-    else:
-        source = f"{HUB_DATASET}:{args.subset}"
-        documents = lambda skip: hub_documents(args.subset, skip)  # noqa: E731
-    return prepare(documents, source, args.output_dir, args.shard_size, args.num_proc)
+        return prepare(source, lambda: source, open_local_file, args.output_dir, args.shard_size, args.num_proc)
+    if not network_reachable("huggingface.co"):
+        raise DataError(
+            f"cannot reach huggingface.co to stream {HUB_DATASET} ({args.subset}); on a machine "
+            f"without internet pass --data_files with local parquet or jsonl files"
+        )
+    source = f"{HUB_DATASET}:{args.subset}"
+    list_files = lambda: hub_files(args.subset)  # noqa: E731
+    return prepare(source, list_files, open_hub_file, args.output_dir, args.shard_size, args.num_proc)
 
 
 if __name__ == "__main__":

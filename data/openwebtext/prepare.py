@@ -28,6 +28,7 @@ from tokens import (
 
 HUB_DATASET = "Skylion007/openwebtext"
 WRITE_BATCH = 1 << 16  # documents per write
+VAL_FRACTION = 0.0005  # nanoGPT's test_size: ceil(0.0005 * documents) go to val.bin
 
 
 def load_documents(data_files, num_proc):
@@ -73,7 +74,12 @@ def main(argv=None):
     dataset = load_documents(args.data_files, args.num_proc)
     if "text" not in dataset.column_names:
         raise DataError(f"the dataset has no 'text' column (columns: {', '.join(dataset.column_names)})")
-    split = dataset.train_test_split(test_size=0.0005, seed=2357, shuffle=True)
+    if len(dataset) < 2:  # train_test_split would raise (one document) or write two empty bins (none)
+        raise DataError(
+            f"the corpus has {len(dataset)} document(s); nanoGPT's split needs at least 2, one for val.bin "
+            f"and one for train.bin: pass more --data_files"
+        )
+    split = dataset.train_test_split(test_size=VAL_FRACTION, seed=2357, shuffle=True)
     split["val"] = split.pop("test")
     tokenized = split.map(tokenize, remove_columns=dataset.column_names, desc="tokenizing", num_proc=args.num_proc)
     os.makedirs(args.output_dir, exist_ok=True)

@@ -1,0 +1,197 @@
+"""The run's metrics: the record names (defined here once), out_dir/metrics.jsonl, wandb, and a reader.
+
+train.py writes the records, plot.py and scripts/study_small.py read them back. Every record has
+`iter`, `tokens` and `time_s` (the x axes) and some of the names below; the same records go to wandb,
+plotted against `iter`.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from files import atomic_writer
+
+# The x axes, in every record.
+ITER, TOKENS, TIME_S = "iter", "tokens", "time_s"
+# An evaluation.
+VAL_LOSS, EVAL_TRAIN_LOSS, HELLASWAG = "val/loss", "eval/train_loss", "hellaswag/acc_norm"
+# A train line: the mean loss of the steps since the previous one, and how they went.
+TRAIN_LOSS, LR, GRAD_NORM, CLIP_RATE = "train/loss", "lr", "grad_norm", "clip_rate"
+TOKENS_PER_SEC, STEP_MS, MFU, PARAM_NORM, SKIPPED_STEPS = (
+    "tokens_per_sec",
+    "step_ms",
+    "mfu",
+    "param_norm",
+    "skipped_steps",
+)
+# MARS only: the norms of its moments, as the reference train_mars.py logs them.
+MOMENTUM_NORM, MOMENTUM_NORM_SQ, MOMENTUM_DIV = "momentum_norm", "momentum_norm_sq", "momentum_div"
+
+LOSS_SERIES = (TRAIN_LOSS, VAL_LOSS)  # what plot.py draws
+FILE_NAME = "metrics.jsonl"
+
+
+def _json_number(value):
+    return value if value is None or math.isfinite(value) else None  # JSON has no NaN / inf
+
+
+def wandb_credentials_present():
+    """Whether wandb can log in without asking: an API key in the environment, its settings or ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import wandb
+
+    try:
+        return bool(wandb.login(prompt=False, verify=False))  # reads the stored key; never prompts
+    except Exception:  # an unreadable settings file or netrc counts as no login
+        return False
+
+
+def wandb_mode():
+    """WANDB_MODE when the user set it; else 'online' with credentials, 'offline' (with a warning) without.
+
+    A node without a login must never stop at wandb's interactive prompt, nor raise: the other ranks
+    would wait in a collective until the timeout. Offline runs are synced later with `wandb sync`.
+    """
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if wandb_credentials_present():
+        return "online"
+    print(
+        "warning: wandb_log=True but wandb has no login on this machine (no WANDB_API_KEY, no `wandb login`): "
+        "logging offline; upload later with `wandb sync <out_dir>/wandb/offline-run-*`",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "offline"
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl (always) and wandb (when cfg.wandb_log): the same records, from rank 0 only.
+
+    On resume the file is cut back to the checkpoint's iteration, so the steps redone after a crash are
+    not recorded twice; wandb continues the checkpoint's run (its id is in every checkpoint).
+    """
+
+    def __init__(self, cfg, is_master, resume_iter, wandb_run_id, config):
+        self.enabled = is_master
+        self.wandb = None
+        self.wandb_run_id = wandb_run_id
+        if not self.enabled:
+            return
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        self.path = os.path.join(cfg.out_dir, FILE_NAME)
+        if resume_iter is not None:
+            self._truncate(resume_iter)
+        elif os.path.exists(self.path):
+            os.remove(self.path)  # a fresh run where train.py allowed one (init_from=auto before any checkpoint)
+        self.file = open(self.path, "a")
+        if cfg.wandb_log:
+            import wandb
+
+            try:
+                self.wandb = wandb.init(
+                    project=cfg.wandb_project,
+                    name=cfg.wandb_run_name,
+                    id=wandb_run_id or None,
+                    resume="allow",
+                    config=config,
+                    dir=cfg.out_dir,
+                    mode=wandb_mode(),
+                )
+            except Exception as e:  # wandb's own error types differ between releases
+                self.file.close()
+                raise ValueError(
+                    f"wandb could not start ({type(e).__name__}: {e}); fix it, set WANDB_MODE=offline, "
+                    "or train without --wandb_log"
+                ) from None
+            self.wandb_run_id = self.wandb.id
+            self.wandb.define_metric(ITER)
+            self.wandb.define_metric("*", step_metric=ITER)
+
+    def _truncate(self, resume_iter):
+        if not os.path.exists(self.path):
+            return
+        kept = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by the crash
+                if record.get(ITER, math.inf) <= resume_iter:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        with atomic_writer(self.path, "w") as f:
+            f.writelines(kept)
+
+    def write(self, record):
+        if not self.enabled:
+            return
+        record = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(record)
+
+    def close(self):
+        if self.enabled:
+            self.file.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+@dataclasses.dataclass
+class LogWindow:
+    """Steps since the last train line: their losses (on the device) and wall-clock time."""
+
+    loss_sum: torch.Tensor | None = None
+    losses: int = 0
+    steps: int = 0
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add(self, loss, skipped):
+        self.steps += 1
+        if not skipped:
+            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+            self.losses += 1
+
+    def restart(self):
+        self.loss_sum, self.losses, self.steps, self.t0 = None, 0, 0, time.perf_counter()
+
+
+def read_metrics(run_dir, series=LOSS_SERIES):
+    """{name: [(iter, tokens, time_s, value), ...]} for each name in `series`, from run_dir/metrics.jsonl.
+
+    A resumed run logs again the iterations after its checkpoint; the latest record of an iteration wins.
+    Raises ValueError naming the file and line when it is missing, malformed or has none of `series`.
+    """
+    path = os.path.join(run_dir, FILE_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist: is {run_dir!r} a training run's out_dir?")
+    latest = {name: {} for name in series}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if not line.endswith("\n"):
+                    continue  # a half-written last line: the run was killed mid-write
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            for name in series:
+                if record.get(name) is None:
+                    continue
+                missing = [k for k in (ITER, TOKENS, TIME_S) if k not in record]
+                if missing:
+                    raise ValueError(f"{path}, line {lineno}: a {name} record without {', '.join(missing)}")
+                latest[name][record[ITER]] = (record[ITER], record[TOKENS], record[TIME_S], record[name])
+    result = {name: [points[i] for i in sorted(points)] for name, points in latest.items()}
+    if not any(result.values()):
+        raise ValueError(f"{path} has no {' or '.join(series)} records yet")
+    return result

@@ -1,0 +1,185 @@
+"""Where a run executes: the device, the process group, the autocast precision, determinism, and how
+ranks take setup decisions together.
+
+train.py, sample.py and hellaswag.py share these, so "auto" means the same device and dtype everywhere.
+"""
+
+import contextlib
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class SetupError(Exception):
+    """A rank cannot go on; every rank raises the same one, so they all exit together."""
+
+
+@dataclasses.dataclass
+class Dist:
+    ddp: bool = False  # launched by torchrun (even with one process)
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def device_type(self):
+        return torch.device(self.device).type
+
+    @property
+    def is_master(self):
+        return self.rank == 0
+
+
+def resolve_device(device, ddp=False, local_rank=0):
+    """The torch device string a rank runs on: 'cpu', 'mps' or 'cuda:<index>'.
+
+    'auto' is CUDA when present. Under torchrun each rank takes cuda:LOCAL_RANK, so an explicit
+    'cuda:N' there is refused rather than silently ignored; without torchrun 'cuda' is cuda:0 (the first
+    GPU CUDA_VISIBLE_DEVICES leaves visible) and 'cuda:N' is honoured.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not device.startswith("cuda"):
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available; use --device=cpu")
+    if ddp:
+        if device != "cuda":
+            raise ValueError(
+                f"device={device!r} under torchrun: each rank uses cuda:LOCAL_RANK; give --device=cuda and "
+                "choose the GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        return f"cuda:{local_rank}"
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return f"cuda:{index}"
+
+
+def setup_distributed(cfg):
+    """Dist for this process; joins the process group under torchrun (NCCL on CUDA, gloo on CPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.gradient_accumulation_steps % world_size:
+        raise ValueError(
+            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (micro-batches per step "
+            f"across all ranks) is not divisible by the world size {world_size}; use a multiple "
+            f"of {world_size} or a different number of processes"
+        )
+    ddp = "RANK" in os.environ
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg.device, ddp, local_rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    info = Dist(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    if ddp:
+        backend = cfg.backend
+        if backend == "auto":
+            backend = "nccl" if info.device_type == "cuda" else "gloo"
+        # The timeout bounds every collective: when a rank dies or hangs the others fail with an error
+        # after ddp_timeout_s instead of waiting forever. device_id binds NCCL's communicator to this
+        # rank's GPU at once (no guessing of the device, no extra context on GPU 0).
+        kwargs = {"device_id": torch.device(device)} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s), **kwargs)
+    return info
+
+
+def add_device_arguments(parser):
+    """--device and --dtype for the tools after training (sample.py, hellaswag.py), meaning what they mean
+    to train.py."""
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N or mps")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="autocast dtype (auto: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Precision and determinism.
+
+
+def resolve_dtype(dtype, device_type):
+    """'auto': bfloat16 where CUDA supports it, else float16 (with loss scaling); float32 off CUDA."""
+    if dtype != "auto":
+        return dtype
+    if device_type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def autocast(device_type, dtype):
+    """The autocast context for a resolved dtype name (a no-op for float32)."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
+
+def setup_precision(dtype, device_type):
+    """(autocast context, GradScaler) for a run: the scaler is enabled for float16 only."""
+    dtype = resolve_dtype(dtype, device_type)
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
+        torch.backends.cudnn.allow_tf32 = True
+    return autocast(device_type, dtype), torch.amp.GradScaler(device_type, enabled=dtype == "float16")
+
+
+def set_deterministic(enabled, device_type):
+    """Bit-reproducible CUDA kernels, at some speed: deterministic algorithms (cuBLAS needs a fixed
+    workspace), and the math attention kernel, since flash and memory-efficient attention have
+    non-deterministic backward passes. CPU runs are deterministic already."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    if device_type == "cuda":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Setup decisions every rank takes together. A rank that cannot read a file (no shared file system, a
+# transient download failure) must not leave the others waiting in a collective until ddp_timeout_s:
+# the outcome is exchanged, and every rank raises the same SetupError when any rank failed.
+
+
+def agree(dist_info, fn, errors):
+    """fn() on every rank; if it raised `errors` on any rank, SetupError (the lowest failing rank's) on all."""
+    try:
+        result, failure = fn(), None
+    except errors as e:
+        result, failure = None, str(e)
+    if not dist_info.ddp:
+        if failure is not None:
+            raise SetupError(failure)
+        return result
+    failures = [None] * dist_info.world_size
+    dist.all_gather_object(failures, failure)
+    for rank, message in enumerate(failures):
+        if message is not None:
+            prefix = f"rank {rank}: " if dist_info.world_size > 1 else ""
+            raise SetupError(prefix + message)
+    return result
+
+
+def decide_on_master(dist_info, fn, errors):
+    """fn() on rank 0 only, its result (or its error, as SetupError) on every rank."""
+    if not dist_info.ddp:
+        return agree(dist_info, fn, errors)
+    outcome = [None, None]
+    if dist_info.is_master:
+        try:
+            outcome = [fn(), None]
+        except errors as e:
+            outcome = [None, str(e)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise SetupError(outcome[1])
+    return outcome[0]

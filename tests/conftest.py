@@ -1,0 +1,38 @@
+"""Fixtures shared by the test modules: a tiny character corpus, and tiny checkpoints as train.py saves them."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from train_helpers import make_char_data
+
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
+
+
+@pytest.fixture(scope="session")
+def data_path(tmp_path_factory):
+    """make_char_data's word-salad corpus (dataset 'tiny'), written once per test session."""
+    return make_char_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def tiny_checkpoint():
+    """save(out_dir, vocab_size, data_path, dataset, block_size, seed) -> the 1-layer GPT it saved, as
+    train.py saves one (the keys the tools after training read)."""
+
+    def save(out_dir, vocab_size, data_path="", dataset="", block_size=16, seed=0):
+        torch.manual_seed(seed)
+        config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16)
+        model = GPT(config)
+        os.makedirs(out_dir, exist_ok=True)
+        state = dict(
+            model=model.state_dict(),
+            model_args=dataclasses.asdict(config),
+            config=dict(data_path=str(data_path), dataset=dataset),
+        )
+        save_checkpoint(os.path.join(out_dir, "ckpt.pt"), state)
+        return model
+
+    return save

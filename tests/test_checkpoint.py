@@ -1,0 +1,112 @@
+"""checkpoint.py: atomic and background saves, safe and memory-mapped loads, the RNG part."""
+
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+
+
+def state(value, iter_num=0):
+    return {"model": {"w": torch.full((3,), float(value))}, "model_args": {}, "progress": {"iter_num": iter_num}}
+
+
+def test_save_interrupted_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, state(1, iter_num=1))
+
+    def disk_full(obj, f):
+        f.write(b"partial bytes")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match="No space left on device; the previous one is kept"):
+        checkpoint.save_checkpoint(path, state(2, iter_num=2))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left
+    assert checkpoint.load_checkpoint(path)["progress"]["iter_num"] == 1
+
+
+def test_checkpoints_load_without_running_code(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"model": Payload(), "model_args": {}}, path)
+    with pytest.raises(checkpoint.CheckpointError, match="not a readable checkpoint"):
+        checkpoint.load_checkpoint(str(path))
+
+
+def test_memory_mapped_load_equals_a_plain_load(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    saved = {"model": {"w": torch.randn(64, 32)}, "model_args": {"n": 1}, "optimizer": {"m": torch.randn(7)}}
+    checkpoint.save_checkpoint(path, saved)
+    plain, mapped = checkpoint.load_checkpoint(path), checkpoint.load_checkpoint(path, mmap=True)
+    assert torch.equal(plain["model"]["w"], mapped["model"]["w"])
+    assert torch.equal(plain["optimizer"]["m"], mapped["optimizer"]["m"]) and mapped["model_args"] == {"n": 1}
+
+
+def test_writer_saves_the_state_as_it_was_when_save_was_called(tmp_path, monkeypatch):
+    """Training goes on changing the live tensors while the background thread writes: the file must hold
+    the values at the moment of save(), and the copies (best.pt) the same bytes."""
+    gate, real_save = threading.Event(), checkpoint.torch.save
+
+    def slow_save(obj, f):
+        assert gate.wait(10)
+        real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", slow_save)
+    live = {"model": {"w": torch.ones(4)}, "model_args": {}, "optimizer": {"param_groups": [{"lr": 0.1}]}}
+    writer = checkpoint.CheckpointWriter()
+    path, best = str(tmp_path / "ckpt.pt"), str(tmp_path / "best.pt")
+    writer.save(path, live, copies=[best])
+    live["model"]["w"].add_(5.0)  # the next training step, while the write is in flight
+    live["optimizer"]["param_groups"][0]["lr"] = 0.2
+    assert not os.path.exists(path)
+    gate.set()
+    writer.wait()
+    for saved in (checkpoint.load_checkpoint(path), checkpoint.load_checkpoint(best)):
+        assert torch.equal(saved["model"]["w"], torch.ones(4))
+        assert saved["optimizer"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_writer_reports_a_failed_write_at_the_next_wait(tmp_path, monkeypatch):
+    def disk_full(obj, f):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    writer = checkpoint.CheckpointWriter()
+    writer.save(str(tmp_path / "ckpt.pt"), state(1))
+    with pytest.raises(checkpoint.CheckpointError, match="No space left on device"):
+        writer.wait()
+    writer.wait()  # reported once
+    assert os.listdir(tmp_path) == []
+
+
+def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    path = str(tmp_path / "rng.pt")
+    rng = checkpoint.RNGState()
+    checkpoint.save_checkpoint(path, {"model": {}, "model_args": {}, "rng": rng.state_dict()})
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    rng.load_state_dict(checkpoint.load_checkpoint(path)["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_rng_part_holds_every_rank_s_cuda_state_and_gives_each_rank_its_own(monkeypatch):
+    """Each rank's CUDA generators are saved (gathered by rank) and restored on the same rank."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([7], dtype=torch.uint8)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states[0].item()))
+    per_rank = [[torch.tensor([10 + r], dtype=torch.uint8)] for r in range(3)]
+    saved = checkpoint.RNGState(rank=0, gather=lambda mine: per_rank).state_dict()
+    assert [s[0].item() for s in saved["cuda_by_rank"]] == [10, 11, 12]
+    checkpoint.RNGState(rank=2).load_state_dict(saved, world_size=3)
+    assert restored == [12]
+    checkpoint.RNGState(rank=1).load_state_dict(saved, world_size=2)  # another world size: fresh seeds kept
+    assert restored == [12]

@@ -1,0 +1,79 @@
+"""config/: every paper run's effective configuration is the reference's, key by key (tests/reference_runs.py
+transcribes it), and the runs are composed from model.PRESETS and config/paper.py."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+from reference_runs import PAPER_RUNS, reference_run
+
+from configurator import config_to_dict, load_config
+from model import PRESETS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINEWEB = os.path.join(ROOT, "config", "fineweb_edu.py")
+
+
+def config_path(size, optimizer):
+    return os.path.join(ROOT, "config", f"train_gpt2_{size}_{optimizer}.py")
+
+
+def effective(size, optimizer, *more):
+    return config_to_dict(load_config([config_path(size, optimizer), *more]))
+
+
+@pytest.mark.parametrize("size, optimizer", PAPER_RUNS)
+def test_every_paper_run_is_the_reference_s(size, optimizer):
+    cfg = effective(size, optimizer)
+    expected = reference_run(size, optimizer)
+    assert {key: cfg[key] for key in expected} == expected
+
+
+def test_the_config_files_are_the_paper_runs_and_two_mars_variants():
+    files = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "config", "train_gpt2_*.py"))}
+    variants = {"train_gpt2_small_mars_lion.py", "train_gpt2_small_mars_shampoo.py"}
+    assert files == {os.path.basename(config_path(s, o)) for s, o in PAPER_RUNS} | variants
+
+
+@pytest.mark.parametrize(
+    "variant, mars_type, lrs",
+    [
+        ("mars_lion", "mars-lion", dict(learning_rate=6e-4, min_lr=3e-6, weight_decay=1e-1)),
+        ("mars_shampoo", "mars-shampoo", dict(learning_rate=2e-2, min_lr=1e-4, weight_decay=0.0)),
+    ],
+)
+def test_mars_variants_are_the_small_mars_run_with_their_own_optimizer(variant, mars_type, lrs):
+    mars, other = effective("small", "mars"), effective("small", variant)
+    names = dict(out_dir=f"out_small_{variant}_100k", wandb_run_name=f"gpt2-small-{variant.replace('_', '-')}-100k")
+    assert {k: v for k, v in other.items() if mars[k] != v} == dict(mars_type=mars_type, **lrs, **names)
+
+
+@pytest.mark.parametrize("size, optimizer", [("small", "mars"), ("xl", "mars"), ("small", "adamw"), ("xl", "adamw")])
+def test_fineweb_edu_overlay(size, optimizer):
+    plain, fw = effective(size, optimizer), effective(size, optimizer, FINEWEB)
+    assert fw["dataset"] == "fineweb_edu" and os.path.isfile(os.path.join(ROOT, "data", "fineweb_edu", "prepare.py"))
+    assert (fw["out_dir"], fw["wandb_run_name"]) == (plain["out_dir"] + "_fw", plain["wandb_run_name"] + "-fw")
+    assert {k: v for k, v in fw.items() if plain[k] != v}.keys() == {"dataset", "out_dir", "wandb_run_name"}
+
+
+def test_model_shapes_are_model_presets(monkeypatch):
+    """The shape is written once, in model.PRESETS: change it there and every run of that size follows."""
+    monkeypatch.setitem(PRESETS, "medium", dict(n_layer=2, n_head=4, n_embd=64))
+    for optimizer in ("adamw", "mars", "muon"):
+        cfg = effective("medium", optimizer)
+        assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"]) == (2, 4, 64)
+
+
+def test_train_py_reads_a_paper_config_from_any_directory(tmp_path):
+    """The config imports config.paper: that works wherever train.py is started from (its folder is on
+    sys.path). The run gets as far as looking for its data."""
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), config_path("small", "mars"), f"--data_path={tmp_path}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"error: data directory {tmp_path}/openwebtext not found"), run.stderr
