@@ -109,6 +109,15 @@ def tar_folder(data_dir, folder, archive):
         tar.add(os.path.join(data_dir, folder), arcname=folder)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensors: one thread is as fast, and far faster when other jobs hold the cores (OpenMP waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def cifar10_dir(tmp_path):
     data_dir = tmp_path / "cifar"
@@ -353,7 +362,7 @@ def _dies_saving_epoch_2(monkeypatch):
     real_save = checkpoint.save_checkpoint
 
     def save(path, state):
-        if state["epoch"] == 2:
+        if state["progress"]["epoch"] == 2:
             raise Killed  # epoch 2's metrics record is written, its checkpoint is not
         real_save(path, state)
 
@@ -368,11 +377,12 @@ def test_a_killed_run_resumes_to_the_same_parameters_and_records(cifar10_dir, tm
         kill(patch)
         with pytest.raises(Killed):
             train_cifar.main(tiny_args(cifar10_dir, killed))
-    assert final_state(killed)["epoch"] == 1
+    assert final_state(killed)["progress"]["epoch"] == 1
     assert train_cifar.main(tiny_args(cifar10_dir, killed, init_from="resume")) == 0
 
     a, b = final_state(whole), final_state(killed)
-    assert a["epoch"] == b["epoch"] == 3 and a["iter_num"] == b["iter_num"] == 15
+    assert a["progress"]["epoch"] == b["progress"]["epoch"] == 3
+    assert a["progress"]["iter_num"] == b["progress"]["iter_num"] == 15
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
     timing = ("time_s", "images_per_s")
@@ -457,11 +467,13 @@ class _FakeWandb:
 def test_wandb_gets_every_epoch_record_and_resume_continues_the_run(cifar10_dir, tmp_path, monkeypatch):
     fake = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
     out = str(tmp_path / "out")
     assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, wandb_log=True)) == 0
     assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=3, wandb_log=True, init_from="resume")) == 0
     assert [i["id"] for i in fake.inits] == [None, "run123"]
     assert fake.inits[0]["name"] == "cifar10_resnet10_mars_0.01" and fake.inits[0]["project"] == "CV"
+    assert fake.inits[0]["mode"] == "offline" and final_state(out)["progress"]["wandb_run_id"] == "run123"
     assert fake.logged == records(out) and [r["epoch"] for r in fake.logged] == [1, 2, 3]
     assert fake.finished == 2
 
@@ -483,7 +495,7 @@ def test_init_from_auto_starts_then_continues(cifar10_dir, tmp_path):
     out = str(tmp_path / "out")
     assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1, init_from="auto")) == 0
     assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, init_from="auto")) == 0
-    assert [r["epoch"] for r in records(out)] == [1, 2] and final_state(out)["iter_num"] == 10
+    assert [r["epoch"] for r in records(out)] == [1, 2] and final_state(out)["progress"]["iter_num"] == 10
 
 
 def test_config_choices_match_what_the_code_builds(capsys):

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokens import DataError, atomic_writer, network_reachable
+from files import atomic_writer
+from tokens import DataError, network_reachable
 
 IMAGE_SHAPE = (3, 32, 32)
 IMAGE_BYTES = 3 * 32 * 32

@@ -30,7 +30,6 @@ Differences from the reference, each deliberate:
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import checkpoint  # noqa: E402
-from checkpoint import CheckpointError  # noqa: E402
+from checkpoint import CheckpointError, RNGState  # noqa: E402
 from configurator import (  # noqa: E402
     ConfigError,
     betas,
@@ -59,7 +58,9 @@ from configurator import (  # noqa: E402
     wants_help,
 )
 from mars import MARS  # noqa: E402
-from optim import ChainedOptimizer, set_lr  # noqa: E402
+from metrics import MetricsLog  # noqa: E402
+from optim import ChainedOptimizer  # noqa: E402
+from runtime import resolve_device  # noqa: E402
 from tokens import DataError  # noqa: E402
 from vision.cifar import CifarData  # noqa: E402
 from vision.muon import Muon  # noqa: E402
@@ -133,14 +134,6 @@ class CifarConfig:
 # Building
 
 
-def resolve_device(cfg):
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={cfg.device!r} but this torch sees no CUDA device; use --device=cpu")
-    return cfg.device
-
-
 def model_args(cfg, num_classes):
     return {"num_classes": num_classes, "width": cfg.width, "blocks": list(NETS[cfg.net])}
 
@@ -195,13 +188,20 @@ def lr_factor(epoch, cfg):
 
 @dataclasses.dataclass
 class Progress:
-    """What a checkpoint carries besides model and optimizer."""
+    """What the loop carries from epoch to epoch (a checkpoint part)."""
 
     epoch: int = 0  # epochs completed
     iter_num: int = 0  # optimizer steps taken
     best_acc: float = 0.0  # best test accuracy so far (%)
     elapsed_s: float = 0.0  # training wall-clock time, carried across resumes
     wandb_run_id: str = ""
+
+    def state_dict(self):
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, state[f.name])
 
 
 @dataclasses.dataclass
@@ -212,21 +212,44 @@ class Run:
     model: torch.nn.Module
     model_args: dict
     optimizer: torch.optim.Optimizer
+    rng: RNGState
 
 
-# Keys a resumed run must share with its checkpoint: they decide the model's shapes and what state the
-# optimizer keeps per tensor. Learning rates, betas, epochs and the rest may change on resume.
-RESUME_KEYS = ("dataset", "net", "width", "optimizer_name", "mars_routing", "mars_type")
+# What a checkpoint holds besides model_args and config: each part's state_dict(), by name. The learning
+# rate is a function of the epoch and the batches of (seed, epoch), so these are all a resume needs.
+CHECKPOINT_PARTS = ("model", "optimizer", "rng", "progress")
+
+
+def checkpoint_parts(run, progress):
+    objects = dict(model=run.model, optimizer=run.optimizer, rng=run.rng, progress=progress)
+    return {name: objects[name] for name in CHECKPOINT_PARTS}
+
+
+# The keys a resume may change. Every other one must be the checkpoint's: they shape the model, the data
+# and the optimizer's groups, whose hyperparameters load_state_dict restores from the checkpoint.
+RESUME_MAY_CHANGE = (
+    "epochs",
+    "eval_batch_size",
+    "data_dir",
+    "out_dir",
+    "init_from",
+    "wandb_log",
+    "wandb_project",
+    "wandb_run_name",
+    "device",
+)
 
 
 def check_resumable(ckpt, cfg, ckpt_path):
     saved = ckpt.get("config", {})
-    for name in RESUME_KEYS:
+    for name, value in config_to_dict(cfg).items():
+        if name in RESUME_MAY_CHANGE:
+            continue
         if name not in saved:
             raise CheckpointError(f"{ckpt_path} was not written by vision/train_cifar.py (its config has no {name})")
-        if saved[name] != getattr(cfg, name):
+        if saved[name] != value:
             raise CheckpointError(
-                f"{ckpt_path} was trained with {name}={saved[name]!r}, not {getattr(cfg, name)!r}; resume with "
+                f"{ckpt_path} was trained with {name}={saved[name]!r}, not {value!r}; resume with "
                 f"--{name}={saved[name]}, or start a new run in a new --out_dir"
             )
 
@@ -243,23 +266,26 @@ def setup(cfg):
     ckpt = checkpoint.load_checkpoint(ckpt_path) if resume else None
     if ckpt is not None:
         check_resumable(ckpt, cfg, ckpt_path)
-    device = resolve_device(cfg)
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if device.startswith("cuda"):
         torch.backends.cudnn.benchmark = True  # as the reference: fixed shapes, so the fastest kernels
     data = CifarData.from_dir(cfg.dataset, cfg.data_dir, device)
     torch.manual_seed(cfg.seed)  # the model's initialisation, as the reference seeds before building it
     args = model_args(cfg, data.num_classes)
     model = ResNet(**args)
-    progress = Progress()
     if ckpt is not None:
         checkpoint.load_model_state(model, ckpt["model"], ckpt_path)
     model.to(device)
-    optimizer = build_optimizer(model, cfg)
+    run = Run(cfg, device, data, model, args, build_optimizer(model, cfg), RNGState())
+    progress = Progress()
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        checkpoint.set_rng_state(ckpt["rng"])
-        progress = Progress(**{f.name: ckpt[f.name] for f in dataclasses.fields(Progress)})
-    return Run(cfg, device, data, model, args, optimizer), progress, ckpt is not None
+        for name, part in checkpoint_parts(run, progress).items():
+            if name != "model":
+                part.load_state_dict(ckpt[name])
+    return run, progress, ckpt is not None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,7 +295,8 @@ def setup(cfg):
 def train_epoch(run, epoch, progress):
     """One pass over the training set (epoch from 1); returns (mean loss, accuracy %) over its images."""
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
-    set_lr(optimizer, lr_factor(epoch, cfg))
+    for group in optimizer.param_groups:  # MARS's AdamW-rule lr follows as lr_1d / lr x the group's lr
+        group["lr"] = group["initial_lr"] * lr_factor(epoch, cfg)
     model.train()
     loss_sum = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.long, device=run.device)
@@ -313,77 +340,29 @@ def evaluate(run):
     return loss_sum.item() / seen, 100.0 * correct.item() / seen
 
 
-def checkpoint_state(run, progress):
-    return dict(
-        model=run.model.state_dict(),
-        model_args=run.model_args,
-        optimizer=run.optimizer.state_dict(),
-        config=config_to_dict(run.cfg),
-        rng=checkpoint.rng_state(),
-        **dataclasses.asdict(progress),
+def save_checkpoint(run, progress):
+    state = {name: part.state_dict() for name, part in checkpoint_parts(run, progress).items()}
+    state.update(model_args=run.model_args, config=config_to_dict(run.cfg))
+    checkpoint.save_checkpoint(os.path.join(run.cfg.out_dir, checkpoint.CKPT_NAME), state)
+
+
+def open_metrics(cfg, progress, resumed):
+    """metrics.MetricsLog: metrics.jsonl cut back to the checkpoint's step on resume, and wandb when asked."""
+    name = cfg.wandb_run_name or f"{cfg.dataset}_{cfg.net}_{cfg.optimizer_name}_{cfg.learning_rate}"
+    log = MetricsLog(
+        dataclasses.replace(cfg, wandb_run_name=name),
+        is_master=True,
+        resume_iter=progress.iter_num if resumed else None,
+        wandb_run_id=progress.wandb_run_id,
+        config=config_to_dict(cfg),
     )
-
-
-def _json_number(value):
-    return value if not isinstance(value, float) or math.isfinite(value) else None  # JSON has no NaN
-
-
-class MetricsLog:
-    """out_dir/metrics.jsonl, one record per epoch, and the same records to wandb when wandb_log.
-
-    On resume the file is cut back to the checkpoint's epoch: an epoch redone after a crash is not
-    recorded twice. Records are written before the checkpoint of their epoch.
-    """
-
-    def __init__(self, cfg, progress, resumed):
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        kept = self._records_up_to(progress.epoch) if resumed else []
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
-        self.file = open(self.path, "a")
-        self.wandb = None
-        if cfg.wandb_log:
-            import wandb
-
-            name = cfg.wandb_run_name or f"{cfg.dataset}_{cfg.net}_{cfg.optimizer_name}_{cfg.learning_rate}"
-            self.wandb = wandb.init(
-                project=cfg.wandb_project,
-                name=name,
-                id=progress.wandb_run_id or None,
-                resume="allow",
-                config=config_to_dict(cfg),
-            )
-            progress.wandb_run_id = self.wandb.id  # in every checkpoint: a resumed run continues this one
-            self.wandb.define_metric("epoch")
-            self.wandb.define_metric("*", step_metric="epoch")
-
-    def _records_up_to(self, epoch):
-        """The first `epoch` lines: one record per epoch, in order, each complete before its checkpoint."""
-        if not os.path.exists(self.path):
-            return []
-        with open(self.path) as f:
-            return f.readlines()[:epoch]
-
-    def write(self, record):
-        record = {key: _json_number(value) for key, value in record.items()}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(record)
-
-    def close(self):
-        self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+    progress.wandb_run_id = log.wandb_run_id  # in every checkpoint: a resumed run continues this wandb run
+    return log
 
 
 def fit(run, progress, metrics):
     """Train from epoch progress.epoch + 1 to cfg.epochs; evaluate, log and checkpoint after each."""
     cfg = run.cfg
-    ckpt_path = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
     for epoch in range(progress.epoch + 1, cfg.epochs + 1):
         t0 = time.perf_counter()
         train_loss, train_acc = train_epoch(run, epoch, progress)
@@ -413,7 +392,7 @@ def fit(run, progress, metrics):
                 "images_per_s": images_per_s,
             }
         )
-        checkpoint.save_checkpoint(ckpt_path, checkpoint_state(run, progress))
+        save_checkpoint(run, progress)  # after the record: a resume cuts metrics.jsonl back to its step
 
 
 def describe(run):
@@ -437,8 +416,8 @@ def main(argv=None):
     try:
         cfg = load_config(argv, CifarConfig)
         run, progress, resumed = setup(cfg)
-        metrics = MetricsLog(cfg, progress, resumed)
-    except (ConfigError, DataError, CheckpointError) as e:
+        metrics = open_metrics(cfg, progress, resumed)
+    except (ConfigError, DataError, CheckpointError, ValueError) as e:  # ValueError: wandb could not start
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
