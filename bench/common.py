@@ -49,3 +49,12 @@ def print_table(rows):
     print("-+-".join("-" * w for w in widths))
     for line in cells:
         print(" | ".join(v.ljust(w) for v, w in zip(line, widths)))
+
+
+def free_port():
+    """A TCP port nothing listens on right now, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
