@@ -61,8 +61,9 @@ TINY = dict(
 COMMON_KEYS = ("data_path", "dataset", "out_dir", "wandb_log")
 
 # Kill and resume: dropout on, so the per-step dropout seeds (CUDA generator) are covered too. The run is
-# killed as soon as it logs step 14, after the checkpoint at 8 and before the one at 16.
-RESUME_RUN = dict(max_iters=32, eval_interval=8, log_interval=1, dropout=0.1, deterministic=True)
+# killed as soon as it logs step 14, normally after the checkpoint at 8 is on disk (the row says which one
+# it resumed from), with 26 steps to go: it cannot finish in the moment the kill takes.
+RESUME_RUN = dict(max_iters=40, eval_interval=8, log_interval=1, dropout=0.1, deterministic=True)
 RESUME_KILL_AT = "iter 14:"
 # --deterministic=True makes every CUDA kernel reproducible, so the resumed losses must be the same floats.
 RESUME_TOLERANCE = 0.0
