@@ -707,7 +707,7 @@ CHECKS = (
     ),
     Check("optimizer", "MARS CUDA step (bench/bench_mars.py)", 40, check_optimizer, cuda_only=True),
     Check(
-        "resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)", 60, check_resume, ("data",)
+        "resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)", 50, check_resume, ("data",)
     ),
     Check(
         "memory_small",
@@ -723,8 +723,8 @@ CHECKS = (
         memory_check("memory_xl", "config/train_gpt2_xl_mars.py"),
         ("data",),
     ),
-    Check("sample", "sample.py on the one-process run's model", 15, check_sample, ("single",)),
-    Check("hellaswag", "hellaswag.py --data on a tiny local file", 15, check_hellaswag, ("single",)),
+    Check("sample", "sample.py on the one-process run's model", 20, check_sample, ("single",)),
+    Check("hellaswag", "hellaswag.py --data on a tiny local file", 20, check_hellaswag, ("single",)),
 )
 CHECKS_BY_NAME = {check.name: check for check in CHECKS}
 BUDGET_S = {check.name: check.budget_s for check in CHECKS}

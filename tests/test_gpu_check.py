@@ -369,6 +369,29 @@ def test_the_memory_plan_is_n_a_until_memplan_exists_and_read_from_it_after(monk
     assert result["plan_error"] and result["plan_note"].startswith("memplan.plan failed: TypeError")
 
 
+def test_the_optimizer_worker_hands_on_bench_mars_s_own_rows(tmp_path, monkeypatch):
+    from bench import bench_mars
+
+    calls, rows = [], [bench_row("MARS-AdamW step vs AdamW(fused=True)", 2.0, 1.0, 2.0)]
+
+    def run(quick=False):
+        calls.append(quick)
+        return rows
+
+    monkeypatch.setattr(bench_mars, "run", run)
+    assert worker.main(["optimizer", str(tmp_path / "r.json")]) == 0
+    assert calls == [True]
+    assert json.loads((tmp_path / "r.json").read_text()) == dict(rows=rows)
+
+
+def test_the_device_worker_reports_torch_and_the_gpus(tmp_path, capsys):
+    assert worker.main(["device", str(tmp_path / "d.json")]) == 0
+    info = json.loads((tmp_path / "d.json").read_text())
+    assert (info["torch"], info["gpus"]) == (torch.__version__, torch.cuda.device_count())
+    assert worker.main(["nosuch", str(tmp_path / "x.json")]) == 2
+    assert error_lines(capsys).startswith("error: usage: gpu_check_worker.py")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Running: commands, checks and the driver.
 
