@@ -7,7 +7,7 @@ AdamW, the MARS CUDA step, a kill -9 and resume, peak memory, sampling and Hella
 
 No network: the token data are uniform random GPT-2 ids and the HellaSwag file a few made-up examples,
 both written into a temporary folder with the runs. Every check runs in processes of its own under a
-time budget (BUDGET_S, 480 s in all); one that fails or runs out of time is a failed row and the others
+time budget (Check.budget_s, 480 s in all); one that fails or runs out of time is a failed row and the others
 still run. Writes <out>/gpu_check.md (the table), <out>/gpu_check.json (the table and every number behind
 it) and <out>/logs/<check>.log (each command's full output); both files are rewritten after every check
 and say "in progress" until the last one. Exit status: 0 when no row failed, 1 when one did, 2 for bad
@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -46,7 +47,7 @@ PASS, FAIL, SKIP = "pass", "fail", "skip"
 DATASET = "synthetic"  # <work>/data/synthetic: train.bin and val.bin
 TRAIN_TOKENS, VAL_TOKENS = 2_000_000, 200_000
 HELLASWAG_EXAMPLES = 8
-# --device=cpu shrinks every run to this (one micro-batch a step): the plumbing runs in seconds on a laptop.
+# --device=cpu shrinks every run to this (one micro-batch a step), so the plumbing runs on a CPU.
 TINY = dict(
     n_layer=1,
     n_head=2,
@@ -258,7 +259,8 @@ class Context:
     work: str  # the temporary folder: data, runs, worker results
     logs: str  # <out>/logs
     gpus: int = 1  # processes for torchrun
-    check: str = ""  # the check running now (its log file)
+    check: "Check" = None  # the check running now: its name (log file), description and budget
+    deadline: float = 0.0  # time.monotonic() at the end of its budget
 
     @property
     def cuda(self):
@@ -274,13 +276,15 @@ class Context:
 
     @property
     def log(self):
-        return os.path.join(self.logs, f"{self.check}.log")
+        return os.path.join(self.logs, f"{self.check.name}.log")
 
     def out_dir(self, name):
         return os.path.join(self.work, "runs", name)
 
-    def result_path(self, name):
-        return os.path.join(self.work, f"{name}.json")
+    @property
+    def result_path(self):
+        """Where the check's worker writes its JSON."""
+        return os.path.join(self.work, f"{self.check.name}.json")
 
     def train_args(self, run_name, configs, **overrides):
         """train.py's arguments: config files, the synthetic data, out_dir runs/<run_name>, no wandb, the
@@ -291,8 +295,9 @@ class Context:
             values.update(TINY)
         return [*configs, *(f"--{key}={value}" for key, value in values.items())]
 
-    def run(self, argv, deadline, stop_at=None):
-        return run_command(argv, self.log, deadline - time.monotonic(), stop_at)
+    def run(self, argv, stop_at=None):
+        """run_command within what is left of the check's budget."""
+        return run_command(argv, self.log, self.deadline - time.monotonic(), stop_at)
 
     def short(self, argv):
         return short_command(argv, self.work)
@@ -341,7 +346,7 @@ def write_hellaswag_file(path, num_examples=HELLASWAG_EXAMPLES, seed=0):
             f.write(json.dumps(dict(ctx=ctx, endings=endings, label=int(rng.integers(4)))) + "\n")
 
 
-def check_data(ctx, deadline):
+def check_data(ctx):
     from tokens import TokenData
     from train import model_vocab_size
 
@@ -352,7 +357,7 @@ def check_data(ctx, deadline):
     train_data.check_vocab(model_vocab_size(train_data))
     return [
         Row(
-            "synthetic token data and a tiny HellaSwag file",
+            ctx.check.what,
             "gpu_check.make_synthetic_data, write_hellaswag_file",
             f"{train_data.num_tokens:,} train + {VAL_TOKENS:,} val tokens (uniform random GPT-2 ids), "
             f"{HELLASWAG_EXAMPLES} made-up HellaSwag examples",
@@ -385,19 +390,19 @@ def launch_row(what, command, finished, budget_s, records, device_line):
     )
 
 
-def check_single(ctx, deadline):
+def check_single(ctx):
     argv = [
         sys.executable,
         "train.py",
         *ctx.train_args("single", ["config/quickstart.py"], max_iters=10, eval_interval=10, log_interval=5),
     ]
-    finished = ctx.run(argv, deadline)
+    finished = ctx.run(argv)
     records = read_records(ctx.out_dir("single"))
     line = f"world size 1 on {device_name(ctx)}"
-    return [launch_row(CHECKS_BY_NAME["single"].what, ctx.short(argv), finished, BUDGET_S["single"], records, line)]
+    return [launch_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, records, line)]
 
 
-def check_torchrun(ctx, deadline):
+def check_torchrun(ctx):
     n = ctx.gpus
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
     argv += ctx.train_args(
@@ -408,11 +413,11 @@ def check_torchrun(ctx, deadline):
         log_interval=5,
         gradient_accumulation_steps=n,
     )
-    finished = ctx.run(argv, deadline)
+    finished = ctx.run(argv)
     records = read_records(ctx.out_dir("torchrun"))
     line = f"world size {n} on {device_name(ctx)}"
     what = f"torchrun, {n} process{'es' if n > 1 else ''} (one per GPU)"
-    return [launch_row(what, ctx.short(argv), finished, BUDGET_S["torchrun"], records, line)]
+    return [launch_row(what, ctx.short(argv), finished, ctx.check.budget_s, records, line)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,14 +446,13 @@ def throughput_row(what, command, finished, budget_s, records):
     return Row(what, command, result, PASS, details=last)
 
 
-def throughput_check(name, config):
-    def check(ctx, deadline):
-        argv = [sys.executable, "train.py", *ctx.train_args(name, [config], **THROUGHPUT_RUN)]
-        finished = ctx.run(argv, deadline)
-        what = CHECKS_BY_NAME[name].what
-        return [throughput_row(what, ctx.short(argv), finished, BUDGET_S[name], read_records(ctx.out_dir(name)))]
-
-    return check
+def check_throughput(ctx, config):
+    name = ctx.check.name
+    argv = [sys.executable, "train.py", *ctx.train_args(name, [config], **THROUGHPUT_RUN)]
+    finished = ctx.run(argv)
+    return [
+        throughput_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, read_records(ctx.out_dir(name)))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -497,14 +501,13 @@ def optimizer_rows(bench_rows, command):
     return rows
 
 
-def check_optimizer(ctx, deadline):
-    result_path = ctx.result_path("optimizer")
-    argv = [sys.executable, WORKER, "optimizer", result_path]
-    finished = ctx.run(argv, deadline)
+def check_optimizer(ctx):
+    argv = [sys.executable, WORKER, "optimizer", ctx.result_path]
+    finished = ctx.run(argv)
     command = "bench_mars.run(quick=True)"
     if not finished.ok:
-        return [Row(CHECKS_BY_NAME["optimizer"].what, command, failure(finished, BUDGET_S["optimizer"]), FAIL)]
-    return optimizer_rows(read_json(result_path)["rows"], command)
+        return [Row(ctx.check.what, command, failure(finished, ctx.check.budget_s), FAIL)]
+    return optimizer_rows(read_json(ctx.result_path)["rows"], command)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -558,25 +561,25 @@ def resume_row(what, command, budget_s, reference, killed, resumed_from, resumed
     return Row(what, command, result, PASS, details)
 
 
-def check_resume(ctx, deadline):
+def check_resume(ctx):
     reference_argv = [
         sys.executable,
         "train.py",
         *ctx.train_args("resume_reference", ["config/quickstart.py"], **RESUME_RUN),
     ]
     argv = [sys.executable, "train.py", *ctx.train_args("resume", ["config/quickstart.py"], **RESUME_RUN)]
-    reference = ctx.run(reference_argv, deadline)
-    killed = ctx.run(argv, deadline, stop_at=RESUME_KILL_AT) if reference.ok else reference
+    reference = ctx.run(reference_argv)
+    killed = ctx.run(argv, stop_at=RESUME_KILL_AT) if reference.ok else reference
     checkpoint = os.path.join(ctx.out_dir("resume"), CKPT_NAME)
     resumed_from = None
     if killed.stopped and os.path.isfile(checkpoint):
         resumed_from = load_checkpoint(checkpoint, mmap=True)["progress"]["iter_num"]
-    resumed = ctx.run(argv + ["--init_from=resume"], deadline) if resumed_from is not None else killed
+    resumed = ctx.run(argv + ["--init_from=resume"]) if resumed_from is not None else killed
     command = f"{ctx.short(argv)}; SIGKILL at '{RESUME_KILL_AT}'; again with --init_from=resume"
     row = resume_row(
-        CHECKS_BY_NAME["resume"].what,
+        ctx.check.what,
         command,
-        BUDGET_S["resume"],
+        ctx.check.budget_s,
         reference,
         killed,
         resumed_from,
@@ -617,18 +620,14 @@ def memory_row(what, command, finished, budget_s, result):
     return Row(what, command, text, status, result)
 
 
-def memory_check(name, config):
-    def check(ctx, deadline):
-        result_path = ctx.result_path(name)
-        train_args = ctx.train_args(name, [config], gradient_accumulation_steps=2, compile=False, eval_iters=1)
-        argv = [sys.executable, WORKER, "memory", result_path, *train_args]
-        finished = ctx.run(argv, deadline)
-        result = read_json(result_path) if finished.ok else {}
-        what = CHECKS_BY_NAME[name].what
-        command = "2 steps of " + ctx.short(["train.py", *train_args])
-        return [memory_row(what, command, finished, BUDGET_S[name], result)]
-
-    return check
+def check_memory(ctx, config):
+    name = ctx.check.name
+    train_args = ctx.train_args(name, [config], gradient_accumulation_steps=2, compile=False, eval_iters=1)
+    argv = [sys.executable, WORKER, "memory", ctx.result_path, *train_args]
+    finished = ctx.run(argv)
+    result = read_json(ctx.result_path) if finished.ok else {}
+    command = "2 steps of " + ctx.short(["train.py", *train_args])
+    return [memory_row(ctx.check.what, command, finished, ctx.check.budget_s, result)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -658,19 +657,18 @@ def hellaswag_row(what, command, finished, budget_s, expected):
     return Row(what, command, result, PASS, dict(n=expected, acc=float(found.group(2)), acc_norm=acc_norm))
 
 
-def check_sample(ctx, deadline):
+def check_sample(ctx):
     argv = [sys.executable, "sample.py", f"--out_dir={ctx.out_dir('single')}", "--start=The", "--device=auto"]
     argv += ["--num_samples=1", "--max_new_tokens=32"]
-    finished = ctx.run(argv, deadline)
-    return [sample_row(CHECKS_BY_NAME["sample"].what, ctx.short(argv), finished, BUDGET_S["sample"])]
+    finished = ctx.run(argv)
+    return [sample_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s)]
 
 
-def check_hellaswag(ctx, deadline):
+def check_hellaswag(ctx):
     argv = [sys.executable, "hellaswag.py", "--ckpt", ctx.out_dir("single"), "--data", ctx.hellaswag_path]
     argv += ["--device", "auto"]
-    finished = ctx.run(argv, deadline)
-    what = CHECKS_BY_NAME["hellaswag"].what
-    return [hellaswag_row(what, ctx.short(argv), finished, BUDGET_S["hellaswag"], HELLASWAG_EXAMPLES)]
+    finished = ctx.run(argv)
+    return [hellaswag_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, HELLASWAG_EXAMPLES)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -682,7 +680,7 @@ class Check:
     name: str
     what: str
     budget_s: int  # on one H200; a command still running at the end is killed and the row fails
-    run: Callable  # (Context, deadline) -> [Row]
+    run: Callable  # (Context) -> [Row]
     needs: tuple = ()
     cuda_only: bool = False
 
@@ -695,14 +693,14 @@ CHECKS = (
         "small_mars",
         "GPT-2 small, MARS (paper config; compiled, bf16 on CUDA)",
         100,
-        throughput_check("small_mars", "config/train_gpt2_small_mars.py"),
+        functools.partial(check_throughput, config="config/train_gpt2_small_mars.py"),
         ("data",),
     ),
     Check(
         "small_adamw",
         "GPT-2 small, AdamW (paper config; compiled, bf16 on CUDA)",
         65,
-        throughput_check("small_adamw", "config/train_gpt2_small_adamw.py"),
+        functools.partial(check_throughput, config="config/train_gpt2_small_adamw.py"),
         ("data",),
     ),
     Check("optimizer", "MARS CUDA step (bench/bench_mars.py)", 40, check_optimizer, cuda_only=True),
@@ -713,23 +711,22 @@ CHECKS = (
         "memory_small",
         "peak memory: GPT-2 small, MARS, micro-batch 15 x 1024",
         30,
-        memory_check("memory_small", "config/train_gpt2_small_mars.py"),
+        functools.partial(check_memory, config="config/train_gpt2_small_mars.py"),
         ("data",),
     ),
     Check(
         "memory_xl",
         "peak memory: GPT-2 XL, MARS, micro-batch 5 x 1024",
         55,
-        memory_check("memory_xl", "config/train_gpt2_xl_mars.py"),
+        functools.partial(check_memory, config="config/train_gpt2_xl_mars.py"),
         ("data",),
     ),
     Check("sample", "sample.py on the one-process run's model", 20, check_sample, ("single",)),
     Check("hellaswag", "hellaswag.py --data on a tiny local file", 20, check_hellaswag, ("single",)),
 )
 CHECKS_BY_NAME = {check.name: check for check in CHECKS}
-BUDGET_S = {check.name: check.budget_s for check in CHECKS}
 DEVICE_INFO_BUDGET_S = 15  # the worker that reads torch's version and the GPUs, before the checks
-TOTAL_BUDGET_S = DEVICE_INFO_BUDGET_S + sum(BUDGET_S.values())  # 480 s: the 8 minutes the issue allows
+TOTAL_BUDGET_S = DEVICE_INFO_BUDGET_S + sum(check.budget_s for check in CHECKS)  # 480 s: the 8 minutes allowed
 
 
 def with_needs(names):
@@ -750,7 +747,7 @@ def with_needs(names):
 def run_check(check, ctx, failed):
     """The check's rows, timed; a check that needs a failed one, or raises, is one failed row."""
     t0 = time.monotonic()
-    ctx.check = check.name
+    ctx.check, ctx.deadline = check, t0 + check.budget_s
     missing = [name for name in check.needs if name in failed]
     if check.cuda_only and not ctx.cuda:
         rows = [Row(check.what, "", "skipped: needs CUDA", SKIP)]
@@ -758,7 +755,7 @@ def run_check(check, ctx, failed):
         rows = [Row(check.what, "", f"not run: it needs {', '.join(missing)}, which failed", FAIL)]
     else:
         try:
-            rows = check.run(ctx, t0 + check.budget_s)
+            rows = check.run(ctx)
         except Exception as e:  # one broken check must not hide the others' rows
             with open(ctx.log, "a", encoding="utf-8") as log:
                 traceback.print_exc(file=log)
@@ -829,11 +826,11 @@ def describe_device(ctx, info):
     )
 
 
-def read_device_info(ctx):
+def read_device_info(work, logs):
     """torch's versions and the GPUs, read in a worker (the driver itself never touches a GPU)."""
-    ctx.check = "device"
-    path = ctx.result_path("device")
-    finished = ctx.run([sys.executable, WORKER, "device", path], time.monotonic() + DEVICE_INFO_BUDGET_S)
+    path = os.path.join(work, "device.json")
+    argv = [sys.executable, WORKER, "device", path]
+    finished = run_command(argv, os.path.join(logs, "device.log"), DEVICE_INFO_BUDGET_S)
     if not finished.ok:
         raise RuntimeError(f"reading the device failed: {failure(finished, DEVICE_INFO_BUDGET_S)}")
     return read_json(path)
@@ -860,12 +857,12 @@ def main(argv=None):
             os.remove(os.path.join(logs, f"{name}.log"))
     t0, rows, failed = time.monotonic(), [], set()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
-        ctx = Context(device=args.device, work=work, logs=logs)
         try:
-            info = read_device_info(ctx)
+            info = read_device_info(work, logs)
         except (RuntimeError, OSError, ValueError) as e:
-            print(f"error: {e} (see {ctx.log})", file=sys.stderr)
+            print(f"error: {e} (see {os.path.join(logs, 'device.log')})", file=sys.stderr)
             return 1
+        ctx = Context(device=args.device, work=work, logs=logs)
         ctx.gpus = max(1, info["gpus"]) if ctx.cuda else 1
         header = dict(
             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

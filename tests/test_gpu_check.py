@@ -413,19 +413,19 @@ def fake_check(name, run, needs=(), cuda_only=False):
 
 
 def test_a_failing_check_fails_its_row_and_the_checks_that_need_it_but_not_the_others(tmp_path, monkeypatch, capsys):
-    def boom(ctx, deadline):
+    def boom(ctx):
         raise RuntimeError("boom")
 
     checks = (
-        fake_check("first", lambda ctx, deadline: [Row("first", "cmd", "fine", PASS)]),
+        fake_check("first", lambda ctx: [Row("first", "cmd", "fine", PASS)]),
         fake_check("broken", boom),
-        fake_check("after", lambda ctx, deadline: [Row("after", "cmd", "fine", PASS)], needs=("broken",)),
-        fake_check("cuda", lambda ctx, deadline: [Row("cuda", "cmd", "fine", PASS)], cuda_only=True),
-        fake_check("last", lambda ctx, deadline: [Row("last", "cmd", "fine", PASS)]),
+        fake_check("after", lambda ctx: [Row("after", "cmd", "fine", PASS)], needs=("broken",)),
+        fake_check("cuda", lambda ctx: [Row("cuda", "cmd", "fine", PASS)], cuda_only=True),
+        fake_check("last", lambda ctx: [Row("last", "cmd", "fine", PASS)]),
     )
     monkeypatch.setattr(gpu_check, "CHECKS", checks)
     monkeypatch.setattr(gpu_check, "CHECKS_BY_NAME", {c.name: c for c in checks})
-    monkeypatch.setattr(gpu_check, "read_device_info", lambda ctx: dict(torch="2.x", cuda=None, gpus=0))
+    monkeypatch.setattr(gpu_check, "read_device_info", lambda work, logs: dict(torch="2.x", cuda=None, gpus=0))
     out = tmp_path / "out"
     assert gpu_check.main(["--device=cpu", "--out", str(out)]) == 1
     report = json.loads((out / "gpu_check.json").read_text())
