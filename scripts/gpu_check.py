@@ -6,9 +6,9 @@ AdamW, the MARS CUDA step, a kill -9 and resume, peak memory, sampling and Hella
     bash scripts/gpu_check.sh --device=cpu            # the plumbing on tiny models, no GPU; numbers mean nothing
 
 No network: the token data are uniform random GPT-2 ids and the HellaSwag file a few made-up examples,
-both written into a temporary folder with the runs. Every check runs in processes of its own under a
-time budget (Check.budget_s, 480 s in all); one that fails or runs out of time is a failed row and the others
-still run. Writes <out>/gpu_check.md (the table), <out>/gpu_check.json (the table and every number behind
+both written into a temporary folder with the runs. Every check after the data runs in processes of its
+own under a time budget (Check.budget_s, 480 s in all); one that fails or runs out of time is a failed row
+and the others still run. Writes <out>/gpu_check.md (the table), <out>/gpu_check.json (the table and every number behind
 it) and <out>/logs/<check>.log (each command's full output); both files are rewritten after every check
 and say "in progress" until the last one. Exit status: 0 when no row failed, 1 when one did, 2 for bad
 arguments or no GPU. docs/gpu.md says what each check runs and records the results.
