@@ -1,0 +1,888 @@
+"""The one run to make when a GPU is lent: every launch path, GPT-2 small's throughput with MARS and with
+AdamW, the MARS CUDA step, a kill -9 and resume, peak memory, sampling and HellaSwag, printed as one table.
+
+    bash scripts/gpu_check.sh                         # every check on this node's GPUs (< 8 min on one H200)
+    bash scripts/gpu_check.sh --only resume sample    # some checks (and the checks they need)
+    bash scripts/gpu_check.sh --device=cpu            # the plumbing on tiny models, no GPU; numbers mean nothing
+
+No network: the token data are uniform random GPT-2 ids and the HellaSwag file a few made-up examples,
+both written into a temporary folder with the runs. Every check after the data runs in processes of its
+own under a time budget (Check.budget_s, 480 s in all); one that fails or runs out of time is a failed row
+and the others still run. Writes <out>/gpu_check.md (the table), <out>/gpu_check.json (the table and every number behind
+it) and <out>/logs/<check>.log (each command's full output); both files are rewritten after every check
+and say "in progress" until the last one. Exit status: 0 when no row failed, 1 when one did, 2 for bad
+arguments or no GPU. docs/gpu.md says what each check runs and records the results.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import metrics  # noqa: E402
+from checkpoint import CKPT_NAME, load_checkpoint  # noqa: E402
+from files import atomic_writer  # noqa: E402
+from tokens import GPT2_VOCAB_SIZE, write_bin  # noqa: E402
+
+WORKER = os.path.join(ROOT, "scripts", "gpu_check_worker.py")
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+DATASET = "synthetic"  # <work>/data/synthetic: train.bin and val.bin
+TRAIN_TOKENS, VAL_TOKENS = 2_000_000, 200_000
+HELLASWAG_EXAMPLES = 8
+# --device=cpu shrinks every run to this (one micro-batch a step), so the plumbing runs on a CPU.
+TINY = dict(
+    n_layer=1,
+    n_head=2,
+    n_embd=32,
+    block_size=32,
+    batch_size=2,
+    gradient_accumulation_steps=1,
+    eval_iters=1,
+    compile=False,
+)
+# Every train.py command gets these (docs/gpu.md says so once); the table's commands leave them out.
+COMMON_KEYS = ("data_path", "dataset", "out_dir", "wandb_log")
+
+# Kill and resume: dropout on, so the per-step dropout seeds (CUDA generator) are covered too. The run is
+# killed as soon as it logs step 14, normally after the checkpoint at 8 is on disk (the row says which one
+# it resumed from), with 26 steps to go: it cannot finish in the moment the kill takes.
+RESUME_RUN = dict(max_iters=40, eval_interval=8, log_interval=1, dropout=0.1, deterministic=True)
+RESUME_KILL_AT = "iter 14:"
+# --deterministic=True makes every CUDA kernel reproducible, so the resumed losses must be the same floats.
+RESUME_TOLERANCE = 0.0
+LOSS_KEYS = (metrics.TRAIN_LOSS, metrics.VAL_LOSS, metrics.EVAL_TRAIN_LOSS)
+# Measured peak memory against the memory plan (issue 15's tolerance for its activation estimate).
+PLAN_TOLERANCE = 0.15
+GIB = 2**30
+
+
+class UsageError(Exception):
+    """Bad command-line input: main prints it as one `error:` line and exits 2."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows and the report.
+
+
+@dataclasses.dataclass
+class Row:
+    what: str
+    command: str
+    result: str
+    status: str  # PASS, FAIL or SKIP
+    details: dict = dataclasses.field(default_factory=dict)  # the numbers behind the result, for the JSON
+    check: str = ""
+    seconds: float = 0.0
+
+
+def exit_status(rows):
+    return 1 if any(row.status == FAIL for row in rows) else 0
+
+
+def _cell(text):
+    return str(text).replace("\n", " ").replace("|", "\\|")
+
+
+def render_markdown(header, rows):
+    """The report: a few header lines, then one table of what, command, result, pass/fail and seconds."""
+    lines = ["# GPU check", ""]
+    lines += [f"- {key}: {value}" for key, value in header.items()]
+    lines += ["", "| what | command | result | pass | seconds |", "|---|---|---|---|---|"]
+    for row in rows:
+        cells = (row.what, f"`{row.command}`" if row.command else "", row.result, row.status, f"{row.seconds:.0f}")
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(rows, checks_run, checks_total, seconds):
+    counts = {status: sum(row.status == status for row in rows) for status in (PASS, FAIL, SKIP)}
+    state = "complete" if checks_run == checks_total else f"in progress, {checks_run} of {checks_total} checks run"
+    return f"{state}: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[SKIP]} skipped, {seconds:.0f} s"
+
+
+def write_report(out, header, rows, checks_run, checks_total, seconds):
+    """<out>/gpu_check.md and <out>/gpu_check.json, each replaced whole (never half-written)."""
+    header = dict(header, status=summary(rows, checks_run, checks_total, seconds))
+    with atomic_writer(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(render_markdown(header, rows))
+    report = dict(
+        header,
+        complete=checks_run == checks_total,
+        checks_run=checks_run,
+        checks_total=checks_total,
+        rows=[dataclasses.asdict(row) for row in rows],
+    )
+    with atomic_writer(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    return header
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running commands.
+
+
+@dataclasses.dataclass
+class Finished:
+    """How a command ended: exit status (negative: the signal that killed it), output, and whether it was
+    killed for running past its budget (timed_out) or on purpose at a line (stopped)."""
+
+    returncode: int
+    output: str
+    timed_out: bool = False
+    stopped: bool = False
+
+    @property
+    def ok(self):
+        return self.returncode == 0 and not self.timed_out
+
+
+def kill_group(proc):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_command(argv, log_path, timeout_s, stop_at=None):
+    """Run argv in the repository root, its output (stdout and stderr) appended to log_path and returned.
+
+    The command gets a process group of its own: after timeout_s, or as soon as a line starts with
+    stop_at, the whole group (torchrun's ranks too) is killed with SIGKILL.
+    """
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"$ {shlex.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+        timed_out = threading.Event()
+
+        def on_timeout():
+            timed_out.set()
+            kill_group(proc)
+
+        timer = threading.Timer(max(timeout_s, 0.0), on_timeout)
+        timer.start()
+        lines, stopped = [], False
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                lines.append(line)
+                if stop_at is not None and not stopped and line.startswith(stop_at):
+                    kill_group(proc)
+                    stopped = True
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:  # interrupted (Ctrl-C): leave nothing running
+                kill_group(proc)
+                proc.wait()
+    return Finished(proc.returncode, "".join(lines), timed_out.is_set(), stopped)
+
+
+def last_error_line(output):
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:") or "Error" in line]
+    line = (errors or lines or ["no output"])[-1]
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def failure(finished, budget_s):
+    """Why a command failed, in one line."""
+    if finished.timed_out:
+        return f"timed out: still running at the end of its {budget_s} s budget"
+    if finished.returncode < 0:
+        return f"killed by {signal.Signals(-finished.returncode).name}: {last_error_line(finished.output)}"
+    return f"exit {finished.returncode}: {last_error_line(finished.output)}"
+
+
+def short_command(argv, work):
+    """argv as the table shows it: `python`, paths relative to the repository or <work>, no COMMON_KEYS."""
+    words = []
+    for word in argv:
+        if word.startswith("--") and word[2:].partition("=")[0] in COMMON_KEYS:
+            continue
+        if word == sys.executable:
+            word = "python"
+        word = word.replace(work, "<work>").replace(ROOT + os.sep, "")
+        words.append(word)
+    return " ".join(words)
+
+
+def read_records(out_dir):
+    """metrics.jsonl of a run as a list of dicts ([] when there is none)."""
+    path = os.path.join(out_dir, metrics.FILE_NAME)
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def finite(value):
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the checks share.
+
+
+@dataclasses.dataclass
+class Context:
+    device: str  # 'cuda', or 'cpu' for the tiny plumbing run
+    work: str  # the temporary folder: data, runs, worker results
+    logs: str  # <out>/logs
+    gpus: int = 1  # processes for torchrun
+    check: "Check" = None  # the check running now: its name (log file), description and budget
+    deadline: float = 0.0  # time.monotonic() at the end of its budget
+
+    @property
+    def cuda(self):
+        return self.device == "cuda"
+
+    @property
+    def data_path(self):
+        return os.path.join(self.work, "data")
+
+    @property
+    def hellaswag_path(self):
+        return os.path.join(self.work, "hellaswag_tiny.jsonl")
+
+    @property
+    def log(self):
+        return os.path.join(self.logs, f"{self.check.name}.log")
+
+    def out_dir(self, name):
+        return os.path.join(self.work, "runs", name)
+
+    @property
+    def result_path(self):
+        """Where the check's worker writes its JSON."""
+        return os.path.join(self.work, f"{self.check.name}.json")
+
+    def train_args(self, run_name, configs, **overrides):
+        """train.py's arguments: config files, the synthetic data, out_dir runs/<run_name>, no wandb, the
+        overrides, and with --device=cpu the TINY shapes last."""
+        values = dict(data_path=self.data_path, dataset=DATASET, out_dir=self.out_dir(run_name), wandb_log=False)
+        values.update(overrides)
+        if not self.cuda:
+            values.update(TINY)
+        return [*configs, *(f"--{key}={value}" for key, value in values.items())]
+
+    def run(self, argv, stop_at=None):
+        """run_command within what is left of the check's budget."""
+        return run_command(argv, self.log, self.deadline - time.monotonic(), stop_at)
+
+    def short(self, argv):
+        return short_command(argv, self.work)
+
+
+def device_name(ctx):
+    return "cuda:0" if ctx.cuda else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Synthetic data.
+
+
+def make_synthetic_data(data_dir, train_tokens=TRAIN_TOKENS, val_tokens=VAL_TOKENS, seed=0):
+    """train.bin and val.bin of uniform random GPT-2 token ids (no meta.pkl: train.py takes GPT-2's
+    vocabulary, padded to 50304). Speed and memory do not depend on the text."""
+    os.makedirs(data_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    write_bin(os.path.join(data_dir, "train.bin"), rng.integers(0, GPT2_VOCAB_SIZE, size=train_tokens))
+    write_bin(os.path.join(data_dir, "val.bin"), rng.integers(0, GPT2_VOCAB_SIZE, size=val_tokens))
+
+
+SUBJECTS = ("A man", "A woman", "The child", "An old farmer", "The cook", "A student", "The driver", "A dog")
+PLACES = ("kitchen", "garden", "station", "library", "market", "river bank", "office", "gym")
+ACTIONS = (
+    "opens the window and looks outside.",
+    "picks up a cup of tea from the table.",
+    "starts to run along the path.",
+    "sits down and reads a long letter.",
+    "paints the fence a bright red.",
+    "waves at a friend across the street.",
+    "ties a rope around the wooden post.",
+    "puts the heavy box on the floor.",
+)
+
+
+def write_hellaswag_file(path, num_examples=HELLASWAG_EXAMPLES, seed=0):
+    """A tiny file in the official HellaSwag format (ctx, four endings, label) of made-up sentences:
+    enough to run hellaswag.py end to end, not to measure anything."""
+    rng = np.random.default_rng(seed)
+    with atomic_writer(path, "w") as f:
+        for i in range(num_examples):
+            subject = SUBJECTS[i % len(SUBJECTS)]
+            ctx = f"{subject} walks into the {PLACES[i % len(PLACES)]}. Then {subject.lower()}"
+            endings = [ACTIONS[j] for j in rng.choice(len(ACTIONS), size=4, replace=False)]
+            f.write(json.dumps(dict(ctx=ctx, endings=endings, label=int(rng.integers(4)))) + "\n")
+
+
+def check_data(ctx):
+    from tokens import TokenData
+    from train import model_vocab_size
+
+    data_dir = os.path.join(ctx.data_path, DATASET)
+    make_synthetic_data(data_dir)
+    write_hellaswag_file(ctx.hellaswag_path)
+    train_data = TokenData(data_dir, "train")  # as train.load_data reads it
+    train_data.check_vocab(model_vocab_size(train_data))
+    return [
+        Row(
+            ctx.check.what,
+            "gpu_check.make_synthetic_data, write_hellaswag_file",
+            f"{train_data.num_tokens:,} train + {VAL_TOKENS:,} val tokens (uniform random GPT-2 ids), "
+            f"{HELLASWAG_EXAMPLES} made-up HellaSwag examples",
+            PASS,
+            details=dict(train_tokens=train_data.num_tokens, val_tokens=VAL_TOKENS),
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch paths: each trains a few steps of config/quickstart.py (not compiled) on the synthetic data.
+
+
+def launch_row(what, command, finished, budget_s, records, device_line):
+    """Pass when the run exited 0, says it ran where it should (`world size N on cuda:0`) and evaluated."""
+    if not finished.ok:
+        return Row(what, command, failure(finished, budget_s), FAIL)
+    if device_line not in finished.output:
+        return Row(what, command, f"exit 0, but its output never says '{device_line}'", FAIL)
+    val = [r[metrics.VAL_LOSS] for r in records if metrics.VAL_LOSS in r]
+    if not val or not all(finite(v) for v in val):
+        return Row(what, command, f"exit 0, but metrics.jsonl has no finite val loss ({val})", FAIL)
+    steps = max(r[metrics.ITER] for r in records)
+    return Row(
+        what,
+        command,
+        f"exit 0; {device_line}; {steps} steps, val loss {val[0]:.3f} -> {val[-1]:.3f}",
+        PASS,
+        details=dict(steps=steps, val_losses=val),
+    )
+
+
+def check_single(ctx):
+    argv = [
+        sys.executable,
+        "train.py",
+        *ctx.train_args("single", ["config/quickstart.py"], max_iters=10, eval_interval=10, log_interval=5),
+    ]
+    finished = ctx.run(argv)
+    records = read_records(ctx.out_dir("single"))
+    line = f"world size 1 on {device_name(ctx)}"
+    return [launch_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, records, line)]
+
+
+def check_torchrun(ctx):
+    n = ctx.gpus
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
+    argv += ctx.train_args(
+        "torchrun",
+        ["config/quickstart.py"],
+        max_iters=10,
+        eval_interval=10,
+        log_interval=5,
+        gradient_accumulation_steps=n,
+    )
+    finished = ctx.run(argv)
+    records = read_records(ctx.out_dir("torchrun"))
+    line = f"world size {n} on {device_name(ctx)}"
+    what = f"torchrun, {n} process{'es' if n > 1 else ''} (one per GPU)"
+    return [launch_row(what, ctx.short(argv), finished, ctx.check.budget_s, records, line)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPT-2 small's throughput: the paper configs, shortened. The first train line (steps 1-5) includes
+# torch.compile; the row reports the last one (steps 11-15).
+
+THROUGHPUT_RUN = dict(max_iters=15, log_interval=5, eval_iters=2, gradient_accumulation_steps=8)
+
+
+def throughput_row(what, command, finished, budget_s, records):
+    """tokens/s and MFU of the last train line in metrics.jsonl, as train.py logged them."""
+    if not finished.ok:
+        return Row(what, command, failure(finished, budget_s), FAIL)
+    lines = [r for r in records if metrics.TOKENS_PER_SEC in r]
+    if not lines:
+        return Row(what, command, "exit 0, but metrics.jsonl has no train line", FAIL)
+    last = lines[-1]
+    loss, tokens_per_sec, mfu = last.get(metrics.TRAIN_LOSS), last[metrics.TOKENS_PER_SEC], last.get(metrics.MFU)
+    if not finite(loss) or not finite(tokens_per_sec) or tokens_per_sec <= 0:
+        return Row(what, command, f"exit 0, but the last train line has loss {loss}, {tokens_per_sec} tokens/s", FAIL)
+    mfu_text = f"MFU {mfu:.1f}%" if finite(mfu) else "MFU n/a (no peak FLOP/s known for this device)"
+    result = (
+        f"{tokens_per_sec:,.0f} tokens/s, {mfu_text}, {last[metrics.STEP_MS]:.0f} ms/step "
+        f"(steps to {last[metrics.ITER]}), loss {loss:.3f}"
+    )
+    return Row(what, command, result, PASS, details=last)
+
+
+def check_throughput(ctx, config):
+    name = ctx.check.name
+    argv = [sys.executable, "train.py", *ctx.train_args(name, [config], **THROUGHPUT_RUN)]
+    finished = ctx.run(argv)
+    return [
+        throughput_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, read_records(ctx.out_dir(name)))
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The MARS CUDA step: bench/bench_mars.py's rows. optimizer_rows is the one reader of its row format.
+
+
+def _target_limit(target):
+    """X from a bench target written '<= X ...', or None."""
+    found = re.search(r"<=\s*([0-9.]+)", str(target or ""))
+    return float(found.group(1)) if found else None
+
+
+def optimizer_rows(bench_rows, command):
+    """Table rows from bench_mars.run(quick=True)'s CUDA rows.
+
+    Each row comparing a step with AdamW(fused=True) (its `benchmark` names 'fused'): pass when measured,
+    and within the row's own target where it states one as '<= X'. The rows whose `benchmark` names a
+    host sync give `ours` 1 when the step ran under torch.cuda.set_sync_debug_mode('error') without
+    raising: one table row, pass when every such step is sync-free.
+    """
+    rows = []
+    fused = [r for r in bench_rows if "fused" in str(r.get("benchmark", "")).lower()]
+    for bench in fused:
+        what = bench["benchmark"]
+        ours, reference, ratio = bench.get("ours"), bench.get("reference"), bench.get("ratio")
+        if not (finite(ours) and finite(reference) and finite(ratio)):
+            rows.append(Row(what, command, f"not measured: {bench.get('note', '')}", FAIL, details=bench))
+            continue
+        limit = _target_limit(bench.get("target"))
+        unit = bench.get("unit", "")
+        result = f"{ours:.3g} {unit} vs {reference:.3g} {unit}: {ratio:.2f}x"
+        result += f", target <= {limit}" if limit is not None else " (the bench states no target)"
+        status = PASS if limit is None or ratio <= limit else FAIL
+        rows.append(Row(what, command, result, status, details=bench))
+    if not fused:
+        rows.append(Row("MARS step vs AdamW(fused=True)", command, "bench_mars gave no fused-AdamW row", FAIL))
+    sync = [r for r in bench_rows if "sync" in str(r.get("benchmark", "")).lower()]
+    what = "MARS steps under set_sync_debug_mode('error')"
+    if not sync:
+        rows.append(Row(what, command, "bench_mars gave no host-sync row", FAIL))
+    else:
+        syncing = [r["benchmark"] for r in sync if not r.get("ours")]
+        names = ", ".join(r["benchmark"] for r in sync)
+        result = f"no host sync: {names}" if not syncing else f"host sync in: {', '.join(syncing)}"
+        rows.append(Row(what, command, result, FAIL if syncing else PASS, details=dict(rows=sync)))
+    return rows
+
+
+def check_optimizer(ctx):
+    argv = [sys.executable, WORKER, "optimizer", ctx.result_path]
+    finished = ctx.run(argv)
+    command = "bench_mars.run(quick=True)"
+    if not finished.ok:
+        return [Row(ctx.check.what, command, failure(finished, ctx.check.budget_s), FAIL)]
+    return optimizer_rows(read_json(ctx.result_path)["rows"], command)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kill -9 and resume.
+
+
+def compare_losses(reference, resumed, tolerance):
+    """(number of losses compared, largest difference, first mismatch or None) between two metrics.jsonl.
+
+    Every train, validation and train-estimate loss, by iteration; a resumed run's file holds the
+    killed run's records up to its checkpoint and the resumed run's after it.
+    """
+
+    def losses(records):
+        return {(r[metrics.ITER], key): r[key] for r in records for key in LOSS_KEYS if key in r}
+
+    a, b = losses(reference), losses(resumed)
+    if a.keys() != b.keys():
+        missing = sorted(a.keys() ^ b.keys())[0]
+        return len(a), math.inf, f"{missing[1]} at iter {missing[0]} is in one run only"
+    largest = 0.0
+    for key in sorted(a):
+        if a[key] == b[key]:
+            continue
+        difference = abs(a[key] - b[key]) if finite(a[key]) and finite(b[key]) else math.inf
+        largest = max(largest, difference)
+        if difference > tolerance:
+            return len(a), largest, f"{key[1]} at iter {key[0]}: {a[key]!r} vs {b[key]!r}"
+    return len(a), largest, None
+
+
+def resume_row(what, command, budget_s, reference, killed, resumed_from, resumed, reference_records, records):
+    if not reference.ok:
+        return Row(what, command, f"uninterrupted run: {failure(reference, budget_s)}", FAIL)
+    if not killed.stopped:
+        ending = "finished" if killed.ok else failure(killed, budget_s)
+        return Row(what, command, f"never killed: the run {ending} before logging '{RESUME_KILL_AT}'", FAIL)
+    if resumed_from is None:
+        return Row(what, command, "killed before its first checkpoint: nothing to resume", FAIL)
+    if not resumed.ok:
+        return Row(what, command, f"resume from iter {resumed_from}: {failure(resumed, budget_s)}", FAIL)
+    count, largest, mismatch = compare_losses(reference_records, records, RESUME_TOLERANCE)
+    details = dict(resumed_from=resumed_from, losses=count, max_abs_difference=largest, tolerance=RESUME_TOLERANCE)
+    tolerance = "bitwise" if RESUME_TOLERANCE == 0 else f"tolerance {RESUME_TOLERANCE}"
+    if mismatch is not None or count == 0:
+        return Row(what, command, f"resumed from iter {resumed_from}; differs ({tolerance}): {mismatch}", FAIL, details)
+    result = (
+        f"SIGKILL at '{RESUME_KILL_AT.rstrip(':')}', resumed from iter {resumed_from}: all {count} losses equal "
+        f"the uninterrupted run's ({tolerance}, largest difference {largest:g})"
+    )
+    return Row(what, command, result, PASS, details)
+
+
+def check_resume(ctx):
+    reference_argv = [
+        sys.executable,
+        "train.py",
+        *ctx.train_args("resume_reference", ["config/quickstart.py"], **RESUME_RUN),
+    ]
+    argv = [sys.executable, "train.py", *ctx.train_args("resume", ["config/quickstart.py"], **RESUME_RUN)]
+    reference = ctx.run(reference_argv)
+    killed = ctx.run(argv, stop_at=RESUME_KILL_AT) if reference.ok else reference
+    checkpoint = os.path.join(ctx.out_dir("resume"), CKPT_NAME)
+    resumed_from = None
+    if killed.stopped and os.path.isfile(checkpoint):
+        resumed_from = load_checkpoint(checkpoint, mmap=True)["progress"]["iter_num"]
+    resumed = ctx.run(argv + ["--init_from=resume"]) if resumed_from is not None else killed
+    command = f"{ctx.short(argv)}; SIGKILL at '{RESUME_KILL_AT}'; again with --init_from=resume"
+    row = resume_row(
+        ctx.check.what,
+        command,
+        ctx.check.budget_s,
+        reference,
+        killed,
+        resumed_from,
+        resumed,
+        read_records(ctx.out_dir("resume_reference")),
+        read_records(ctx.out_dir("resume")),
+    )
+    return [row]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak memory: 2 steps of a paper config at its micro-batch, not compiled (as issue 12 measured XL).
+
+
+def memory_row(what, command, finished, budget_s, result):
+    """Pass when the steps ran without running out of memory, and (once a memory plan exists) the measured
+    peak is within PLAN_TOLERANCE of the plan's."""
+    if not finished.ok:
+        return Row(what, command, failure(finished, budget_s), FAIL)
+    if result["oom"]:
+        total = result.get("total_bytes", 0) / GIB
+        return Row(what, command, f"out of memory on a {total:.1f} GiB GPU: {result['oom']}", FAIL, result)
+    plan_bytes, plan_note = result.get("plan_bytes"), result.get("plan_note", "")
+    if "peak_allocated_bytes" not in result:
+        rss = result["peak_rss_bytes"] / GIB
+        return Row(what, command, f"peak resident set {rss:.2f} GiB (host memory, not a GPU's)", PASS, result)
+    peak = result["peak_allocated_bytes"]
+    text = (
+        f"peak {peak / GIB:.1f} GiB allocated, {result['peak_reserved_bytes'] / GIB:.1f} GiB reserved, "
+        f"of {result['total_bytes'] / GIB:.1f} GiB"
+    )
+    if plan_bytes is None:
+        status = FAIL if result.get("plan_error") else PASS
+        return Row(what, command, f"{text}; plan: {plan_note}", status, result)
+    ratio = peak / plan_bytes
+    status = PASS if abs(ratio - 1) <= PLAN_TOLERANCE else FAIL
+    text += f"; plan {plan_bytes / GIB:.1f} GiB, measured/plan {ratio:.2f} (tolerance {PLAN_TOLERANCE:.0%})"
+    return Row(what, command, text, status, result)
+
+
+def check_memory(ctx, config):
+    name = ctx.check.name
+    train_args = ctx.train_args(name, [config], gradient_accumulation_steps=2, compile=False, eval_iters=1)
+    argv = [sys.executable, WORKER, "memory", ctx.result_path, *train_args]
+    finished = ctx.run(argv)
+    result = read_json(ctx.result_path) if finished.ok else {}
+    command = "2 steps of " + ctx.short(["train.py", *train_args])
+    return [memory_row(ctx.check.what, command, finished, ctx.check.budget_s, result)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tools after training, on the one-process run's model.
+
+SAMPLE_SEPARATOR = "---------------"  # sample.py prints it after each sample
+HELLASWAG_LINE = re.compile(r"hellaswag: n=(\d+) acc=([0-9.]+) acc_norm=([0-9.]+)")
+
+
+def sample_row(what, command, finished, budget_s):
+    if not finished.ok:
+        return Row(what, command, failure(finished, budget_s), FAIL)
+    text = finished.output.split(SAMPLE_SEPARATOR)[0].strip() if SAMPLE_SEPARATOR in finished.output else ""
+    if not text:
+        return Row(what, command, "exit 0, but no sample in its output", FAIL)
+    return Row(what, command, f"exit 0; a sample of {len(text)} characters", PASS, dict(characters=len(text)))
+
+
+def hellaswag_row(what, command, finished, budget_s, expected):
+    if not finished.ok:
+        return Row(what, command, failure(finished, budget_s), FAIL)
+    found = HELLASWAG_LINE.search(finished.output)
+    if not found or int(found.group(1)) != expected:
+        return Row(what, command, f"exit 0, but no 'hellaswag: n={expected} ...' line", FAIL)
+    acc_norm = float(found.group(3))
+    result = f"acc_norm {acc_norm:.3f} on {expected} made-up examples (an untrained model: about 0.25)"
+    return Row(what, command, result, PASS, dict(n=expected, acc=float(found.group(2)), acc_norm=acc_norm))
+
+
+def check_sample(ctx):
+    argv = [sys.executable, "sample.py", f"--out_dir={ctx.out_dir('single')}", "--start=The", "--device=auto"]
+    argv += ["--num_samples=1", "--max_new_tokens=32"]
+    finished = ctx.run(argv)
+    return [sample_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s)]
+
+
+def check_hellaswag(ctx):
+    argv = [sys.executable, "hellaswag.py", "--ckpt", ctx.out_dir("single"), "--data", ctx.hellaswag_path]
+    argv += ["--device", "auto"]
+    finished = ctx.run(argv)
+    return [hellaswag_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, HELLASWAG_EXAMPLES)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The checks, in the order they run.
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    what: str
+    budget_s: int  # on one H200; a command still running at the end is killed and the row fails
+    run: Callable  # (Context) -> [Row]
+    needs: tuple = ()
+    cuda_only: bool = False
+
+
+CHECKS = (
+    Check("data", "synthetic token data and a tiny HellaSwag file", 10, check_data),
+    Check("single", "one process: python train.py, device auto", 30, check_single, ("data",)),
+    Check("torchrun", "torchrun, one process per GPU", 45, check_torchrun, ("data",)),
+    Check(
+        "small_mars",
+        "GPT-2 small, MARS (paper config; compiled, bf16 on CUDA)",
+        100,
+        functools.partial(check_throughput, config="config/train_gpt2_small_mars.py"),
+        ("data",),
+    ),
+    Check(
+        "small_adamw",
+        "GPT-2 small, AdamW (paper config; compiled, bf16 on CUDA)",
+        65,
+        functools.partial(check_throughput, config="config/train_gpt2_small_adamw.py"),
+        ("data",),
+    ),
+    Check("optimizer", "MARS CUDA step (bench/bench_mars.py)", 40, check_optimizer, cuda_only=True),
+    Check(
+        "resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)", 50, check_resume, ("data",)
+    ),
+    Check(
+        "memory_small",
+        "peak memory: GPT-2 small, MARS, micro-batch 15 x 1024",
+        30,
+        functools.partial(check_memory, config="config/train_gpt2_small_mars.py"),
+        ("data",),
+    ),
+    Check(
+        "memory_xl",
+        "peak memory: GPT-2 XL, MARS, micro-batch 5 x 1024",
+        55,
+        functools.partial(check_memory, config="config/train_gpt2_xl_mars.py"),
+        ("data",),
+    ),
+    Check("sample", "sample.py on the one-process run's model", 20, check_sample, ("single",)),
+    Check("hellaswag", "hellaswag.py --data on a tiny local file", 20, check_hellaswag, ("single",)),
+)
+CHECKS_BY_NAME = {check.name: check for check in CHECKS}
+DEVICE_INFO_BUDGET_S = 15  # the worker that reads torch's version and the GPUs, before the checks
+TOTAL_BUDGET_S = DEVICE_INFO_BUDGET_S + sum(check.budget_s for check in CHECKS)  # 480 s: the 8 minutes allowed
+
+
+def with_needs(names):
+    """The checks to run for `names`, each after the checks it needs, in CHECKS order."""
+    wanted = set()
+
+    def add(name):
+        if name not in wanted:
+            wanted.add(name)
+            for need in CHECKS_BY_NAME[name].needs:
+                add(need)
+
+    for name in names:
+        add(name)
+    return [check for check in CHECKS if check.name in wanted]
+
+
+def run_check(check, ctx, failed):
+    """The check's rows, timed; a check that needs a failed one, or raises, is one failed row."""
+    t0 = time.monotonic()
+    ctx.check, ctx.deadline = check, t0 + check.budget_s
+    missing = [name for name in check.needs if name in failed]
+    if check.cuda_only and not ctx.cuda:
+        rows = [Row(check.what, "", "skipped: needs CUDA", SKIP)]
+    elif missing:
+        rows = [Row(check.what, "", f"not run: it needs {', '.join(missing)}, which failed", FAIL)]
+    else:
+        try:
+            rows = check.run(ctx)
+        except Exception as e:  # one broken check must not hide the others' rows
+            with open(ctx.log, "a", encoding="utf-8") as log:
+                traceback.print_exc(file=log)
+            rows = [Row(check.what, "", f"{type(e).__name__}: {e}", FAIL)]
+    for row in rows:
+        row.check, row.seconds = check.name, time.monotonic() - t0
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command line.
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def parse_args(argv):
+    names = ", ".join(CHECKS_BY_NAME)
+    p = ArgumentParser(
+        prog="scripts/gpu_check.sh",
+        description="Check the repository on this node's GPUs and print one table (docs/gpu.md).",
+        epilog=f"checks, in order: {names}",
+    )
+    p.add_argument("--out", default="out-gpu-check", help="folder for gpu_check.md, gpu_check.json and logs/")
+    p.add_argument("--only", nargs="+", metavar="CHECK", help="run these checks (and those they need) only")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: run the plumbing on tiny models without a GPU (a test; the numbers mean nothing)",
+    )
+    args = p.parse_args(argv)
+    unknown = [name for name in args.only or () if name not in CHECKS_BY_NAME]
+    if unknown:
+        raise UsageError(f"no check named {', '.join(unknown)}; the checks are: {names}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out} is a file; give a folder (it is created if missing)")
+    return args
+
+
+def cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def git_commit():
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        changes = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return "unknown (no git)"
+    if commit.returncode:
+        return "unknown (not a git checkout)"
+    return commit.stdout.strip() + (" with local changes" if changes.stdout.strip() else "")
+
+
+def describe_device(ctx, info):
+    if not ctx.cuda:
+        return (
+            f"cpu (--device=cpu: tiny models, a test of the plumbing; the numbers mean nothing), torch {info['torch']}"
+        )
+    return (
+        f"{info['gpus']} x {info['name']} ({info['memory_bytes'] / GIB:.1f} GiB, bf16 "
+        f"{'yes' if info['bf16'] else 'no'}), torch {info['torch']}, CUDA {info['cuda']}"
+    )
+
+
+def read_device_info(work, logs):
+    """torch's versions and the GPUs, read in a worker (the driver itself never touches a GPU)."""
+    path = os.path.join(work, "device.json")
+    argv = [sys.executable, WORKER, "device", path]
+    finished = run_command(argv, os.path.join(logs, "device.log"), DEVICE_INFO_BUDGET_S)
+    if not finished.ok:
+        raise RuntimeError(f"reading the device failed: {failure(finished, DEVICE_INFO_BUDGET_S)}")
+    return read_json(path)
+
+
+def main(argv=None):
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not cuda_available():
+        print(
+            "error: gpu_check needs a CUDA GPU and torch sees none; run it on a GPU node "
+            "(or --device=cpu to test its plumbing on tiny models)",
+            file=sys.stderr,
+        )
+        return 2
+    checks = with_needs(args.only or CHECKS_BY_NAME)
+    logs = os.path.join(args.out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    for name in ["device", *CHECKS_BY_NAME]:  # last time's logs would be appended to
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(logs, f"{name}.log"))
+    t0, rows, failed = time.monotonic(), [], set()
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
+        try:
+            info = read_device_info(work, logs)
+        except (RuntimeError, OSError, ValueError) as e:
+            print(f"error: {e} (see {os.path.join(logs, 'device.log')})", file=sys.stderr)
+            return 1
+        ctx = Context(device=args.device, work=work, logs=logs)
+        ctx.gpus = max(1, info["gpus"]) if ctx.cuda else 1
+        header = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            device=describe_device(ctx, info),
+            commit=git_commit(),
+            budget=f"{TOTAL_BUDGET_S} s",
+        )
+        write_report(args.out, header, rows, 0, len(checks), 0)
+        for done, check in enumerate(checks, 1):
+            check_rows = run_check(check, ctx, failed)
+            rows += check_rows
+            if any(row.status == FAIL for row in check_rows):
+                failed.add(check.name)
+            statuses = ", ".join(row.status for row in check_rows)
+            print(f"gpu_check: {check.name}: {statuses} ({check_rows[0].seconds:.0f} s)", file=sys.stderr, flush=True)
+            header = write_report(args.out, header, rows, done, len(checks), time.monotonic() - t0)
+    print(render_markdown(header, rows), end="")
+    print(f"written: {os.path.join(args.out, 'gpu_check.md')}, gpu_check.json, logs/", file=sys.stderr)
+    return exit_status(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The measurements scripts/gpu_check.py takes inside a fresh process, each written as JSON to RESULT.json.
+
+    python scripts/gpu_check_worker.py device RESULT.json                     # torch, CUDA and the GPUs
+    python scripts/gpu_check_worker.py optimizer RESULT.json                  # bench/bench_mars.py's rows
+    python scripts/gpu_check_worker.py memory RESULT.json [train.py args]     # peak memory of 2 steps
+
+A process of its own for each: a crash or an out-of-memory error ends only that measurement, the CUDA
+peak-memory counters start from zero, and the driver can kill it when its time budget runs out.
+"""
+
+import json
+import os
+import resource
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+from configurator import load_config  # noqa: E402
+from files import atomic_writer  # noqa: E402
+
+MEMORY_STEPS = 2
+
+
+def device_info():
+    info = dict(torch=torch.__version__, cuda=torch.version.cuda, gpus=torch.cuda.device_count())
+    if info["gpus"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(name=props.name, memory_bytes=props.total_memory, bf16=torch.cuda.is_bf16_supported())
+    return info
+
+
+def bench_mars_rows():
+    """bench/bench_mars.py's own table (its public entry point); gpu_check.optimizer_rows reads it."""
+    from bench import bench_mars
+
+    return dict(rows=bench_mars.run(quick=True))
+
+
+def memory_plan(cfg, world_size):
+    """The memory plan's per-GPU estimate for this run, from issue 15's memplan module once it exists.
+
+    The one place the check depends on it. Assumed interface: memplan.plan(cfg, world_size=N) returns the
+    plan, whose total_bytes is the per-GPU total. A plan that cannot be computed is reported in the row.
+    """
+    try:
+        import memplan
+    except ModuleNotFoundError as e:
+        if e.name != "memplan":
+            raise
+        return dict(plan_bytes=None, plan_note="n/a (plan not available)")
+    try:
+        return dict(plan_bytes=int(memplan.plan(cfg, world_size=world_size).total_bytes), plan_note="")
+    except Exception as e:  # an interface other than the one assumed above: the row says so and fails
+        return dict(plan_bytes=None, plan_note=f"memplan.plan failed: {type(e).__name__}: {e}", plan_error=True)
+
+
+def peak_memory(train_argv):
+    """Peak memory over MEMORY_STEPS optimizer steps of the run train_argv configures.
+
+    The run is built by train.setup and stepped by train.train_step, what train.main runs between
+    evaluations, without the evaluations and checkpoints (a GPT-2 XL MARS checkpoint is about 25 GB).
+    On CUDA the peak is torch.cuda.max_memory_allocated; on CPU the process's peak resident set.
+    """
+    cfg = load_config(train_argv)
+    dist_info = train.setup_distributed(cfg)
+    run, _, _ = train.setup(cfg, dist_info)
+    result = dict(device=dist_info.device, steps=0, oom="")
+    try:
+        for it in range(MEMORY_STEPS):
+            train.train_step(run, it)
+            result["steps"] += 1
+    except torch.OutOfMemoryError as e:
+        result["oom"] = str(e).strip().splitlines()[0]
+    finally:
+        run.metrics.close()
+    if dist_info.device_type == "cuda":
+        torch.cuda.synchronize()
+        result.update(
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+            total_bytes=torch.cuda.get_device_properties(dist_info.device).total_memory,
+        )
+    else:
+        result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    result.update(memory_plan(cfg, dist_info.world_size))
+    return result
+
+
+def main(argv):
+    if len(argv) < 2 or argv[0] not in ("device", "optimizer", "memory"):
+        print("error: usage: gpu_check_worker.py device|optimizer|memory RESULT.json [train.py args]", file=sys.stderr)
+        return 2
+    kind, result_path, rest = argv[0], argv[1], argv[2:]
+    if kind == "memory":
+        result = peak_memory(rest)
+    else:
+        result = {"device": device_info, "optimizer": bench_mars_rows}[kind]()
+    with atomic_writer(result_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
