@@ -813,11 +813,12 @@ def planned_model_args(cfg):
     return model_args_from_config(cfg, vocab_size)
 
 
-def dry_run(cfg):
-    """--dry_run=True: print the memory plan per GPU and return; no process group, data or GPU needed.
+def dry_run_plan(cfg, layout=None):
+    """The memory plan --dry_run=True prints: no process group, data or GPU needed.
 
     The world size is plan_world_size, else the launch's; the GPU is gpu_memory_gb, else the one present;
     dtype=auto is planned as it resolves on that GPU (bfloat16 without one, as on any GPU from the A100 on).
+    layout: memplan.optimizer_layout's, to reuse across plans of one model and optimizer.
     """
     world_size = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
     on_gpu = cfg.device not in ("cpu", "mps")  # auto: the run is planned for GPUs, present or not
@@ -826,7 +827,13 @@ def dry_run(cfg):
     if dtype == "auto":
         dtype = memplan.AUTO_DTYPE if on_gpu else "float32"
     gb, name = gpu_memory(cfg, "cuda" if gpu_here else "cpu")
-    plan = memplan.plan(cfg, world_size, gb, model_args=planned_model_args(cfg), dtype=dtype, gpu_name=name)
+    model_args = planned_model_args(cfg)
+    return memplan.plan(cfg, world_size, gb, model_args=model_args, dtype=dtype, layout=layout, gpu_name=name)
+
+
+def dry_run(cfg):
+    """--dry_run=True: print the memory plan per GPU (rank 0 only, under torchrun) and return 0."""
+    plan = dry_run_plan(cfg)
     if os.environ.get("RANK", "0") == "0":
         print("\n".join(memplan.format_plan(plan)))
     return 0
