@@ -101,8 +101,11 @@ def optimizer_layout(cfg, model_args):
 
     def entry(p, state):
         tensors = [v for v in state.values() if torch.is_tensor(v)]
-        # exact MARS: the step's correction c_t gets a buffer of its own (mars._multi_tensor_mars)
-        step_buffer = p.numel() * p.element_size() if "previous_grad" in state else 0
+        # MARS computes c_t in last_grad's buffer when it can; exact mode, or a last_grad stored in another
+        # dtype than the parameter's, gives c_t a buffer of its own during the step (mars._multi_tensor_mars)
+        last_grad = state.get("last_grad")
+        own_buffer = last_grad is not None and ("previous_grad" in state or last_grad.dtype != p.dtype)
+        step_buffer = p.numel() * p.element_size() if own_buffer else 0
         return p.numel(), sum(t.numel() * t.element_size() for t in tensors), step_buffer
 
     return OptimizerLayout(
@@ -194,6 +197,7 @@ class Activations:
 
 
 def activations_for(model_args, dtype):
+    """The formula's terms for the model model_args describes (built on the meta device) in autocast dtype."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**model_args))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -248,11 +252,16 @@ class MemoryPlan:
 
     @property
     def usable_bytes(self):
-        return None if self.gpu_memory_bytes is None else int(self.gpu_memory_bytes * (1 - HEADROOM))
+        return None if self.gpu_memory_bytes is None else usable(self.gpu_memory_bytes)
 
     @property
     def fits(self):
         return None if self.gpu_memory_bytes is None else self.total_bytes <= self.usable_bytes
+
+
+def usable(gpu_memory_bytes):
+    """What a plan may fill of a GPU's memory: all but HEADROOM."""
+    return int(gpu_memory_bytes * (1 - HEADROOM))
 
 
 def default_model_args(cfg):
@@ -301,8 +310,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
     gpu_memory_bytes = None if gpu_memory_gb is None else int(gpu_memory_gb * GIB)
     max_micro_batch = None
     if gpu_memory_bytes is not None:
-        usable = gpu_memory_bytes * (1 - HEADROOM)
-        max_micro_batch = largest(lambda b: static + sum(peak(b)[1].values()) <= usable)
+        max_micro_batch = largest(lambda b: static + sum(peak(b)[1].values()) <= usable(gpu_memory_bytes))
     notes = ()
     if cfg.zero_stage == 1 and world_size == 1:
         notes = ("zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks",)
