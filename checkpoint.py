@@ -6,7 +6,9 @@ run code: every value is a tensor, a number, a string or a list/tuple/dict of th
     model_args    the GPTConfig fields the model was built with
     config        the run's full configuration (configurator.config_to_dict)
     <part>        the state_dict() of each stateful part train.py names in checkpoint_parts():
-                  model, optimizer, scaler, rng (RNGState), progress (train.Progress)
+                  model, optimizer, scaler, rng (RNGState), progress (train.Progress); the optimizer's is
+                  the unsharded optimizer's format also under ZeRO-1 (optim.ShardedOptimizer gathers every
+                  rank's share on rank 0), so any number of ranks, sharded or not, resumes it
 
 and nothing else: what a resume restores is exactly what was saved, part by part. The batches need no
 state of their own: tokens.TokenData.get_batch is a pure function of (seed, step, micro_step), so the

@@ -180,6 +180,23 @@ class TrainConfig:
         "slower. CPU runs are deterministic anyway",
     )
     ddp_timeout_s: int = key(600, "collective timeout: a dead rank ends the job instead of hanging it", positive)
+    # --- memory (memplan.py, docs/memory.md). None of these changes the training math: a resume may change them.
+    zero_stage: int = key(
+        0,
+        "1 = ZeRO-1: each DDP rank keeps the optimizer state of ~1/world_size of the parameters (the checkpoint "
+        "is the same); 0 = every rank keeps all of it",
+        lambda v: None if v in (0, 1) else "must be 0 or 1 (ZeRO stages 2 and 3 are not supported)",
+    )
+    activation_checkpointing: bool = key(
+        False, "keep only each block's input and recompute its activations in the backward pass (one more forward)"
+    )
+    dry_run: bool = key(False, "print the memory plan per GPU and exit: reads no data, needs no GPU")
+    gpu_memory_gb: float = key(
+        0.0, "GiB of one GPU for the memory plan's verdict; 0 = the detected GPU's (none: no verdict)", non_negative
+    )
+    plan_world_size: int = key(
+        0, "dry_run: plan for this many GPUs; 0 = the launch's (WORLD_SIZE under torchrun, else 1)", non_negative
+    )
 
     def validate(self):
         """The checks that involve more than one key."""

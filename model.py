@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 # OpenAI's GPT-2 tokenizer has 50257 tokens; the Hugging Face checkpoints have exactly that many rows.
 GPT2_VOCAB_SIZE = 50257
@@ -166,6 +167,10 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Activation checkpointing (train.py's --activation_checkpointing): each block keeps only its input and
+        # recomputes the rest in the backward pass. A switch, not a GPTConfig field: it changes memory and
+        # time, never the function or the saved weights.
+        self.activation_checkpointing = False
         # Weight tying (Press & Wolf, 2017), as in GPT-2: one matrix embeds tokens and scores them.
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -205,7 +210,12 @@ class GPT(nn.Module):
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # preserve_rng_state (the default) replays the forward's RNG state, so the recomputation
+                # draws the same dropout masks and the gradients are the plain model's.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.transformer.ln_f(x)
         if targets is None:
             # generation needs only the next token: skip the (B, T, vocab) output matmul

@@ -12,6 +12,9 @@ muon  -- torch.optim.Muon (lr muon_lr, weight decay 0) chained with AdamW (lr mu
 Every hyperparameter the configuration sets is written into the groups by group_hyperparameters, at
 construction and again after a resume's load_state_dict. Each group keeps its peak lr as 'initial_lr';
 set_lr(optimizer, it, cfg) applies the schedule to every group.
+
+ZeRO-1 (zero_stage=1 with more than one rank, see is_sharded): every torch optimizer above becomes a
+ShardedOptimizer, and each DDP rank keeps the state of about 1/world_size of the parameters.
 """
 
 import math
@@ -60,6 +63,91 @@ class ChainedOptimizer:
             opt.load_state_dict(sd)
 
 
+class ShardedOptimizer:
+    """ZeRO-1 (Rajbhandari et al., 2020, stage P_os) on torch's ZeroRedundancyOptimizer, which gives each rank
+    whole parameters -- the largest first, each to the rank holding the fewest elements so far -- runs
+    optimizer_class on that rank's share, and after step() broadcasts each rank's updated parameters to the
+    others. A rule that looks at a whole tensor (MARS's clip of c_t to Frobenius norm 1, Muon's Newton-Schulz)
+    therefore sees exactly what it sees unsharded. Hyperparameters written into param_groups (set_lr,
+    group_hyperparameters) reach the rank's optimizer at the next step().
+
+    What this wrapper adds:
+    - state_dict() is collective (every rank calls it, like a checkpoint's other parts) and returns on rank 0
+      the state in the unsharded optimizer's own format (None on the other ranks): a checkpoint resumes on
+      any number of ranks, sharded or not, and readers that know nothing of sharding read it;
+    - load_state_dict() takes that format and loads this rank's share through optimizer_class's own
+      load_state_dict, which places each state tensor as that class wants it (fused AdamW's step counts on
+      the device, for instance);
+    - MARS's exact-mode calls reach the rank's optimizer.
+    """
+
+    def __init__(self, params, optimizer_class, **defaults):
+        # imported here: torch.distributed.optim adds seconds to every start, and only sharded runs need it
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        self.zero = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **defaults)
+
+    @property
+    def param_groups(self):
+        return self.zero.param_groups
+
+    @property
+    def local(self):
+        """This rank's optimizer_class over its share of the parameters."""
+        return self.zero.optim
+
+    def step(self, closure=None):
+        return self.zero.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.zero.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        self.zero.consolidate_state_dict(to=0)
+        if self.zero.rank != 0:
+            return None
+        if self.param_groups[0]["params"][0].is_cuda:
+            # consolidate_state_dict copies each rank's state to the CPU with non_blocking=True: wait for the
+            # copies before anyone reads them
+            torch.cuda.synchronize()
+        state = self.zero.state_dict()
+        self.zero._all_state_dicts = []  # the gathered copy is the caller's now: free it here
+        return state
+
+    def load_state_dict(self, state_dict):
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the saved optimizer state has different parameter groups than this optimizer")
+        saved_index = {}  # parameter -> its index in the saved state
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            saved_index.update(zip(group["params"], saved["params"]))
+        local_state, local_groups, first = {}, [], 0
+        for saved, local in zip(saved_groups, self.local.param_groups):
+            for i, p in enumerate(local["params"], start=first):
+                if saved_index[p] in state_dict["state"]:
+                    local_state[i] = state_dict["state"][saved_index[p]]
+            local_groups.append({**saved, "params": list(range(first, first + len(local["params"])))})
+            first += len(local["params"])
+        self.local.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+    def update_previous_grad(self):
+        self.local.update_previous_grad()
+
+    def update_last_grad(self):
+        self.local.update_last_grad()
+
+
+def held_state(optimizer):
+    """parameter -> optimizer state, for the parameters whose state this process holds (all of them, or its
+    share under ZeRO-1)."""
+    if isinstance(optimizer, ChainedOptimizer):
+        return {p: s for opt in optimizer.optimizers for p, s in held_state(opt).items()}
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.local.state
+    return optimizer.state
+
+
 def _group_settings(cfg):
     """The hyperparameters cfg sets in each group, in the order build_optimizer makes the groups."""
     betas = (cfg.beta1, cfg.beta2)
@@ -91,10 +179,23 @@ def group_hyperparameters(optimizer, cfg):
             group["lr_1d_factor"] = setting["lr_1d"] / setting["lr"] if setting["lr"] else 1.0
 
 
-def build_optimizer(model, cfg, device_type):
-    """The optimizer cfg.optimizer_name names, over model's parameters (already on their device)."""
+def is_sharded(cfg, world_size):
+    """Whether a run's optimizer state is sharded: zero_stage=1 and more than one rank to share it."""
+    return cfg.zero_stage == 1 and world_size > 1
+
+
+def build_optimizer(model, cfg, device_type, world_size=1):
+    """The optimizer cfg.optimizer_name names, over model's parameters (already on their device); sharded
+    over the default process group's world_size ranks when is_sharded (each torch optimizer a
+    ShardedOptimizer)."""
     fused = device_type == "cuda"
     settings = _group_settings(cfg)
+
+    def make(optimizer_class, groups, **kwargs):
+        if is_sharded(cfg, world_size):
+            return ShardedOptimizer(groups, optimizer_class=optimizer_class, **kwargs)
+        return optimizer_class(groups, **kwargs)
+
     if cfg.optimizer_name == "muon":
         split = matrix_params if cfg.muon_matrices == "all" else hidden_matrix_params
         muon_params, adamw_params = split(model)
@@ -102,19 +203,25 @@ def build_optimizer(model, cfg, device_type):
         # sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original". Its other differences from
         # torch's Muon are in the README's note.
         optimizer = ChainedOptimizer(
-            torch.optim.Muon(
-                [dict(params=muon_params, **settings[0])], momentum=0.95, nesterov=True, adjust_lr_fn="original"
+            make(
+                torch.optim.Muon,
+                [dict(params=muon_params, **settings[0])],
+                momentum=0.95,
+                nesterov=True,
+                adjust_lr_fn="original",
             ),
-            torch.optim.AdamW([dict(params=adamw_params, **settings[1])], fused=fused),
+            make(torch.optim.AdamW, [dict(params=adamw_params, **settings[1])], fused=fused),
         )
     else:
         groups = [{**group, **setting} for group, setting in zip(param_groups(model, cfg.weight_decay), settings)]
         if cfg.optimizer_name == "mars":
             from mars import MARS
 
-            optimizer = MARS(groups, is_approx=cfg.is_approx, mars_type=cfg.mars_type, optimize_1d=cfg.optimize_1d)
+            optimizer = make(
+                MARS, groups, is_approx=cfg.is_approx, mars_type=cfg.mars_type, optimize_1d=cfg.optimize_1d
+            )
         elif cfg.optimizer_name == "adamw":
-            optimizer = torch.optim.AdamW(groups, fused=fused)
+            optimizer = make(torch.optim.AdamW, groups, fused=fused)
         else:
             raise ValueError(f"optimizer_name={cfg.optimizer_name!r} is not one of: mars, adamw, muon")
     group_hyperparameters(optimizer, cfg)

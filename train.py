@@ -41,13 +41,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import memplan
 import metrics
 from checkpoint import CheckpointError, CheckpointWriter, RNGState
 from configurator import ConfigError, config_to_dict, fixed_keys, load_config, print_help, wants_help
 from metrics import LogWindow, MetricsLog
-from model import GPT, GPTConfig, peak_flops
-from optim import build_optimizer, group_hyperparameters, set_lr
-from runtime import SetupError, agree, decide_on_master, set_deterministic, setup_distributed, setup_precision
+from model import GPT, GPT2_VOCAB_SIZE, HF_CHECKPOINTS, PRESETS, GPTConfig, peak_flops
+from optim import build_optimizer, group_hyperparameters, held_state, is_sharded, set_lr
+from runtime import (
+    SetupError,
+    agree,
+    decide_on_master,
+    resolve_dtype,
+    set_deterministic,
+    setup_distributed,
+    setup_precision,
+)
 from tokens import DataError, TokenData
 
 # The errors a user's input or a missing file can cause: printed as one `error:` line, exit 2.
@@ -79,6 +88,10 @@ class Progress:
             setattr(self, f.name, state[f.name])
 
 
+# The steps after which a CUDA run prints its measured peak memory beside the plan: by then the optimizer
+# state exists and a step has run with it.
+MEMORY_REPORT_STEP = 2
+
 # The parts of a run a checkpoint holds, by name; checkpoint_parts() maps them to the run's objects.
 CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress")
 
@@ -104,6 +117,11 @@ class Run:
     hellaswag_examples: list | None
     metrics: MetricsLog
     writer: CheckpointWriter
+    memory_plan: memplan.MemoryPlan | None = None  # rank 0's, printed by describe()
+
+    @property
+    def sharded(self):
+        return is_sharded(self.cfg, self.dist.world_size)
 
     @property
     def exact_mars(self):
@@ -305,8 +323,9 @@ def setup(cfg, dist_info):
             print(line, flush=True)
     set_deterministic(cfg.deterministic, dist_info.device_type)
     model.to(dist_info.device)
+    model.activation_checkpointing = cfg.activation_checkpointing
     autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
-    optimizer = build_optimizer(model, cfg, dist_info.device_type)
+    optimizer = build_optimizer(model, cfg, dist_info.device_type, dist_info.world_size)
     rng = RNGState(dist_info.rank, gather_rng(dist_info))
     progress = Progress()
     if ckpt is not None:
@@ -367,8 +386,26 @@ def setup(cfg, dist_info):
         hellaswag_examples=hellaswag_examples,
         metrics=log,
         writer=CheckpointWriter(),
+        memory_plan=plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
     return run, progress, resumed
+
+
+def gpu_memory(cfg, device):
+    """(GiB, name) of the GPU the plan is checked against: --gpu_memory_gb, else the GPU `device` is on,
+    else (None, None)."""
+    if cfg.gpu_memory_gb:
+        return cfg.gpu_memory_gb, None
+    if torch.device(device).type != "cuda":
+        return None, None
+    return torch.cuda.get_device_properties(device).total_memory / memplan.GIB, torch.cuda.get_device_name(device)
+
+
+def plan_memory(cfg, dist_info, model_args):
+    """This run's memory plan (memplan.py) on its GPUs, for describe() to print."""
+    gb, name = gpu_memory(cfg, dist_info.device)
+    dtype = resolve_dtype(cfg.dtype, dist_info.device_type)
+    return memplan.plan(cfg, dist_info.world_size, gb, model_args=model_args, dtype=dtype, gpu_name=name)
 
 
 def describe(run):
@@ -387,6 +424,15 @@ def describe(run):
     )
     print(f"total tokens: {run.tokens_per_step * cfg.max_iters:,} over max_iters {cfg.max_iters:,}")
     print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
+    plan = run.memory_plan
+    print("\n".join(memplan.format_plan(plan)))
+    if plan.fits is False:
+        print(
+            f"warning: the memory plan ({plan.total_bytes / memplan.GIB:.1f} GiB per GPU) exceeds the "
+            f"{plan.usable_bytes / memplan.GIB:.1f} GiB usable on this GPU: the run may stop with CUDA out of "
+            f"memory; try {memplan.advice(plan)}",
+            file=sys.stderr,
+        )
     if run.dist.device_type == "cuda" and peak_flops(run.dist.device) is None:
         print(
             f"note: mfu is logged as null: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name()} "
@@ -434,8 +480,8 @@ def forward_backward(run, step):
             if cfg.dropout > 0:
                 torch.manual_seed(dropout_seed(cfg.seed, step, k))
             with run.autocast:
-                _, loss = run.train_model(x, y)
-                loss = loss / len(micro_steps)
+                # only the loss: the (micro-batch, block, vocabulary) logits are freed before the backward pass
+                loss = run.train_model(x, y)[1] / len(micro_steps)
             if not last:
                 x, y = fetch(micro_steps[i + 1])  # while the device works on this forward
             run.scaler.scale(loss * cfg.grad_multiplier).backward()
@@ -559,14 +605,11 @@ def log_train(run, progress, window, result, time_s):
     loss = None
     if window.losses:
         loss = all_reduce_sum(run, window.loss_sum / window.losses) / run.dist.world_size
+    momentum = momentum_norms(run) if cfg.optimizer_name == "mars" else []
     if not run.dist.is_master:
         return
     dt = (time.perf_counter() - window.t0) / window.steps
-    values = [loss if loss is not None else torch.tensor(math.nan), norm_of(list(run.model.parameters()))]
-    if cfg.optimizer_name == "mars":  # the momentum norms the reference train_mars.py logs
-        states = [s for s in run.optimizer.state.values() if "exp_avg" in s]
-        values.append(norm_of([s["exp_avg"] for s in states]))
-        values.append(norm_of([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]))
+    values = [loss if loss is not None else torch.tensor(math.nan), norm_of(list(run.model.parameters())), *momentum]
     values = torch.stack([v.float().to(run.dist.device) for v in values]).tolist()
     passes = 2 if run.exact_mars else 1
     mfu = run.model.estimate_mfu(run.tokens_per_step // run.dist.world_size * passes, dt)
@@ -600,6 +643,18 @@ def log_train(run, progress, window, result, time_s):
 
 def norm_of(tensors):
     return torch.nn.utils.get_total_norm(list(tensors)) if tensors else torch.zeros(())
+
+
+def momentum_norms(run):
+    """The norms of MARS's m and v the reference train_mars.py logs, over all of the state: under ZeRO-1
+    every rank holds a share, so the squares are summed over the ranks (every rank takes part)."""
+    states = [s for s in held_state(run.optimizer).values() if "exp_avg" in s]
+    m = norm_of([s["exp_avg"] for s in states])
+    v = norm_of([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s])
+    if not run.sharded:
+        return [m, v]
+    squares = torch.stack([m, v]).float().to(run.dist.device) ** 2
+    return list(all_reduce_sum(run, squares).sqrt())
 
 
 def evaluate_and_save(run, progress, time_s):
@@ -695,6 +750,13 @@ def step_and_log(run, progress, window, time_s):
     if progress.iter_num % run.cfg.log_interval == 0:
         log_train(run, progress, window, result, time_s())
         window.restart()
+    if progress.iter_num == MEMORY_REPORT_STEP and run.memory_plan and run.dist.device_type == "cuda":
+        print(
+            f"memory: rank 0 peaked at {torch.cuda.max_memory_allocated() / memplan.GIB:.2f} GiB allocated "
+            f"({torch.cuda.max_memory_reserved() / memplan.GIB:.2f} GiB reserved) in the first "
+            f"{MEMORY_REPORT_STEP} steps; the plan: {run.memory_plan.total_bytes / memplan.GIB:.2f} GiB",
+            flush=True,
+        )
 
 
 def record_skip(run, progress, result, time_s):
@@ -725,6 +787,50 @@ def record_skip(run, progress, result, time_s):
         )
 
 
+def planned_model_args(cfg):
+    """The model a run of cfg builds, without reading tokens: the data's vocabulary when its files are there,
+    else GPT-2's (padded); OpenAI's shape for init_from=gpt2*."""
+    if cfg.init_from in HF_CHECKPOINTS:
+        preset = PRESETS[HF_CHECKPOINTS[cfg.init_from]]
+        return {
+            **model_args_from_config(cfg, GPT2_VOCAB_SIZE),
+            **preset,
+            "bias": True,
+            "block_size": min(cfg.block_size, 1024),
+        }
+    try:
+        vocab_size = model_vocab_size(TokenData(os.path.join(cfg.data_path, cfg.dataset), "train"))
+    except DataError:
+        vocab_size = GPTConfig().vocab_size
+    return model_args_from_config(cfg, vocab_size)
+
+
+def dry_run_plan(cfg, layout=None):
+    """The memory plan --dry_run=True prints: no process group, data or GPU needed.
+
+    The world size is plan_world_size, else the launch's; the GPU is gpu_memory_gb, else the one present;
+    dtype=auto is planned as it resolves on that GPU (bfloat16 without one, as on any GPU from the A100 on).
+    layout: memplan.optimizer_layout's, to reuse across plans of one model and optimizer.
+    """
+    world_size = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    on_gpu = cfg.device not in ("cpu", "mps")  # auto: the run is planned for GPUs, present or not
+    gpu_here = on_gpu and torch.cuda.is_available()
+    dtype = resolve_dtype(cfg.dtype, "cuda") if gpu_here else cfg.dtype
+    if dtype == "auto":
+        dtype = memplan.AUTO_DTYPE if on_gpu else "float32"
+    gb, name = gpu_memory(cfg, "cuda" if gpu_here else "cpu")
+    model_args = planned_model_args(cfg)
+    return memplan.plan(cfg, world_size, gb, model_args=model_args, dtype=dtype, layout=layout, gpu_name=name)
+
+
+def dry_run(cfg):
+    """--dry_run=True: print the memory plan per GPU (rank 0 only, under torchrun) and return 0."""
+    plan = dry_run_plan(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        print("\n".join(memplan.format_plan(plan)))
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
@@ -734,6 +840,8 @@ def main(argv=None):
     try:
         try:
             cfg = load_config(argv)
+            if cfg.dry_run:
+                return dry_run(cfg)
             dist_info = setup_distributed(cfg)
             run, progress, resumed = setup(cfg, dist_info)
         except USER_ERRORS as e:

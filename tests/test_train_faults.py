@@ -5,6 +5,7 @@ Every run is a subprocess with one thread (train_helpers.subprocess_env), so run
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,14 +15,15 @@ import pytest
 import torch
 from train_helpers import ROOT, launch, make_char_data, subprocess_env, tiny_args, wait_for_line
 
+import metrics
 import train
 
 pytestmark = pytest.mark.slow
 
 # Dropout on, so the test also covers the dropout masks; checkpoints at 0, 4, 8, 12, 16.
 RESUME_RUN = dict(max_iters=16, eval_interval=4, dropout=0.1, log_interval=2)
-# Exact MARS: the look-ahead pass goes through DDP too; checkpoints at 0, 3, 6.
-DDP_RUN = dict(max_iters=6, eval_interval=3, is_approx=False, log_interval=1)
+# Exact MARS: the look-ahead pass goes through DDP too; checkpoints at 0, 3, 6, each kept.
+DDP_RUN = dict(max_iters=6, eval_interval=3, is_approx=False, log_interval=1, keep_every_n_evals=1)
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,65 @@ def test_two_ranks_train_the_same_model_as_one_process(ddp_run):
 
 def test_two_ranks_one_micro_batch_each_train_the_same_model_as_one_process(data_path, tmp_path):
     assert_close_runs(*ddp_and_single_runs(data_path, tmp_path, 2))
+
+
+@pytest.fixture(scope="module")
+def sharded_run(data_path, tmp_path_factory):
+    """ddp_run's 2-rank run with ZeRO-1 and activation checkpointing."""
+    out = str(tmp_path_factory.mktemp("sharded"))
+    args = dict(DDP_RUN, gradient_accumulation_steps=4, zero_stage=1, activation_checkpointing=True)
+    output = torchrun(tiny_args(data_path, out, **args))
+    assert "ZeRO-1 over 2 GPUs" in output and "activation checkpointing on" in output
+    return out
+
+
+def test_sharded_ddp_trains_and_saves_bit_for_bit_what_plain_ddp_does(sharded_run, ddp_run):
+    """Each parameter's update is computed on one rank from the same all-reduced gradient, and the checkpoint
+    holds the whole state in the unsharded format: the same losses, weights and optimizer state. (MARS's
+    momentum norms are summed over the ranks' shares: equal up to float rounding.)"""
+    model_a, optimizer_a = final_state(sharded_run)
+    model_b, optimizer_b = final_state(ddp_run[0])
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_b)
+    assert optimizer_a["param_groups"] == optimizer_b["param_groups"]
+    assert optimizer_a["state"].keys() == optimizer_b["state"].keys()
+    for index, state in optimizer_b["state"].items():
+        assert state.keys() == optimizer_a["state"][index].keys()
+        assert all(
+            torch.equal(torch.as_tensor(v), torch.as_tensor(optimizer_a["state"][index][k])) for k, v in state.items()
+        )
+    momentum = {metrics.MOMENTUM_NORM, metrics.MOMENTUM_NORM_SQ, metrics.MOMENTUM_DIV}
+    for a, b in zip(losses(sharded_run), losses(ddp_run[0]), strict=True):
+        assert {k: v for k, v in a.items() if k not in momentum} == {k: v for k, v in b.items() if k not in momentum}
+        assert [a[k] for k in momentum & a.keys()] == pytest.approx([b[k] for k in momentum & a.keys()], rel=1e-6)
+
+
+def resume_from(data_path, checkpoint_file, out, launch):
+    """Resume `checkpoint_file` (a kept step-3 checkpoint) to the end in a fresh out_dir, one process or torchrun."""
+    os.makedirs(out)
+    shutil.copyfile(checkpoint_file, os.path.join(out, "ckpt.pt"))
+    args = tiny_args(data_path, out, gradient_accumulation_steps=4, **DDP_RUN) + ["--init_from=resume"]
+    if launch == "torchrun":
+        torchrun(args + ["--zero_stage=1"])
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_sharded_checkpoint_resumes_in_one_process_and_a_one_process_one_sharded(
+    data_path, sharded_run, ddp_run, tmp_path
+):
+    """Both end where the run they came from ends, up to the float rounding of 1 process against 2 ranks."""
+    resume_from(data_path, os.path.join(sharded_run, "ckpt_0000003.pt"), str(tmp_path / "one"), "python")
+    resume_from(data_path, os.path.join(ddp_run[1], "ckpt_0000003.pt"), str(tmp_path / "sharded"), "torchrun")
+    for resumed, original in ((tmp_path / "one", sharded_run), (tmp_path / "sharded", ddp_run[1])):
+        model_a, _ = final_state(str(resumed))
+        model_b, _ = final_state(original)
+        for key in model_b:
+            torch.testing.assert_close(model_a[key], model_b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def free_port():

@@ -1,0 +1,413 @@
+"""The memory plan: what one GPU holds at the peak of a training step, estimated before the run starts.
+
+    python train.py config/train_gpt2_xl_mars.py --dry_run=True --gpu_memory_gb=40 --plan_world_size=8
+
+train.py prints the plan at the start of every run (and warns when it does not fit); --dry_run=True prints
+it and exits, reading no data and needing no GPU. docs/memory.md explains it and tabulates the paper runs.
+plan(cfg, world_size, gpu_memory_gb) returns the numbers (a MemoryPlan), e.g. for a GPU check to compare
+with torch.cuda.max_memory_allocated().
+
+Nothing large is built. The parameter, gradient and optimizer-state bytes are exact: the model is built on
+the meta device (shapes, no storage), the run's optimizer (optim.build_optimizer) takes one step there, and
+each parameter's state is whatever tensors the optimizer allocated, byte for byte -- so every optimizer,
+MARS variant and state dtype is counted by the optimizer itself. With ZeRO-1 (zero_stage=1 on more than
+one rank) each rank keeps the state of the parameters torch's ZeroRedundancyOptimizer assigns to it; the
+plan reproduces that assignment and reports the fullest rank.
+
+Activations, logits, autocast's weight copies and the backward pass's gradient buffers follow the formula
+below (bytes, eager mode); on the CPU a forward and backward pass allocates exactly this much at its peak
+(tests/test_memplan.py measures it with the profiler: within 0.5% for GPT-2's proportions). With T tokens
+per micro-batch (batch_size x block_size), L layers, width C, H heads, vocabulary V, a bytes per element of
+the autocast dtype (2 for bfloat16/float16, 4 for float32), and cast = 1 when a < 4:
+
+    per block and token   8C            the float32 residual stream entering each LayerNorm (2 x 4C)
+                        + 14aC          LayerNorm outputs as the Linears see them (2aC), q, k, v (3aC),
+                                        attention output (aC), MLP hidden before and after GELU (8aC)
+                        + 4H + 16       attention's log-sum-exp (float32) and the LayerNorms' mean and rstd
+                        + 2C            dropout masks (1 byte per element, CUDA), when dropout > 0
+    after the blocks      4C + aC + 8   final LayerNorm's input and statistics, the output layer's input
+                        + C             the embedding's dropout mask, when dropout > 0
+    logits                12V           per token, at the start of the backward pass: cross-entropy's
+                                        float32 log-softmax (saved) and the gradients into and out of it
+    weight copies         aW cast       autocast's 16-bit copy of every Linear weight (W elements, the
+                                        tied output layer included), saved for the backward pass
+    gradient buffers      (4C + 4aC)T   in a block's backward pass: the residual stream's and the MLP
+                        + 4C^2 (4 + a cast)   hidden layer's gradients, one weight's gradient before it
+                        + 4VC                 is added to .grad, and the output layer's gradient of the
+                                              tied embedding, held until the embedding's own arrives
+
+The peak is the largest of these moments. Without activation checkpointing: the start of the backward pass
+(all blocks' activations, the rest after the blocks, 12V per token, the weight copies) -- for GPT-2 runs
+always this one --, the backward pass of the last block, and the end of the backward pass (the tied
+embedding's two gradients and, in float32, their sum: 4VC (3 - cast)). With checkpointing each block
+keeps only its input (4C per token) and the moments are: the end of the forward pass (the block inputs,
+autocast's cache of every Linear weight and bias, cross-entropy's forward buffers, (a + 4 + 4 cast) V per
+token, and the final LayerNorm's float32 output when cast), the start of the backward pass (the block
+inputs and 12V per token), the recomputation of a block (the block inputs, that block's activations and
+weight copies, the gradient buffers), and the end of the backward pass.
+
+Outside the forward and backward pass: exact MARS (is_approx=False) allocates one buffer the size of its
+MARS tensors' gradients during the step, and a checkpoint under ZeRO-1 moves each rank's state through the
+GPU as bytes (up to twice the fullest rank's state at once). The total is parameters + gradients + state +
+the largest moment of all.
+
+The fit: a plan fits when its total is at most 90% of the GPU's memory. The other 10% is for what the plan
+does not count: the CUDA context, NCCL's buffers, cuBLAS workspaces and the caching allocator's
+fragmentation (the calibration run below reserved 8% more than it allocated).
+
+Calibration: GPT-2 XL, MARS-AdamW, micro-batch 5 x 1024, bfloat16, uncompiled, one H200 peaked at
+48.4 GiB allocated. That train.py held each micro-batch's logits through its backward pass (2 bytes x V per
+token more than the 12V above); the formula with that term gives 48.5 GiB. Not yet compared on a GPU:
+small and medium (see docs/memory.md). torch.compile fuses and recomputes elementwise operations, so a
+compiled run may save less than this eager formula counts (not measured). For a character-level model
+(vocabulary smaller than the width) the formula is within 16% of the CPU's peak, not 0.5%.
+"""
+
+import dataclasses
+
+import torch
+
+from model import GPT, GPTConfig
+from optim import ChainedOptimizer, build_optimizer, is_sharded
+
+GIB = 2**30
+HEADROOM = 0.10  # of the GPU's memory, kept free for what the plan does not count (see above)
+AUTO_DTYPE = "bfloat16"  # dtype=auto on any GPU from the A100 on
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerLayout:
+    """The run's optimizer as the plan needs it: for each torch optimizer inside (Muon's pair has two), its
+    parameter groups, each a list of (elements, state bytes, step-buffer bytes) per parameter, in order."""
+
+    optimizers: tuple
+
+    @property
+    def parameters(self):
+        return [entry for groups in self.optimizers for group in groups for entry in group]
+
+
+def optimizer_layout(cfg, model_args):
+    """Build the model on the meta device, take one optimizer step there, and record each parameter's state."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**model_args))
+    optimizer = build_optimizer(model, cfg, "meta")
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    for method in ("update_previous_grad", "step", "update_last_grad"):  # MARS's exact protocol, else step
+        if hasattr(optimizer, method):
+            getattr(optimizer, method)()
+    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+
+    def entry(p, state):
+        tensors = [v for v in state.values() if torch.is_tensor(v)]
+        # MARS computes c_t in last_grad's buffer when it can; exact mode, or a last_grad stored in another
+        # dtype than the parameter's, gives c_t a buffer of its own during the step (mars._multi_tensor_mars)
+        last_grad = state.get("last_grad")
+        own_buffer = last_grad is not None and ("previous_grad" in state or last_grad.dtype != p.dtype)
+        step_buffer = p.numel() * p.element_size() if own_buffer else 0
+        return p.numel(), sum(t.numel() * t.element_size() for t in tensors), step_buffer
+
+    return OptimizerLayout(
+        tuple(tuple(tuple(entry(p, opt.state[p]) for p in g["params"]) for g in opt.param_groups) for opt in inner)
+    )
+
+
+def zero_partition(groups, world_size):
+    """Each rank's parameters as torch's ZeroRedundancyOptimizer assigns them (its _partition_parameters):
+    group by group, the largest tensor first, each to the rank with the fewest elements so far (the lowest
+    rank on a tie). `groups` hold layout entries; returns one list of entries per rank."""
+    sizes, ranks = [0] * world_size, [[] for _ in range(world_size)]
+    for group in groups:
+        for entry in sorted(group, key=lambda e: e[0], reverse=True):
+            rank = sizes.index(min(sizes))
+            ranks[rank].append(entry)
+            sizes[rank] += entry[0]
+    return ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """The formula's per-token and fixed terms for one model and dtype (see the module docstring)."""
+
+    cfg: GPTConfig
+    element_bytes: int  # a
+    linear_weights: int  # W: elements of every Linear weight
+    linear_params: int  # with their biases (autocast's cache at the end of the forward pass)
+    block_linear_params: int  # one block's Linear weights and biases
+
+    @property
+    def cast(self):
+        return self.element_bytes < 4
+
+    def per_block(self):
+        c, a, dropout = self.cfg.n_embd, self.element_bytes, self.cfg.dropout > 0
+        return 8 * c + 14 * a * c + 4 * self.cfg.n_head + 16 + 2 * c * dropout
+
+    def after_blocks(self):
+        c, a, dropout = self.cfg.n_embd, self.element_bytes, self.cfg.dropout > 0
+        return 4 * c + a * c + 8 + c * dropout
+
+    def peak(self, tokens, checkpointing):
+        """(moment, {part: bytes}) of the largest moment of the forward and backward pass."""
+        c, v, n_layer, a, cast = self.cfg.n_embd, self.cfg.vocab_size, self.cfg.n_layer, self.element_bytes, self.cast
+        # A block's backward pass: the gradients of the residual stream (float32) and of its MLP hidden layer,
+        # one weight's gradient before it is added to .grad (computed in the autocast dtype, then cast), and
+        # the tied embedding's gradient from the output layer, which waits in float32 for the embedding's own
+        # (autograd adds the two up first). At the very end those two and, in float32, their sum.
+        tied = 4 * v * c
+        block_backward = dict(gradients=tokens * (4 * c + 4 * a * c) + 4 * c * c * (4 + a * cast) + tied)
+        end = {"end of the backward pass": dict(gradients=tied * (3 - cast))}
+        if not checkpointing:
+            moments = {
+                "start of the backward pass": dict(
+                    activations=tokens * (n_layer * self.per_block() + self.after_blocks()),
+                    logits=tokens * 12 * v,
+                    weight_copies=cast * a * self.linear_weights,
+                ),
+                "backward pass of the last block": dict(
+                    activations=tokens * n_layer * self.per_block(),
+                    weight_copies=cast * a * (self.linear_weights - v * c),
+                    **block_backward,
+                ),
+                **end,
+            }
+        else:
+            block_inputs = n_layer * 4 * c
+            moments = {
+                "end of the forward pass": dict(
+                    activations=tokens * (block_inputs + self.after_blocks() + 4 * c * cast),
+                    logits=tokens * v * (a + 4 + 4 * cast),
+                    weight_copies=cast * a * self.linear_params,
+                ),
+                "start of the backward pass": dict(
+                    activations=tokens * (block_inputs + self.after_blocks()),
+                    logits=tokens * 12 * v,
+                    weight_copies=cast * a * v * c,
+                ),
+                # the recomputed block's input is the one it kept: counted once
+                "recomputation of a block": dict(
+                    activations=tokens * (block_inputs + self.per_block() - 4 * c),
+                    weight_copies=cast * a * self.block_linear_params,
+                    **block_backward,
+                ),
+                **end,
+            }
+        return max(moments.items(), key=lambda item: sum(item[1].values()))
+
+
+def activations_for(model_args, dtype):
+    """The formula's terms for the model model_args describes (built on the meta device) in autocast dtype."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**model_args))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def params(modules, biases=True):
+        return sum(m.weight.numel() + (m.bias.numel() if biases and m.bias is not None else 0) for m in modules)
+
+    block = [m for m in model.transformer.h[0].modules() if isinstance(m, torch.nn.Linear)]
+    return Activations(
+        cfg=model.config,
+        element_bytes=torch.empty((), dtype=getattr(torch, dtype)).element_size(),
+        linear_weights=params(linears, biases=False),
+        linear_params=params(linears),
+        block_linear_params=params(block),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one GPU holds at the peak of a training step (the fullest rank under ZeRO-1)."""
+
+    description: str  # the run the plan is for, in words
+    n_params: int
+    world_size: int
+    sharded: bool  # ZeRO-1 in effect (zero_stage=1 and more than one rank)
+    micro_batch: int
+    block_size: int
+    dtype: str
+    activation_checkpointing: bool
+    parameter_bytes: int
+    gradient_bytes: int
+    rank_state_bytes: tuple  # each rank's optimizer state (one entry unsharded)
+    peak_moment: str  # when the parts below are all alive at once
+    peak_parts: dict  # {name: bytes} at that moment, beyond parameters, gradients and state
+    gpu_memory_bytes: int | None
+    gpu_name: str | None
+    max_micro_batch: int | None  # the largest batch_size that fits (0: not even 1), None without a GPU size
+    notes: tuple = ()
+
+    @property
+    def state_bytes(self):
+        """The fullest rank's optimizer state."""
+        return max(self.rank_state_bytes)
+
+    @property
+    def total_state_bytes(self):
+        return sum(self.rank_state_bytes) if self.sharded else self.state_bytes
+
+    @property
+    def total_bytes(self):
+        return self.parameter_bytes + self.gradient_bytes + self.state_bytes + sum(self.peak_parts.values())
+
+    @property
+    def usable_bytes(self):
+        return None if self.gpu_memory_bytes is None else usable(self.gpu_memory_bytes)
+
+    @property
+    def fits(self):
+        return None if self.gpu_memory_bytes is None else self.total_bytes <= self.usable_bytes
+
+
+def usable(gpu_memory_bytes):
+    """What a plan may fill of a GPU's memory: all but HEADROOM."""
+    return int(gpu_memory_bytes * (1 - HEADROOM))
+
+
+def default_model_args(cfg):
+    """The model cfg describes, with GPT-2's padded vocabulary (train.py passes the data's)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig) if hasattr(cfg, f.name)}
+
+
+def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, layout=None, gpu_name=None):
+    """The MemoryPlan of cfg's run on world_size GPUs of gpu_memory_gb GiB each (None: no verdict; gpu_name
+    only labels it).
+
+    model_args: GPTConfig fields (default: default_model_args(cfg)); dtype: the autocast dtype the run
+    resolves to (default: cfg.dtype, 'auto' taken as bfloat16); layout: optimizer_layout(cfg, model_args),
+    to reuse it across plans that differ only in world size, batch, checkpointing or zero_stage.
+    """
+    model_args = model_args or default_model_args(cfg)
+    dtype = dtype or (AUTO_DTYPE if cfg.dtype == "auto" else cfg.dtype)
+    layout = layout or optimizer_layout(cfg, model_args)
+    activations = activations_for(model_args, dtype)
+    sharded = is_sharded(cfg, world_size)
+    parameters = layout.parameters
+    parameter_bytes = sum(n for n, _, _ in parameters) * 4  # float32 weights, and gradients alike
+    if sharded:
+        shares = [[] for _ in range(world_size)]
+        for groups in layout.optimizers:  # Muon's pair: one ZeroRedundancyOptimizer each
+            for rank, entries in enumerate(zero_partition(groups, world_size)):
+                shares[rank] += entries
+    else:
+        shares = [parameters]
+    rank_state_bytes = tuple(sum(s for _, s, _ in share) for share in shares)
+    state_bytes = max(rank_state_bytes)
+    fullest = shares[rank_state_bytes.index(state_bytes)]
+
+    def peak(micro_batch):
+        """(moment, {part: bytes}): the largest moment of a step beyond parameters, gradients and state."""
+        moments = dict(
+            [activations.peak(micro_batch * cfg.block_size, cfg.activation_checkpointing)],
+            **{
+                "optimizer step": dict(step_buffer=sum(b for _, _, b in fullest)),
+                "checkpoint save": dict(state_transfer=2 * state_bytes if sharded else 0),
+            },
+        )
+        return max(moments.items(), key=lambda item: sum(item[1].values()))  # the first on a tie
+
+    static = 2 * parameter_bytes + state_bytes
+    gpu_memory_bytes = None if gpu_memory_gb is None else int(gpu_memory_gb * GIB)
+    max_micro_batch = None
+    if gpu_memory_bytes is not None:
+        max_micro_batch = largest(lambda b: static + sum(peak(b)[1].values()) <= usable(gpu_memory_bytes))
+    notes = ()
+    if cfg.zero_stage == 1 and world_size == 1:
+        notes = ("zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks",)
+    moment, parts = peak(cfg.batch_size)
+    return MemoryPlan(
+        description=describe_optimizer(cfg),
+        n_params=sum(n for n, _, _ in parameters),
+        world_size=world_size,
+        sharded=sharded,
+        micro_batch=cfg.batch_size,
+        block_size=cfg.block_size,
+        dtype=dtype,
+        activation_checkpointing=cfg.activation_checkpointing,
+        parameter_bytes=parameter_bytes,
+        gradient_bytes=parameter_bytes,
+        rank_state_bytes=rank_state_bytes,
+        peak_moment=moment,
+        peak_parts=parts,
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_name=gpu_name,
+        max_micro_batch=max_micro_batch,
+        notes=notes,
+    )
+
+
+def largest(fits, limit=1 << 20):
+    """The largest n >= 1 with fits(n) (fits is monotone: true up to some n), 0 when fits(1) is false."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def describe_optimizer(cfg):
+    if cfg.optimizer_name == "mars":
+        return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
+    return {"adamw": "AdamW", "muon": "Muon + AdamW"}[cfg.optimizer_name]
+
+
+def gib(n):
+    return f"{n / GIB:.2f} GiB"
+
+
+PART_NAMES = dict(
+    activations="activations",
+    logits="logits",
+    weight_copies="weight copies",
+    gradients="gradient buffers",
+    step_buffer="step buffer",
+    state_transfer="state transfer",
+)
+
+
+def format_plan(p):
+    """The lines train.py prints."""
+    sharding = f"ZeRO-1 over {p.world_size} GPUs" if p.sharded else f"{p.world_size} GPU(s), unsharded"
+    lines = [
+        f"memory plan per GPU (an estimate): {p.n_params / 1e6:,.1f}M parameters, {p.description}, {sharding}, "
+        f"micro-batch {p.micro_batch} x {p.block_size} tokens, {p.dtype}, "
+        f"activation checkpointing {'on' if p.activation_checkpointing else 'off'}",
+        f"  parameters       {gib(p.parameter_bytes):>11}",
+        f"  gradients        {gib(p.gradient_bytes):>11}",
+        f"  optimizer state  {gib(p.state_bytes):>11}"
+        + (f"  (the fullest rank's share of {gib(p.total_state_bytes)})" if p.sharded else ""),
+    ]
+    peak = [(name, value) for name, value in p.peak_parts.items() if value]
+    for i, (name, value) in enumerate(peak):
+        lines.append(
+            f"  {PART_NAMES[name]:<16} {gib(value):>11}" + (f"  (peak: the {p.peak_moment})" if i == 0 else "")
+        )
+    total = f"  total            {gib(p.total_bytes):>11}"
+    if p.gpu_memory_bytes is None:
+        total += "  (no GPU to compare with: give --gpu_memory_gb=N)"
+    else:
+        name = f" ({p.gpu_name})" if p.gpu_name else ""
+        verdict = "fits" if p.fits else "does NOT fit"
+        total += (
+            f"  of {p.gpu_memory_bytes / GIB:.1f} GiB{name}, {p.usable_bytes / GIB:.1f} usable: {verdict}; "
+            f"the largest micro-batch that fits: {p.max_micro_batch}"
+        )
+    lines.append(total)
+    lines += [f"note: {note}" for note in p.notes]
+    return lines
+
+
+def advice(p):
+    """What to try when a plan does not fit, in the order of least cost to the run."""
+    options = []
+    if not p.sharded and p.world_size > 1:
+        options.append("--zero_stage=1")
+    if not p.activation_checkpointing:
+        options.append("--activation_checkpointing=True")
+    if p.max_micro_batch:
+        options.append(f"--batch_size={p.max_micro_batch} (with gradient_accumulation_steps raised to match)")
+    return " or ".join(options) if options else "more or larger GPUs"

@@ -1,0 +1,233 @@
+"""memplan.py: exact parameter, gradient and optimizer-state bytes; the activation formula against the bytes a
+forward and backward pass allocates on the CPU; the largest micro-batch; --dry_run and the plan of a real run.
+(Each rank's share under ZeRO-1 is checked against real sharded optimizers in test_zero.py.)"""
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import torch
+from train_helpers import ROOT, tiny_args
+
+import memplan
+import train
+from configurator import TrainConfig
+from model import GPT, GPTConfig
+from optim import build_optimizer
+
+MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+OPTIMIZERS = [
+    dict(optimizer_name="mars"),
+    dict(optimizer_name="mars", is_approx=False),
+    dict(optimizer_name="mars", mars_type="mars-lion"),
+    dict(optimizer_name="mars", mars_type="mars-shampoo"),
+    dict(optimizer_name="mars", optimize_1d=True),
+    dict(optimizer_name="adamw"),
+    dict(optimizer_name="muon", learning_rate=6e-4),
+    dict(optimizer_name="muon", muon_matrices="hidden", learning_rate=6e-4),
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models run faster single-threaded on shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(**overrides):
+    shape = {k: v for k, v in MODEL.items() if k != "vocab_size"}
+    return dataclasses.replace(TrainConfig(), **shape, batch_size=2, **overrides)
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: "-".join(map(str, o.values())))
+def test_parameter_gradient_and_state_bytes_are_those_allocated(optimizer, bias):
+    """One real step of the real optimizer on a small model allocates exactly the planned bytes."""
+    cfg = config(**optimizer, bias=bias)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL, bias=bias))
+    opt = build_optimizer(model, cfg, "cpu")
+    x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
+    exact = not cfg.is_approx and cfg.optimizer_name == "mars"
+    if exact:
+        model(x, x)[1].backward()
+        opt.update_previous_grad()
+    model(x, x)[1].backward()
+    opt.step()
+    if exact:
+        opt.update_last_grad()
+    states = opt.optimizers if hasattr(opt, "optimizers") else [opt]
+    state = [t for o in states for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
+    plan = memplan.plan(cfg, model_args=dict(MODEL, bias=bias))
+    assert plan.parameter_bytes == tensor_bytes(model.parameters())
+    assert plan.gradient_bytes == tensor_bytes(p.grad for p in model.parameters())
+    assert plan.state_bytes == tensor_bytes(state) > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The activation formula against the CPU allocator. The profiler's allocation events (each with the
+# allocator's running total) give the peak exactly; they are an internal API, hence the skip.
+
+
+def measured_peak(model, x, dtype):
+    """Peak bytes the CPU allocator holds during a forward and backward pass, beyond what was held before
+    (parameters and gradients from an earlier pass included)."""
+    try:
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        pytest.skip("this torch has no profiler allocation events")
+    autocast = torch.autocast("cpu", dtype=getattr(torch, dtype), enabled=dtype != "float32")
+
+    def forward_backward():
+        with autocast:
+            loss = model(x, torch.roll(x, -1, dims=1))[1]
+        loss.backward()
+
+    forward_backward()  # the gradients exist from here on, as in every micro-batch after a step's first
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        forward_backward()
+    allocations = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    held = peak = 0
+    for _, size in sorted(allocations):
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
+# GPT-2's proportions (vocabulary much larger than the width), small enough for the CPU
+SHAPES = [
+    dict(n_layer=4, n_head=4, n_embd=256, vocab_size=2048, block_size=128, bias=False),
+    dict(n_layer=2, n_head=2, n_embd=128, vocab_size=4096, block_size=64, bias=True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["4x256", "2x128-bias"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_activation_formula_is_the_cpu_allocators_peak(shape, dtype, checkpointing, batch_size):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape))
+    model.activation_checkpointing = checkpointing
+    x = torch.randint(0, shape["vocab_size"], (batch_size, shape["block_size"]))
+    peak = measured_peak(model, x, dtype)
+    _, parts = memplan.activations_for(shape, dtype).peak(batch_size * shape["block_size"], checkpointing)
+    # within 0.5%: what the formula leaves out is the loss's scalars and, with checkpointing, the CPU RNG
+    # state each block keeps for its recomputation (5 KB; host memory on a GPU)
+    assert sum(parts.values()) == pytest.approx(peak, rel=5e-3)
+
+
+def test_calibration_gpt2_xl_on_an_h200():
+    """The measured run (GPT-2 XL, MARS-AdamW, micro-batch 5 x 1024, bfloat16, uncompiled, one H200) peaked at
+    48.4 GiB allocated. Its train.py held each micro-batch's bfloat16 logits through the backward pass, which
+    this train.py frees: 2 bytes x V per token more than the plan counts."""
+    cfg = dataclasses.replace(
+        TrainConfig(), n_layer=48, n_head=25, n_embd=1600, bias=False, batch_size=5, optimizer_name="mars"
+    )
+    plan = memplan.plan(cfg, dtype="bfloat16")
+    held_logits = 2 * 50304 * 5 * 1024
+    assert (plan.total_bytes + held_logits) / memplan.GIB == pytest.approx(48.4, rel=0.01)
+
+
+def test_the_largest_micro_batch_that_fits_is_the_boundary():
+    cfg = config(optimizer_name="mars", dtype="bfloat16")
+    plan = memplan.plan(cfg, gpu_memory_gb=0.01, model_args=MODEL)
+    b = plan.max_micro_batch
+    assert b > 1
+    fits = [
+        memplan.plan(dataclasses.replace(cfg, batch_size=n), gpu_memory_gb=0.01, model_args=MODEL).fits
+        for n in (b, b + 1)
+    ]
+    assert fits == [True, False]
+    assert memplan.plan(cfg, gpu_memory_gb=1e-6, model_args=MODEL).max_micro_batch == 0
+
+
+def test_sharding_and_checkpointing_lower_the_plan():
+    cfg = dataclasses.replace(TrainConfig(), n_layer=24, n_head=16, n_embd=1024, batch_size=15)
+    layout = memplan.optimizer_layout(cfg, memplan.default_model_args(cfg))
+    plain = memplan.plan(cfg, 8, layout=layout)
+    sharded = memplan.plan(dataclasses.replace(cfg, zero_stage=1), 8, layout=layout)
+    recomputing = memplan.plan(dataclasses.replace(cfg, activation_checkpointing=True), 8, layout=layout)
+    assert sharded.total_state_bytes == plain.state_bytes
+    # the fullest rank holds the token embedding (50304 x 1024, 15% of the parameters) on top of its share
+    assert plain.state_bytes / 8 <= sharded.state_bytes < plain.state_bytes / 3
+    assert sum(recomputing.peak_parts.values()) < sum(plain.peak_parts.values()) / 2
+    assert memplan.plan(dataclasses.replace(cfg, zero_stage=1), 1, layout=layout).state_bytes == plain.state_bytes
+
+
+def test_the_docs_tables_are_the_scripts_output():
+    """docs/memory.md's rows for two runs, regenerated by scripts/memory_table.py (the whole table takes ~10 s)."""
+    spec = importlib.util.spec_from_file_location("memory_table", os.path.join(ROOT, "scripts", "memory_table.py"))
+    memory_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory_table)
+    runs = [run for run in memory_table.paper_runs() if run[:2] in (("small", "mars"), ("xl", "adamw"))]
+    assert len(runs) == 2
+    plans = memory_table.plan_runs(runs)
+    with open(os.path.join(ROOT, "docs", "memory.md")) as f:
+        docs = f.read()
+    for gpu_memory_gb in memory_table.GPU_MEMORY_GB:
+        for line in memory_table.table(gpu_memory_gb, runs, plans):
+            assert line in docs
+
+
+# ---------------------------------------------------------------------------------------------------
+# train.py: --dry_run, the plan at the start of a run, bad input.
+
+
+def test_dry_run_prints_the_plan_without_data_or_gpu(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["config/train_gpt2_xl_mars.py", f"--data_path={tmp_path / 'nothing'}", f"--out_dir={out}"]
+    assert train.main(argv + ["--dry_run=True", "--plan_world_size=8", "--gpu_memory_gb=40", "--zero_stage=1"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "memory plan per GPU (an estimate): 1,556.8M parameters, mars-adamw (approximate), ZeRO-1 over 8 GPUs"
+        in printed
+    )
+    assert "micro-batch 5 x 1024 tokens, bfloat16" in printed
+    assert "(the fullest rank's share of 17.40 GiB)" in printed
+    assert "of 40.0 GiB, 36.0 usable: fits; the largest micro-batch that fits:" in printed
+    assert not out.exists()
+
+
+def test_sharding_in_one_process_is_a_note_not_an_error(tmp_path, capsys):
+    argv = ["config/train_gpt2_small_adamw.py", "--dry_run=True", "--zero_stage=1", "--device=cpu"]
+    assert train.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "note: zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks" in printed
+    assert "1 GPU(s), unsharded" in printed and ", float32," in printed
+
+
+def test_zero_stage_2_is_one_error_line(capsys):
+    assert train.main(["--zero_stage=2", "--dry_run=True"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: zero_stage must be 0 or 1 (ZeRO stages 2 and 3 are not supported), got 2\n"
+
+
+def test_a_run_prints_its_plan_and_warns_when_it_does_not_fit(data_path, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    argv = tiny_args(data_path, out, max_iters=2, eval_interval=2, activation_checkpointing=True, gpu_memory_gb=1e-4)
+    assert train.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "activation checkpointing on" in captured.out
+    assert "does NOT fit; the largest micro-batch that fits: 0" in captured.out
+    warning = [line for line in captured.err.splitlines() if line.startswith("warning: the memory plan")]
+    assert len(warning) == 1 and "try --activation_checkpointing=True" not in warning[0]
+    assert os.path.isfile(os.path.join(out, "ckpt.pt"))  # a warning: the run goes on

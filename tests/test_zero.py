@@ -1,0 +1,231 @@
+"""ZeRO-1 (optim.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
+process for every optimizer, about half the state on each rank (exactly what memplan plans), and a
+checkpoint format that moves between sharded and unsharded optimizers.
+
+The 2-rank part runs once, in two spawned processes, for all optimizers; the tests read its report.
+"""
+
+import copy
+import dataclasses
+import io
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import memplan
+from configurator import TrainConfig
+from model import GPT, GPTConfig
+from optim import build_optimizer, held_state
+
+pytestmark = pytest.mark.slow
+
+WORLD_SIZE = 2
+STEPS = 3
+MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)
+# name -> the keys of TrainConfig that select the optimizer
+OPTIMIZERS = {
+    "mars-adamw": dict(optimizer_name="mars"),
+    "mars-adamw-exact": dict(optimizer_name="mars", is_approx=False),
+    "mars-lion": dict(optimizer_name="mars", mars_type="mars-lion"),
+    "mars-shampoo": dict(optimizer_name="mars", mars_type="mars-shampoo"),
+    "adamw": dict(optimizer_name="adamw"),
+    "muon": dict(optimizer_name="muon", learning_rate=6e-4),
+}
+
+
+def config(name):
+    shape = {k: v for k, v in MODEL.items() if k != "vocab_size"}
+    return dataclasses.replace(TrainConfig(), **shape, **OPTIMIZERS[name], batch_size=2, zero_stage=1)
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def state_bytes(optimizer):
+    return sum(
+        t.numel() * t.element_size() for s in held_state(optimizer).values() for t in s.values() if torch.is_tensor(t)
+    )
+
+
+def train(model, optimizer, forward_backward, exact):
+    """STEPS steps of train.py's protocol: the loss scaled by a GradScaler, as float16 runs do (by a power
+    of two: exact), clipping, and for exact MARS the next step's gradient first."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for step in range(STEPS):
+        if exact:
+            forward_backward(step + 1, scaler)
+            for p in model.parameters():
+                p.grad.div_(scaler.get_scale())
+            optimizer.update_previous_grad()
+            optimizer.zero_grad(set_to_none=True)
+        forward_backward(step, scaler)
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        if exact:
+            optimizer.update_last_grad()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def ddp_forward_backward(ddp_model, rank):
+    def run(step, scaler):
+        x, y = batch(step, rank)
+        scaler.scale(ddp_model(x, y)[1]).backward()
+
+    return run
+
+
+def one_process_forward_backward(model):
+    """Both ranks' batches in one process: the mean of their losses is what DDP's averaged gradient descends."""
+
+    def run(step, scaler):
+        loss = sum(model(*batch(step, rank))[1] for rank in range(WORLD_SIZE)) / WORLD_SIZE
+        scaler.scale(loss).backward()
+
+    return run
+
+
+def saved_and_loaded(state):
+    """state as a checkpoint returns it: through torch.save and torch.load(weights_only=True)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def worker(rank, port, report_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    report = {}
+    for name in OPTIMIZERS:
+        cfg = config(name)
+        exact = name.endswith("exact")
+        torch.manual_seed(0)
+        models = {kind: GPT(GPTConfig(**MODEL)) for kind in ("sharded", "ddp", "single")}
+        initial = [p.detach().clone() for p in models["sharded"].parameters()]
+        for kind in ("ddp", "single"):
+            models[kind].load_state_dict(models["sharded"].state_dict())
+        optimizers = {
+            kind: build_optimizer(m, cfg, "cpu", WORLD_SIZE if kind == "sharded" else 1) for kind, m in models.items()
+        }
+        passes = {kind: ddp_forward_backward(DDP(models[kind]), rank) for kind in ("sharded", "ddp")}
+        passes["single"] = one_process_forward_backward(models["single"])
+        for kind in models:
+            train(models[kind], optimizers[kind], passes[kind], exact)
+        params = {kind: [p.detach().clone() for p in m.parameters()] for kind, m in models.items()}
+        # as checkpoints hold them (the live state dicts share tensors with the optimizers, which train on)
+        sharded_state = saved_and_loaded(optimizers["sharded"].state_dict())  # collective: rank 0's is all
+        unsharded_state = saved_and_loaded(optimizers["ddp"].state_dict())
+
+        # Checkpoint and resume both ways: a sharded optimizer from the unsharded state, an unsharded one from
+        # the sharded state (rank 0's, as a checkpoint holds it); each continues as the original does.
+        from_sharded = [saved_and_loaded(sharded_state)]
+        dist.broadcast_object_list(from_sharded, src=0)
+        resumes = dict(
+            sharded=(True, "ddp", saved_and_loaded(unsharded_state)), ddp=(False, "sharded", from_sharded[0])
+        )
+        continued = {}
+        for kind, (shard, original, state) in resumes.items():
+            model = copy.deepcopy(models[original])
+            optimizer = build_optimizer(model, cfg, "cpu", WORLD_SIZE if shard else 1)
+            optimizer.load_state_dict(state)
+            train(model, optimizer, ddp_forward_backward(DDP(model), rank), exact)
+            train(models[original], optimizers[original], passes[original], exact)
+            continued[kind] = [
+                (p.detach().clone(), q.detach().clone())
+                for p, q in zip(model.parameters(), models[original].parameters())
+            ]
+        report[name] = dict(
+            initial=initial,
+            params=params,
+            continued=continued,
+            held_bytes=state_bytes(optimizers["sharded"]),
+            unsharded_bytes=state_bytes(optimizers["ddp"]),
+            planned_bytes=memplan.plan(cfg, WORLD_SIZE, model_args=MODEL).rank_state_bytes[rank],
+            sharded_state=sharded_state,
+            unsharded_state=unsharded_state,
+        )
+    torch.save(report, f"{report_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("zero") / "report")
+    mp.spawn(worker, args=(free_port(), path), nprocs=WORLD_SIZE, join=True)
+    return [torch.load(f"{path}.{rank}", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_sharded_trains_the_same_parameters_as_plain_ddp_and_one_process(reports, name):
+    """Bit for bit plain DDP's: each parameter's update is computed from the same all-reduced gradient, by
+    the same kernels, only on one rank instead of all. One process sums the two batches' gradients in
+    another order, so it agrees to float32 rounding -- except Muon, whose Newton-Schulz iteration runs in
+    bfloat16 (torch.optim.Muon): there float32 rounding becomes bfloat16 rounding (2^-8) compounded over
+    five iterations, and the test bounds the difference of the parameters' displacement relative to it."""
+    for report in reports:
+        params = report[name]["params"]
+        for sharded, ddp, single, initial in zip(
+            params["sharded"], params["ddp"], params["single"], report[name]["initial"]
+        ):
+            assert torch.equal(sharded, ddp)
+            if name == "muon":
+                assert (sharded - single).norm() < 2**-4 * (single - initial).norm()
+            else:
+                torch.testing.assert_close(sharded, single, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_each_rank_holds_its_share_of_the_state_as_planned(reports, name):
+    held = [report[name]["held_bytes"] for report in reports]
+    unsharded = reports[0][name]["unsharded_bytes"]
+    assert sum(held) == unsharded
+    assert all(0.3 * unsharded < h < 0.7 * unsharded for h in held), held
+    assert held == [report[name]["planned_bytes"] for report in reports]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_sharded_checkpoint_is_the_unsharded_format(reports, name):
+    sharded, unsharded = reports[0][name]["sharded_state"], reports[0][name]["unsharded_state"]
+    assert_same_structure(sharded, unsharded)
+    assert reports[1][name]["sharded_state"] in (None, {"optimizers": [None, None]})  # gathered on rank 0 only
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_sharded_and_unsharded_optimizers_resume_each_other(reports, name):
+    for report in reports:
+        for kind in ("sharded", "ddp"):
+            assert all(torch.equal(resumed, original) for resumed, original in report[name]["continued"][kind])
+
+
+def assert_same_structure(a, b):
+    """Equal up to float rounding, with the same keys, types and shapes everywhere."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            assert_same_structure(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_structure(x, y)
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        assert a == b
