@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,19 @@ def add_device_arguments(parser):
         choices=["auto", "float32", "bfloat16", "float16"],
         help="autocast dtype (auto: bfloat16 on CUDA where supported, else float16; float32 on CPU)",
     )
+
+
+def exit_process(code):
+    """End this process with `code`. A torchrun rank leaves without the interpreter's teardown: on torch
+    2.13's CPU build, DDP over gloo aborts that teardown now and then ("terminate called without an active
+    exception"; 4 of 20 two-rank runs of a ten-line DDP script here, 0 of 20 with this), which turns a
+    finished run into a failed one for torchrun and the scheduler. Everything is written and closed by
+    the time a rank gets here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "RANK" in os.environ:
+        os._exit(code)
+    sys.exit(code)
 
 
 # ---------------------------------------------------------------------------------------------------

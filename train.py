@@ -52,6 +52,7 @@ from runtime import (
     SetupError,
     agree,
     decide_on_master,
+    exit_process,
     resolve_dtype,
     set_deterministic,
     setup_distributed,
@@ -868,14 +869,12 @@ def main(argv=None):
                 "--init_from=resume",
                 file=sys.stderr,
             )
-            # After a timeout the process group cannot be torn down (its communication threads may abort
-            # the interpreter at exit): finish the checkpoint in flight and the metrics, then leave.
+            # After a timeout the process group cannot be torn down (destroying it waits on the dead
+            # peer): finish the checkpoint in flight and the metrics, then leave at once.
             with contextlib.suppress(CheckpointError):
                 run.writer.wait()
             run.metrics.close()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            exit_process(1)
         finally:
             with contextlib.suppress(CheckpointError):
                 run.writer.wait()  # a checkpoint in flight reaches the disk before the process ends
@@ -887,4 +886,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -28,6 +28,7 @@ sys.path.insert(0, REPO)
 from bench.common import free_port, print_table, row  # noqa: E402
 from mars import MARS  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from runtime import exit_process  # noqa: E402
 
 CONFIG = dict(n_layer=4, n_head=12, n_embd=768, block_size=256, vocab_size=256, bias=False)
 BATCH = 4
@@ -39,7 +40,7 @@ def resident_bytes():
 
 
 def worker(rank, port, bucket_view, rounds, steps, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     before = resident_bytes()
@@ -69,6 +70,7 @@ def worker(rank, port, bucket_view, rounds, steps, results):
             params=len(list(model.parameters())),
         )
     dist.destroy_process_group()
+    exit_process(0)
 
 
 def measure(bucket_view, rounds, steps):

@@ -182,4 +182,4 @@ if __name__ == "__main__":
     _install_hooks()
     import train
 
-    sys.exit(train.main(sys.argv[1:]))
+    train.exit_process(train.main(sys.argv[1:]))
