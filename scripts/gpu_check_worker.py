@@ -40,20 +40,13 @@ def bench_mars_rows():
 
 
 def memory_plan(cfg, world_size):
-    """The memory plan's per-GPU estimate for this run, from issue 15's memplan module once it exists.
+    """The memory plan's per-GPU estimate for this run (memplan.plan, what train.py prints at its start).
+    A plan that cannot be computed is reported in the row."""
+    import memplan
 
-    The one place the check depends on it. Assumed interface: memplan.plan(cfg, world_size=N) returns the
-    plan, whose total_bytes is the per-GPU total. A plan that cannot be computed is reported in the row.
-    """
-    try:
-        import memplan
-    except ModuleNotFoundError as e:
-        if e.name != "memplan":
-            raise
-        return dict(plan_bytes=None, plan_note="n/a (plan not available)")
     try:
         return dict(plan_bytes=int(memplan.plan(cfg, world_size=world_size).total_bytes), plan_note="")
-    except Exception as e:  # an interface other than the one assumed above: the row says so and fails
+    except Exception as e:  # the row says why and fails
         return dict(plan_bytes=None, plan_note=f"memplan.plan failed: {type(e).__name__}: {e}", plan_error=True)
 
 

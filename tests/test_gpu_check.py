@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -348,25 +347,23 @@ def test_sample_and_hellaswag_rows_read_the_tools_output():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The memory-plan hook (memplan is issue 15's module; a stand-in here).
+# The memory-plan hook: the plan train.py prints, per GPU.
 
 
-def test_the_memory_plan_is_n_a_until_memplan_exists_and_read_from_it_after(monkeypatch):
-    cfg = load_config([])
-    monkeypatch.setitem(sys.modules, "memplan", None)  # importing it raises ModuleNotFoundError
-    assert worker.memory_plan(cfg, 1) == dict(plan_bytes=None, plan_note="n/a (plan not available)")
-    calls = []
+def test_the_memory_plan_row_reads_memplan_and_reports_its_failure(monkeypatch):
+    import memplan
 
-    def plan(cfg, world_size):
-        calls.append((cfg, world_size))
-        return types.SimpleNamespace(total_bytes=123.0)
+    cfg = load_config(["config/train_gpt2_xl_mars.py"])
+    expected = memplan.plan(cfg, world_size=8).total_bytes
+    assert worker.memory_plan(cfg, 8) == dict(plan_bytes=int(expected), plan_note="")
 
-    monkeypatch.setitem(sys.modules, "memplan", types.SimpleNamespace(plan=plan))
-    assert worker.memory_plan(cfg, 8) == dict(plan_bytes=123, plan_note="")
-    assert calls == [(cfg, 8)]
-    monkeypatch.setitem(sys.modules, "memplan", types.SimpleNamespace(plan=lambda cfg: None))
-    result = worker.memory_plan(cfg, 8)
-    assert result["plan_error"] and result["plan_note"].startswith("memplan.plan failed: TypeError")
+    def broken(cfg, world_size):
+        raise ValueError("no plan")
+
+    monkeypatch.setattr(memplan, "plan", broken)
+    assert worker.memory_plan(cfg, 8) == dict(
+        plan_bytes=None, plan_note="memplan.plan failed: ValueError: no plan", plan_error=True
+    )
 
 
 def test_the_optimizer_worker_hands_on_bench_mars_s_own_rows(tmp_path, monkeypatch):
