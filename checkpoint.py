@@ -15,6 +15,7 @@ state of their own: tokens.TokenData.get_batch is a pure function of (seed, step
 progress's iter_num and the config are all the sampler needs.
 """
 
+import dataclasses
 import os
 import pickle
 import random
@@ -74,6 +75,18 @@ def keep_copy(src, dst):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+class DataclassState:
+    """state_dict()/load_state_dict() for a dataclass of plain values (a run's progress counters), so it is
+    a checkpoint part like the model and the optimizer."""
+
+    def state_dict(self):
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, state[f.name])
 
 
 def cpu_copy(value):

@@ -69,7 +69,7 @@ class TrainingStopped(Exception):
 
 
 @dataclasses.dataclass
-class Progress:
+class Progress(checkpoint.DataclassState):
     """What the loop carries from step to step (a checkpoint part)."""
 
     iter_num: int = 0
@@ -80,13 +80,6 @@ class Progress:
     skipped_steps: int = 0
     clip_count: int = 0
     wandb_run_id: str = ""
-
-    def state_dict(self):
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state):
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, state[f.name])
 
 
 # The steps after which a CUDA run prints its measured peak memory beside the plan: by then the optimizer
@@ -600,6 +593,11 @@ def save_checkpoints(run, progress, is_best):
     run.writer.save(os.path.join(cfg.out_dir, checkpoint.CKPT_NAME), state, copies)
 
 
+def stamp(progress, time_s):
+    """The x axes every metrics record carries."""
+    return {metrics.ITER: progress.iter_num, metrics.TOKENS: progress.tokens, metrics.TIME_S: time_s}
+
+
 def log_train(run, progress, window, result, time_s):
     """A train line: mean loss of the window's steps (all ranks take part in its all-reduce)."""
     cfg = run.cfg
@@ -615,9 +613,7 @@ def log_train(run, progress, window, result, time_s):
     passes = 2 if run.exact_mars else 1
     mfu = run.model.estimate_mfu(run.tokens_per_step // run.dist.world_size * passes, dt)
     record = {
-        metrics.ITER: progress.iter_num,
-        metrics.TOKENS: progress.tokens,
-        metrics.TIME_S: time_s,
+        **stamp(progress, time_s),
         metrics.TRAIN_LOSS: values[0],
         metrics.LR: run.optimizer.param_groups[0]["lr"],
         metrics.GRAD_NORM: result.grad_norm,
@@ -668,15 +664,7 @@ def evaluate_and_save(run, progress, time_s):
         progress.best_val_loss = val_loss
     if run.dist.is_master:
         print(f"step {progress.iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
-        run.metrics.write(
-            {
-                metrics.ITER: progress.iter_num,
-                metrics.TOKENS: progress.tokens,
-                metrics.TIME_S: time_s,
-                metrics.VAL_LOSS: val_loss,
-                metrics.EVAL_TRAIN_LOSS: train_loss,
-            }
-        )
+        run.metrics.write({**stamp(progress, time_s), metrics.VAL_LOSS: val_loss, metrics.EVAL_TRAIN_LOSS: train_loss})
     if not cfg.eval_only:
         progress.elapsed_s = time_s
         save_checkpoints(run, progress, is_best)
@@ -695,14 +683,7 @@ def evaluate_hellaswag(run, progress, time_s):
     )
     if run.dist.is_master:
         print(f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (n={result['n']})", flush=True)
-        run.metrics.write(
-            {
-                metrics.ITER: progress.iter_num,
-                metrics.TOKENS: progress.tokens,
-                metrics.TIME_S: time_s,
-                metrics.HELLASWAG: result["acc_norm"],
-            }
-        )
+        run.metrics.write({**stamp(progress, time_s), metrics.HELLASWAG: result["acc_norm"]})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -770,14 +751,7 @@ def record_skip(run, progress, result, time_s):
             f"({progress.bad_steps} in a row, {progress.skipped_steps} in the run)",
             flush=True,
         )
-        run.metrics.write(
-            {
-                metrics.ITER: progress.iter_num,
-                metrics.TOKENS: progress.tokens,
-                metrics.TIME_S: time_s,
-                metrics.SKIPPED_STEPS: progress.skipped_steps,
-            }
-        )
+        run.metrics.write({**stamp(progress, time_s), metrics.SKIPPED_STEPS: progress.skipped_steps})
     if progress.bad_steps >= run.cfg.max_bad_steps:
         latest = os.path.join(run.cfg.out_dir, checkpoint.CKPT_NAME)
         raise TrainingStopped(

@@ -70,22 +70,25 @@ def _load_prepare():
     return module
 
 
+def prepare_args(data_file, out_dir, num_proc):
+    """data/fineweb_edu/prepare.py's command line for one corpus file."""
+    return [
+        "--data_files",
+        data_file,
+        "--output_dir",
+        out_dir,
+        "--shard_size",
+        str(SHARD_SIZE),
+        "--num_proc",
+        str(num_proc),
+    ]
+
+
 def run_ours(data_file, out_dir, num_proc=2):
     fineweb = _load_prepare()
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         t0 = time.perf_counter()
-        fineweb.main(
-            [
-                "--data_files",
-                data_file,
-                "--output_dir",
-                out_dir,
-                "--shard_size",
-                str(SHARD_SIZE),
-                "--num_proc",
-                str(num_proc),
-            ]
-        )
+        fineweb.main(prepare_args(data_file, out_dir, num_proc))
         return time.perf_counter() - t0
 
 
@@ -150,18 +153,7 @@ def _tree_pss_bytes(root_pid):
 def peak_rss(data_file, out_dir, num_proc=2):
     """Peak memory (PSS) of `prepare.py` and its workers together, sampled every 20 ms, in MiB."""
     process = subprocess.Popen(
-        [
-            sys.executable,
-            PREPARE,
-            "--data_files",
-            data_file,
-            "--output_dir",
-            out_dir,
-            "--shard_size",
-            str(SHARD_SIZE),
-            "--num_proc",
-            str(num_proc),
-        ],
+        [sys.executable, PREPARE, *prepare_args(data_file, out_dir, num_proc)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

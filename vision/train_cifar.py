@@ -187,7 +187,7 @@ def lr_factor(epoch, cfg):
 
 
 @dataclasses.dataclass
-class Progress:
+class Progress(checkpoint.DataclassState):
     """What the loop carries from epoch to epoch (a checkpoint part)."""
 
     epoch: int = 0  # epochs completed
@@ -195,13 +195,6 @@ class Progress:
     best_acc: float = 0.0  # best test accuracy so far (%)
     elapsed_s: float = 0.0  # training wall-clock time, carried across resumes
     wandb_run_id: str = ""
-
-    def state_dict(self):
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state):
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, state[f.name])
 
 
 @dataclasses.dataclass
