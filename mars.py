@@ -400,6 +400,8 @@ def _lr_on(lr, device):
 
 def _single_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, is_approx):
     for (p, state), rule in zip(entries, rules):
+        device_lr = _lr_on(lr, p.device)
+        step_size, bias_correction2_rsqrt = _adam_scalars([state["step"]], device_lr, beta1, beta2, p.dtype)
         _mars_tensor_step(
             p,
             p.grad,
@@ -407,8 +409,9 @@ def _single_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, 
             state["exp_avg"],
             state.get("exp_avg_sq"),
             state.get("max_exp_avg_sq"),
-            state["step"],
-            _lr_on(lr, p.device),
+            device_lr,
+            step_size[0],
+            bias_correction2_rsqrt[0],
             rule=rule,
             beta1=beta1,
             beta2=beta2,
@@ -421,14 +424,17 @@ def _single_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, 
 
 def _single_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay):
     for p, state in entries:
+        device_lr = _lr_on(lr, p.device)
+        step_size, bias_correction2_rsqrt = _adam_scalars([state["step"]], device_lr, beta1, beta2, p.dtype)
         _adamw_tensor_step(
             p,
             p.grad,
             state["exp_avg"],
             state["exp_avg_sq"],
             state.get("max_exp_avg_sq"),
-            state["step"],
-            _lr_on(lr, p.device),
+            device_lr,
+            step_size[0],
+            bias_correction2_rsqrt[0],
             beta1=beta1,
             beta2=beta2,
             eps=eps,
@@ -436,12 +442,47 @@ def _single_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay):
         )
 
 
-def _mars_tensor_step(p, g, g_prev, m, v, v_max, step, lr, *, rule, beta1, beta2, eps, weight_decay, gamma, keep_grad):
-    """One MARS step of one tensor (v, v_max: None where the rule keeps none). fused=True compiles this."""
+def _mars_tensor_step(
+    p,
+    g,
+    g_prev,
+    m,
+    v,
+    v_max,
+    lr,
+    step_size,
+    bias_correction2_rsqrt,
+    *,
+    rule,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    gamma,
+    keep_grad,
+):
+    """One MARS step of one tensor; v, v_max are None where the rule keeps none, and step_size,
+    bias_correction2_rsqrt are _adam_scalars' (used by the AdamW rule). fused=True compiles this."""
     c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)  # c_t, the variance-reduced gradient
-    c = c / torch.linalg.vector_norm(c, dtype=_opmath(c.dtype)).clamp_min(1.0)  # c̃_t: ‖c̃_t‖ <= 1
+    # ‖c_t‖ accumulates in float32 (float64 for float64), but in float64 in the compiled CPU step: inductor
+    # sums float32 there through a cascade helper that made this reduction 1.8x slower than a float64 sum.
+    norm_dtype = torch.float64 if torch.compiler.is_compiling() and c.is_cpu else _opmath(c.dtype)
+    c = c / torch.linalg.vector_norm(c, dtype=norm_dtype).clamp_min(1.0)  # c̃_t: ‖c̃_t‖ <= 1
     if rule == "adamw":
-        _adamw_tensor_step(p, c, m, v, v_max, step, lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        _adamw_tensor_step(
+            p,
+            c,
+            m,
+            v,
+            v_max,
+            lr,
+            step_size,
+            bias_correction2_rsqrt,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
     else:
         m.lerp_(c, 1 - beta1)  # m_t = β1 m_{t-1} + (1 - β1) c̃_t
         if rule == "lion":
@@ -453,20 +494,28 @@ def _mars_tensor_step(p, g, g_prev, m, v, v_max, step, lr, *, rule, beta1, beta2
         g_prev.copy_(g)
 
 
-def _adamw_tensor_step(p, x, m, v, v_max, step, lr, *, beta1, beta2, eps, weight_decay):
+def _adamw_tensor_step(p, x, m, v, v_max, lr, step_size, bias_correction2_rsqrt, *, beta1, beta2, eps, weight_decay):
     """AdamW on input x (c̃ for MARS tensors, g for the others); v_max is None without amsgrad.
 
-    m_t = β1 m + (1-β1) x, v_t = β2 v + (1-β2) x², p ← p - lr (m̂ / (sqrt(v̂) + eps) + λ p): the update of
-    torch.optim.AdamW, which is why its fused kernel can take it. The bias corrections come from the step
-    tensor, on its device.
+    m_t = β1 m + (1-β1) x, v_t = β2 v + (1-β2) x², p ← p - lr (m̂ / (sqrt(v̂) + eps) + λ p) with
+    m̂ = m / (1-β1^t), v̂ = v / (1-β2^t): the update of torch.optim.AdamW, which is why its fused kernel can
+    take it. As there, the bias corrections come folded into two scalars (_adam_scalars), so each element
+    costs one sqrt and one division.
     """
     m.lerp_(x, 1 - beta1)
     v.mul_(beta2).addcmul_(x, x, value=1 - beta2)
     if v_max is not None:
         v = v_max.copy_(torch.maximum(v_max, v))
-    t = step.to(_opmath(p.dtype))
-    u = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps)
-    p.sub_(lr * (u + weight_decay * p))
+    denom = v.sqrt() * bias_correction2_rsqrt + eps  # sqrt(v̂) + eps
+    p.sub_(lr * weight_decay * p + step_size * m / denom)
+
+
+def _adam_scalars(steps, lr, beta1, beta2, dtype):
+    """For each step tensor t (one device): lr / (1-β1^t) and 1 / sqrt(1-β2^t), torch AdamW's step size and
+    denominator scale, computed on the device (no host sync) in one stacked pass; dtype is the arithmetic
+    dtype of the parameters (float64 ones get float64 corrections from the float32 counts)."""
+    t = torch.stack(steps).to(_opmath(dtype))
+    return (lr / (1 - beta1**t)).unbind(), (1 - beta2**t).rsqrt().unbind()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -604,16 +653,20 @@ def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay):
             amsgrad="max_exp_avg_sq" in states[0],
             maximize=False,
         )
-    for ((p, state), x), ok in zip(zip(entries, xs), takes):
-        if not ok:
+    rest = [(entry, x) for entry, x, ok in zip(entries, xs, takes) if not ok]
+    if rest:
+        steps = [state["step"] for (_, state), _ in rest]
+        step_sizes, bias_correction2_rsqrts = _adam_scalars(steps, lr, beta1, beta2, rest[0][0][0].dtype)
+        for ((p, state), x), step_size, bias_correction2_rsqrt in zip(rest, step_sizes, bias_correction2_rsqrts):
             _adamw_tensor_step(
                 p,
                 x,
                 state["exp_avg"],
                 state["exp_avg_sq"],
                 state.get("max_exp_avg_sq"),
-                state["step"],
                 lr,
+                step_size,
+                bias_correction2_rsqrt,
                 beta1=beta1,
                 beta2=beta2,
                 eps=eps,
@@ -641,35 +694,37 @@ def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, i
     if newton_schulz_entries:
         rules_ns = ["newton-schulz"] * len(newton_schulz_entries)
         _multi_tensor_mars(newton_schulz_entries, rules_ns, lr=lr, is_approx=is_approx, **hyper)
-    lr_tensors = {}  # per (device, dtype of the arithmetic): created once per step, on the device
     with torch._dynamo.config.patch(specialize_float=True):
-        for (p, state), rule in zip(entries, rules):
-            if rule == "newton-schulz":
-                continue
-            key = (p.device, _opmath(p.dtype))
-            if key not in lr_tensors:
-                as_tensor = torch.is_tensor(lr)
-                lr_tensors[key] = (
-                    _lr_on(lr, p.device) if as_tensor else torch.full((), lr, dtype=key[1], device=p.device)
+        for bucket, bucket_rules in _by_device_and_dtype(entries, rules):
+            p0 = bucket[0][0]
+            if torch.is_tensor(lr):
+                device_lr = _lr_on(lr, p0.device)
+            else:  # created on the device once per step: a number would be compiled in as a constant
+                device_lr = torch.full((), lr, dtype=_opmath(p0.dtype), device=p0.device)
+            steps = [state["step"] for _, state in bucket]
+            scalars = zip(*_adam_scalars(steps, device_lr, beta1, beta2, p0.dtype))
+            for (p, state), rule, (step_size, bias_correction2_rsqrt) in zip(bucket, bucket_rules, scalars):
+                if rule == "newton-schulz":
+                    continue
+                tensors = [
+                    p,
+                    p.grad,
+                    state["last_grad"],
+                    state["exp_avg"],
+                    state.get("exp_avg_sq"),
+                    state.get("max_exp_avg_sq"),
+                ]
+                flat = _flat_views(tensors)
+                step_fn = _mars_tensor_step if flat is None else _compiled_mars_tensor_step()
+                step_fn(
+                    *(tensors if flat is None else flat),
+                    device_lr,
+                    step_size,
+                    bias_correction2_rsqrt,
+                    rule=rule,
+                    keep_grad=is_approx,
+                    **hyper,
                 )
-            tensors = [
-                p,
-                p.grad,
-                state["last_grad"],
-                state["exp_avg"],
-                state.get("exp_avg_sq"),
-                state.get("max_exp_avg_sq"),
-            ]
-            flat = _flat_views(tensors)
-            step_fn = _mars_tensor_step if flat is None else _compiled_mars_tensor_step()
-            step_fn(
-                *(tensors if flat is None else flat),
-                state["step"],
-                lr_tensors[key],
-                rule=rule,
-                keep_grad=is_approx,
-                **hyper,
-            )
 
 
 def _flat_views(tensors):
@@ -679,6 +734,8 @@ def _flat_views(tensors):
     requires grad) in place under no_grad computed wrong values; a detached view writes the same memory.
     """
     present = [t for t in tensors if t is not None]
+    if all(t.is_contiguous() for t in present):  # the common case, checked cheaply: this runs per tensor
+        return [None if t is None else t.detach().view(-1) for t in tensors]
     first = present[0]
     if not _is_dense(first) or any(t.stride() != first.stride() for t in present):
         return None
