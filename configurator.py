@@ -84,6 +84,7 @@ class TrainConfig:
     optimize_1d: bool = False
     weight_decay_1d: float = 0.1
     betas_1d: tuple[float, float] = (0.9, 0.95)
+    last_grad_dtype: str = "float32"  # MARS's stored previous gradient; 'bfloat16' halves its memory
     # Muon baseline: torch.optim.Muon on the hidden 2-D matrices, AdamW on the rest.
     # Defaults are the reference train_muon.py's (muon_learning_rate, learning_rate).
     muon_lr: float = 2e-2
@@ -111,6 +112,7 @@ class TrainConfig:
 ALLOWED = {
     "optimizer_name": ("mars", "adamw", "muon"),
     "mars_type": ("mars-adamw", "mars-lion", "mars-shampoo"),
+    "last_grad_dtype": ("float32", "bfloat16"),
     "schedule": ("cosine", "wsd", "constant"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "backend": ("auto", "nccl", "gloo"),

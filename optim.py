@@ -92,6 +92,7 @@ def build_optimizer(model, cfg, device_type):
             lr_1d=cfg.lr_1d,
             betas_1d=tuple(cfg.betas_1d),
             weight_decay_1d=cfg.weight_decay_1d,
+            last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
         )
     elif cfg.optimizer_name == "adamw":
         optimizer = torch.optim.AdamW(
