@@ -104,9 +104,10 @@ class MARS(torch.optim.Optimizer):
     State per tensor: 'step' (a float32 0-d tensor on the parameter's device, advanced on the device, so
     no step reads a number back from it), 'exp_avg' (m), 'exp_avg_sq' (v, where the rule uses it),
     'max_exp_avg_sq' (amsgrad), 'last_grad' (g_{t-1}, the optimizer's own copy, never an alias of .grad;
-    MARS-handled tensors only) and, in exact mode, 'previous_grad'. m has the parameter's dtype; v too,
-    except for float16 parameters, where it is float32: (1-β2)·c̃² of a unit-norm c̃ underflows float16
-    (each entry of c̃ is about 1/sqrt(numel)). A step skipped by torch.amp.GradScaler (inf/nan gradients)
+    MARS-handled tensors only) and, in exact mode, 'previous_grad'. m and v have the parameter's dtype,
+    except for float16 parameters, where they are float32: (1-β2)·c̃² of a unit-norm c̃ underflows float16
+    (each entry of c̃ is about 1/sqrt(numel)), and so do many entries of (1-β1)·c̃. A step skipped by
+    torch.amp.GradScaler (inf/nan gradients)
     never reaches step(), so it changes no state.
 
     Args:
@@ -262,12 +263,12 @@ class MARS(torch.optim.Optimizer):
             return state
         is_mars = self._is_mars_tensor(p, group)
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        moment_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
+        state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
         if not is_mars or _rule(p, group["mars_type"]) == "adamw":
-            v_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=v_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=v_dtype, memory_format=torch.preserve_format)
+                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
         if is_mars and "last_grad" not in state:
             # No previous gradient at t = 1: g_0 := g_1 makes the correction zero (c_1 = g_1).
             state["last_grad"] = p.grad.to(group["last_grad_dtype"] or p.dtype, copy=True)
@@ -463,6 +464,7 @@ def _mars_tensor_step(
 ):
     """One MARS step of one tensor; v, v_max are None where the rule keeps none, and step_size,
     bias_correction2_rsqrt are _adam_scalars' (used by the AdamW rule). fused=True compiles this."""
+    g = g.to(m.dtype)  # float16 parameters: c̃ in float32, as m and v (its small entries underflow float16)
     c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)  # c_t, the variance-reduced gradient
     # ‖c_t‖ accumulates in float32 (float64 for float64), but in float64 in the compiled CPU step: inductor
     # sums float32 there through a cascade helper that made this reduction 1.8x slower than a float64 sum.
@@ -502,7 +504,7 @@ def _adamw_tensor_step(p, x, m, v, v_max, lr, step_size, bias_correction2_rsqrt,
     take it. As there, the bias corrections come folded into two scalars (_adam_scalars), so each element
     costs one sqrt and one division.
     """
-    m.lerp_(x, 1 - beta1)
+    m.lerp_(x.to(m.dtype), 1 - beta1)
     v.mul_(beta2).addcmul_(x, x, value=1 - beta2)
     if v_max is not None:
         v = v_max.copy_(torch.maximum(v_max, v))
@@ -530,15 +532,16 @@ def _multi_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, g
         grads = [p.grad for p in params]
         last_grads = [state["last_grad"] for _, state in bucket]
         device_lr = _lr_on(lr, params[0].device)
-        if is_approx and last_grads[0].dtype == grads[0].dtype:
+        dtype = bucket[0][1]["exp_avg"].dtype  # c̃'s, as m's: float32 for float16 parameters
+        if is_approx and last_grads[0].dtype == dtype:
             # g_prev is replaced by g at the end of the step, so its buffer holds c meanwhile: the
             # step's one gradient-sized buffer, and no allocation.
             c = last_grads
         else:
             # Exact MARS (g_prev belongs to update_last_grad), or g_prev stored in another dtype.
-            c = [g_prev.to(g.dtype, copy=True) for g_prev, g in zip(last_grads, grads)]
-        torch._foreach_lerp_(c, grads, 1 + k)  # g + k (g - g_prev)
-        norms = torch._foreach_norm(c, dtype=_opmath(grads[0].dtype))
+            c = [g_prev.to(dtype, copy=True) for g_prev in last_grads]
+        torch._foreach_lerp_(c, [g.to(dtype) for g in grads], 1 + k)  # g + k (g - g_prev)
+        norms = torch._foreach_norm(c, dtype=_opmath(dtype))
         torch._foreach_clamp_min_(norms, 1.0)
         torch._foreach_div_(c, norms)  # clip to Frobenius norm <= 1
 

@@ -247,18 +247,20 @@ def test_every_path_equals_the_reference(dtype, layout, mars_type):
 @pytest.mark.parametrize("path", PATHS)
 def test_float16_weight_stays_finite(path):
     """Issue 13's case: a 768x768 float16 weight after one step. c̃'s entries are ~1/768, (1-β2)c̃² is
-    below float16's smallest subnormal, and v = 0 made m/(sqrt(v)+eps) infinite in 81% of the entries."""
+    below float16's smallest subnormal, and v = 0 made m/(sqrt(v)+eps) infinite in 81% of the entries;
+    the smallest entries of c̃ and (1-β1)c̃ underflow too, so c̃, m and v are float32."""
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter((torch.randn(768, 768, generator=gen) * 0.02).half())
     p.grad = torch.randn(768, 768, generator=gen).half()
     opt = MARS([p], lr=1e-3, **PATHS[path])
     opt.step()
     assert torch.isfinite(p).all()
-    assert opt.state[p]["exp_avg_sq"].dtype == torch.float32
+    assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == torch.float32
     reference = torch.nn.Parameter((torch.randn(768, 768, generator=torch.Generator().manual_seed(0)) * 0.02).half())
     reference.grad = p.grad
     MARS([reference], lr=1e-3, foreach=False).step()
-    torch.testing.assert_close(p, reference, rtol=0, atol=2e-3)  # two float16 ulps at |p| ~ 0.1
+    # Each entry moved by lr = 1e-3; the paths agree to about one float16 ulp (6e-5 at |p| ~ 0.1).
+    torch.testing.assert_close(p, reference, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("path", ["foreach", "fused"])
