@@ -143,6 +143,9 @@ class TrainConfig:
     optimize_1d: bool = key(False, "MARS: apply MARS to the 1-D tensors too (else AdamW)", fixed=True)
     weight_decay_1d: float = key(0.1, "MARS: weight decay of the 1-D tensors", non_negative)
     betas_1d: tuple[float, float] = key((0.9, 0.95), "MARS: AdamW betas of the 1-D tensors", betas)
+    last_grad_dtype: Literal["float32", "bfloat16"] = key(
+        "float32", "MARS: dtype of its stored previous gradient; bfloat16 saves half a parameter copy", fixed=True
+    )
     # --- Muon baseline: torch.optim.Muon on matrices, AdamW on the rest (defaults: the reference's)
     muon_lr: float = key(2e-2, "Muon: lr of the matrices", non_negative)
     muon_adamw_lr: float = key(6e-4, "Muon: lr of the AdamW part", non_negative)

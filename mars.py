@@ -5,13 +5,20 @@ Self-contained: imports nothing from this repository, so the file can be copied 
     from mars import MARS
     optimizer = MARS(model.parameters(), lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1)
 
-The class owns parameter groups, state and dispatch; the update rule lives in two functional kernels
-beside each other: ``_single_tensor_mars`` (the readable reference, ``foreach=False``) and
-``_multi_tensor_mars`` (the default, ``torch._foreach_*`` ops per device and dtype; on CPU the AdamW part
-of the rule runs in torch's fused AdamW kernel). Tests hold the paths equal and hold each to a float64
-transcription of the rule.
+The class owns parameter groups, state and dispatch; the update rule lives in functional kernels:
+
+- ``_mars_tensor_step`` / ``_adamw_tensor_step``: the readable single-tensor reference (``foreach=False``).
+- ``_multi_tensor_mars`` / ``_multi_tensor_adamw`` (the default): ``torch._foreach_*`` ops per device and
+  dtype; the AdamW part of the rule runs in torch's fused AdamW kernel wherever every tensor's layout
+  allows it, and Newton-Schulz is batched over matrices of the same shape.
+- ``fused=True``: the reference ``_mars_tensor_step`` compiled by torch.compile (inductor: C++ loops on
+  CPU, Triton kernels on CUDA) into one reduction and one elementwise pass per tensor, for the AdamW and
+  Lion rules; Newton-Schulz and the AdamW-rule tensors as in the multi-tensor path.
+
+Tests hold every path equal to the reference and the reference to a float64 transcription of the rule.
 """
 
+import functools
 import math
 
 import torch
@@ -26,32 +33,34 @@ _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
 def newton_schulz(G, steps=5, eps=1e-7, dtype=None):
-    """Approximate the orthogonal factor U Vᵀ of a 2-D matrix G = U S Vᵀ.
+    """Approximate the orthogonal factor U Vᵀ of each matrix G = U S Vᵀ in G's last two dimensions.
 
-    G is cast to `dtype` and divided by (its Frobenius norm + eps), so every singular value starts in
-    [0, 1]; then `steps` quintic iterations X ← aX + b(XXᵀ)X + c(XXᵀ)²X push the singular values into
-    roughly [0.7, 1.2]. The iteration runs on the wide orientation (Gᵀ when rows > cols) so XXᵀ is the
-    smaller Gram matrix. Returns G's dtype.
+    Each matrix is cast to `dtype` and divided by (its Frobenius norm + eps), so every singular value
+    starts in [0, 1]; then `steps` quintic iterations X ← aX + b(XXᵀ)X + c(XXᵀ)²X push the singular values
+    into roughly [0.7, 1.2]. The iteration runs on the wide orientation (Xᵀ when rows > cols) so XXᵀ is the
+    smaller Gram matrix. Leading dimensions are a batch: a stack of same-shape matrices takes one batched
+    matmul per product instead of one matmul per matrix. Returns G's dtype.
 
     dtype=None means bfloat16 on CUDA, as the paper's code, and float32 elsewhere: CPUs without native
     bfloat16 matmuls run them several times slower than float32 (here 1.35 s vs 0.22 s for a
     768x2304 Gram matrix), which made a CPU MARS-Shampoo step take minutes.
     """
-    if G.ndim != 2:
-        raise ValueError(f"newton_schulz needs a 2-D tensor, got shape {tuple(G.shape)}")
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs matrices (ndim >= 2), got shape {tuple(G.shape)}")
     if dtype is None:
         dtype = torch.bfloat16 if G.is_cuda else torch.float32
     a, b, c = _NS_COEFFS
-    X = G.to(dtype) / (G.norm() + eps)
-    tall = G.size(0) > G.size(1)
+    norms = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
+    X = (G.to(dtype) / (norms + eps)).to(dtype)  # as the paper's code: cast, then divide by G's norm
+    tall = G.size(-2) > G.size(-1)
     if tall:
-        X = X.T
+        X = X.mT
     for _ in range(steps):
-        A = X @ X.T
+        A = X @ X.mT
         B = A @ X
         X = a * X + b * B + c * (A @ B)
     if tall:
-        X = X.T
+        X = X.mT
     return X.to(G.dtype)
 
 
@@ -83,24 +92,31 @@ class MARS(torch.optim.Optimizer):
     g_{t-1} is the previous step's gradient (approximate MARS, ``is_approx=True``), or ∇f(x_{t-1}, ξ_t)
     supplied by the loop (exact MARS): after a backward pass on the NEXT batch at the current parameters
     call :meth:`update_previous_grad`, then backward on the current batch, :meth:`step`, and
-    :meth:`update_last_grad`.
+    :meth:`update_last_grad`. A step() without update_last_grad() after the previous one, or an
+    update_last_grad() without a stored look-ahead gradient, raises instead of correcting with a stale
+    gradient. Under a GradScaler pass ``inverse_scale=1 / scaler.get_scale()`` to update_previous_grad: it
+    sees the gradient before scaler.step() unscales it.
 
     Difference from the paper's reference code: there ``last_grad`` starts at zero, so its first step
     uses c_1 = (1 + γβ1/(1-β1)) g_1. Here the correction is zero at t = 1 (c_1 = g_1), as Algorithm 1's
     x_0 = x_1 implies. Once ‖c_1‖ > 1 the clip makes the two identical.
 
-    State per tensor: 'step' (a Python int, so bias corrections need no device sync), 'exp_avg' (m),
-    'exp_avg_sq' (v, where the rule uses it), 'last_grad' (g_{t-1}, the optimizer's own copy, never an
-    alias of .grad; MARS-handled tensors only), 'max_exp_avg_sq' (amsgrad) and, in exact mode,
-    'previous_grad'. A step skipped by torch.amp.GradScaler (inf/nan gradients) never reaches step(), so
-    it changes no state.
+    State per tensor: 'step' (a float32 0-d tensor on the parameter's device, advanced on the device, so
+    no step reads a number back from it), 'exp_avg' (m), 'exp_avg_sq' (v, where the rule uses it),
+    'max_exp_avg_sq' (amsgrad), 'last_grad' (g_{t-1}, the optimizer's own copy, never an alias of .grad;
+    MARS-handled tensors only) and, in exact mode, 'previous_grad'. m and v have the parameter's dtype,
+    except for float16 parameters, where they are float32: (1-β2)·c̃² of a unit-norm c̃ underflows float16
+    (each entry of c̃ is about 1/sqrt(numel)), and so do many entries of (1-β1)·c̃. A step skipped by
+    torch.amp.GradScaler (inf/nan gradients)
+    never reaches step(), so it changes no state.
 
     Args:
         params: iterable of parameters or of dicts defining parameter groups; every hyperparameter below
-            (except foreach's default) may be overridden per group.
-        lr: learning rate η of MARS-handled tensors (default 3e-3).
+            may be overridden per group.
+        lr: learning rate η of MARS-handled tensors (default 3e-3); a number or a 0-d tensor (a schedule
+            may write either into group['lr']; a tensor stays on the device).
         betas: (β1, β2) for m and v (default (0.95, 0.99)).
-        eps: added to the AdamW denominator; also Newton-Schulz's normaliser (default 1e-8).
+        eps: added to the AdamW denominator; also Newton-Schulz's normaliser; must be > 0 (default 1e-8).
         weight_decay: decoupled weight decay λ of MARS-handled tensors (default 0).
         amsgrad: use the running maximum of v in the denominator (default False).
         gamma: γ, the strength of the variance-reduction correction (default 0.025).
@@ -112,7 +128,12 @@ class MARS(torch.optim.Optimizer):
         lr_1d: AdamW lr of the other tensors at construction (default 3e-3).
         betas_1d: AdamW betas of the other tensors (default (0.9, 0.95)).
         weight_decay_1d: AdamW weight decay of the other tensors (default 0.1).
+        last_grad_dtype: dtype of the stored previous gradient g_{t-1} (None: the parameter's). bfloat16
+            halves its memory; the update itself still computes in the parameter's precision.
         foreach: None or True use the multi-tensor path; False the single-tensor reference.
+        fused: True compiles the per-tensor update with torch.compile (needs a C++ compiler on CPU, Triton
+            on CUDA; the first step compiles for seconds, later steps and lr changes do not recompile).
+            None or False: not compiled.
     """
 
     def __init__(
@@ -131,7 +152,9 @@ class MARS(torch.optim.Optimizer):
         lr_1d=3e-3,
         betas_1d=(0.9, 0.95),
         weight_decay_1d=0.1,
+        last_grad_dtype=None,
         foreach=None,
+        fused=None,
     ):
         defaults = dict(
             lr=lr,
@@ -147,31 +170,56 @@ class MARS(torch.optim.Optimizer):
             lr_1d=lr_1d,
             betas_1d=betas_1d,
             weight_decay_1d=weight_decay_1d,
+            last_grad_dtype=last_grad_dtype,
             foreach=foreach,
+            fused=fused,
         )
         _validate(defaults)
+        # Exact-mode protocol checks (see update_previous_grad / update_last_grad).
+        self._look_ahead_stored = False
+        self._last_grad_pending = False
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        group = {**self.defaults, **param_group}  # what the group will hold: validate before installing
         _validate(group)
         if "lr_1d_factor" not in group:
-            if group["lr"] == 0 and not group["optimize_1d"]:
+            lr = float(group["lr"])
+            if lr == 0 and not group["optimize_1d"]:
                 raise ValueError(
                     "lr=0 with optimize_1d=False leaves the 1-D learning rate lr*lr_1d/lr "
                     "undefined; construct with the peak lr (a schedule may start at 0)"
                 )
             # Fixed at construction: a schedule changes group['lr'] and the 1-D lr follows its shape.
-            group["lr_1d_factor"] = group["lr_1d"] / group["lr"] if group["lr"] else 1.0
+            param_group = {**param_group, "lr_1d_factor": group["lr_1d"] / lr if lr else 1.0}
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        # Optimizer.load_state_dict casts every floating-point state tensor to its parameter's dtype and
+        # leaves 'step' where it was saved; MARS keeps some tensors in another dtype (float32 v of float16
+        # parameters, last_grad_dtype) and every step on its parameter's device.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key == "step":
+                    self.state[p][key] = torch.as_tensor(value, dtype=torch.float32, device=p.device)
+                elif torch.is_tensor(value) and value.dtype != p.dtype:
+                    self.state[p][key] = value.to(device=p.device, copy=True)
 
     @staticmethod
     def _is_mars_tensor(p, group):
         return group["optimize_1d"] or p.ndim == 2 or (group["routing"] == "nd" and p.ndim > 2)
 
     @torch.no_grad()
-    def update_previous_grad(self):
-        """Exact MARS: keep ∇f(x_t, ξ_{t+1}) -- call after a backward pass on the NEXT batch."""
+    def update_previous_grad(self, inverse_scale=None):
+        """Exact MARS: keep ∇f(x_t, ξ_{t+1}) -- call after a backward pass on the NEXT batch.
+
+        inverse_scale: multiplies the stored gradient; under torch.amp.GradScaler pass
+        1 / scaler.get_scale(), since .grad still holds the scaled gradient here (a number, or a tensor
+        on the device to avoid reading the scale back).
+        """
         for group in self.param_groups:
             if group["is_approx"]:
                 continue
@@ -180,83 +228,101 @@ class MARS(torch.optim.Optimizer):
                     continue
                 _check_dense(p.grad)
                 state = self.state[p]
-                if "previous_grad" in state:
-                    state["previous_grad"].copy_(p.grad)
-                else:
-                    state["previous_grad"] = p.grad.detach().clone(memory_format=torch.preserve_format)
+                if "previous_grad" not in state:
+                    state["previous_grad"] = torch.empty_like(p.grad, dtype=group["last_grad_dtype"] or p.dtype)
+                torch.mul(p.grad, 1.0 if inverse_scale is None else inverse_scale, out=state["previous_grad"])
+                self._look_ahead_stored = True
 
     @torch.no_grad()
     def update_last_grad(self):
-        """Exact MARS: after step(), make the stored gradient the g_{t-1} of the next step."""
-        for group in self.param_groups:
-            if group["is_approx"]:
-                continue
+        """Exact MARS: after step(), make the stored look-ahead gradient the g_{t-1} of the next step."""
+        exact_groups = [group for group in self.param_groups if not group["is_approx"]]
+        if not exact_groups:
+            return
+        if not self._look_ahead_stored:
+            raise RuntimeError(
+                "exact MARS (is_approx=False): update_last_grad() found no look-ahead gradient; call "
+                "update_previous_grad() after the backward pass on the next batch, before step()"
+            )
+        for group in exact_groups:
             for p in group["params"]:
                 state = self.state[p]
                 if "previous_grad" not in state:
                     continue
-                if "last_grad" in state:
-                    state["last_grad"].copy_(state["previous_grad"])
+                if "last_grad" in state:  # swap the buffers: the old g_{t-1} is overwritten next time
+                    state["last_grad"], state["previous_grad"] = state["previous_grad"], state["last_grad"]
                 else:
-                    state["last_grad"] = state["previous_grad"].clone()
+                    state["last_grad"] = state.pop("previous_grad")
+        self._look_ahead_stored = False
+        self._last_grad_pending = False
 
-    def _init_state(self, p, group):
-        """Allocate what the rule needs for p (state dtype and device follow p)."""
+    def _state_for(self, p, group):
+        """p's state, allocated on its first step (device follows p; dtypes as the class docstring says)."""
         state = self.state[p]
         if "step" in state:
             return state
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         is_mars = self._is_mars_tensor(p, group)
-        uses_v = not is_mars or _uses_second_moment(p, group["mars_type"])
-        if uses_v:
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        moment_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
+        state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+        if not is_mars or _rule(p, group["mars_type"]) == "adamw":
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
         if is_mars and "last_grad" not in state:
             # No previous gradient at t = 1: g_0 := g_1 makes the correction zero (c_1 = g_1).
-            state["last_grad"] = p.grad.detach().clone(memory_format=torch.preserve_format)
+            state["last_grad"] = p.grad.to(group["last_grad_dtype"] or p.dtype, copy=True)
         return state
 
     @torch.no_grad()
     def step(self, closure=None):
         """One MARS step; returns closure()'s loss when a closure is given."""
+        if self._last_grad_pending:
+            raise RuntimeError(
+                "exact MARS (is_approx=False): step() was called again without update_last_grad() after "
+                "the previous step(), so the correction would use a stale gradient; call "
+                "update_last_grad() after every step()"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            mars, adamw = _TensorLists(), _TensorLists()
+            mars, adamw = [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 _check_dense(p.grad)
-                state = self._init_state(p, group)
-                state["step"] += 1
-                (mars if self._is_mars_tensor(p, group) else adamw).append(p, state)
-            foreach = group["foreach"] is None or group["foreach"]
-            kernel_mars = _multi_tensor_mars if foreach else _single_tensor_mars
-            kernel_adamw = _multi_tensor_adamw if foreach else _single_tensor_adamw
-            if mars.params:
-                kernel_mars(
+                entry = (p, self._state_for(p, group))
+                (mars if self._is_mars_tensor(p, group) else adamw).append(entry)
+            if not mars and not adamw:
+                continue
+            # Advanced on the device: the fused kernels read their step counts from there.
+            torch._foreach_add_([state["step"] for _, state in mars + adamw], 1)
+            if mars:
+                rules = [_rule(p, group["mars_type"]) for p, _ in mars]
+                kernel = _kernel_mars(group)
+                kernel(
                     mars,
+                    rules,
                     lr=group["lr"],
-                    betas=group["betas"],
-                    eps=group["eps"],
+                    beta1=group["betas"][0],
+                    beta2=group["betas"][1],
                     weight_decay=group["weight_decay"],
-                    amsgrad=group["amsgrad"],
                     gamma=group["gamma"],
                     is_approx=group["is_approx"],
-                    mars_type=group["mars_type"],
+                    eps=group["eps"],
                 )
-            if adamw.params:
-                kernel_adamw(
+                self._last_grad_pending |= not group["is_approx"]
+            if adamw:
+                kernel = _single_tensor_adamw if group["foreach"] is False else _multi_tensor_adamw
+                kernel(
                     adamw,
                     lr=group["lr"] * group["lr_1d_factor"],
-                    betas=group["betas_1d"],
-                    eps=group["eps"],
+                    beta1=group["betas_1d"][0],
+                    beta2=group["betas_1d"][1],
                     weight_decay=group["weight_decay_1d"],
-                    amsgrad=group["amsgrad"],
+                    eps=group["eps"],
                 )
         return loss
 
@@ -264,8 +330,15 @@ class MARS(torch.optim.Optimizer):
 def _validate(hp):
     for name in ("lr", "lr_1d", "eps", "weight_decay", "weight_decay_1d", "gamma"):
         value = hp[name]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0:
-            raise ValueError(f"invalid {name}: {value!r} (must be a number >= 0)")
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        is_scalar_tensor = name == "lr" and torch.is_tensor(value) and value.ndim == 0 and value.is_floating_point()
+        if not (is_number or is_scalar_tensor) or not float(value) >= 0.0:
+            allowed = "a number >= 0" + (" or a 0-d floating tensor" if name == "lr" else "")
+            raise ValueError(f"invalid {name}: {value!r} (must be {allowed})")
+    if not hp["eps"] > 0:
+        raise ValueError(
+            f"invalid eps: {hp['eps']!r} (must be > 0: it keeps the AdamW and Newton-Schulz divisions finite)"
+        )
     for name in ("betas", "betas_1d"):
         betas = hp[name]
         if (
@@ -278,8 +351,14 @@ def _validate(hp):
         raise ValueError(f"invalid mars_type: {hp['mars_type']!r} (allowed: {', '.join(MARS_TYPES)})")
     if hp["routing"] not in ROUTINGS:
         raise ValueError(f"invalid routing: {hp['routing']!r} (allowed: {', '.join(ROUTINGS)})")
-    if hp["foreach"] not in (None, True, False):
-        raise ValueError(f"invalid foreach: {hp['foreach']!r} (must be None, True or False)")
+    dtype = hp["last_grad_dtype"]
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"invalid last_grad_dtype: {dtype!r} (must be None or a floating torch.dtype)")
+    for name in ("foreach", "fused"):
+        if not (hp[name] is None or isinstance(hp[name], bool)):
+            raise ValueError(f"invalid {name}: {hp[name]!r} (must be None, True or False)")
+    if hp["fused"] and hp["foreach"] is False:
+        raise ValueError("invalid fused=True with foreach=False: the fused path is a multi-tensor path")
 
 
 def _check_dense(grad):
@@ -289,200 +368,381 @@ def _check_dense(grad):
         )
 
 
-def _uses_second_moment(p, mars_type):
-    """mars-adamw everywhere, and mars-shampoo on the tensors Newton-Schulz cannot take, keep v."""
-    return mars_type == "mars-adamw" or (mars_type == "mars-shampoo" and p.ndim != 2)
+def _rule(p, mars_type):
+    """The update direction a MARS-handled tensor takes: "adamw", "lion" or "newton-schulz"."""
+    if mars_type == "mars-lion":
+        return "lion"
+    if mars_type == "mars-shampoo" and p.ndim == 2:
+        return "newton-schulz"
+    return "adamw"  # mars-adamw everywhere, and mars-shampoo on the tensors Newton-Schulz cannot take
 
 
-class _TensorLists:
-    """One group's (parameter, state) pairs, with the parallel lists the kernels consume."""
+def _kernel_mars(group):
+    if group["foreach"] is False:
+        return _single_tensor_mars
+    return _fused_mars if group["fused"] else _multi_tensor_mars
 
-    def __init__(self, entries=None):
-        self.entries = entries if entries is not None else []
 
-    def append(self, p, state):
-        self.entries.append((p, state))
+def _opmath(dtype):
+    """The dtype arithmetic on `dtype` tensors is carried out in: float32 for the half types."""
+    return torch.promote_types(dtype, torch.float32)
 
-    @property
-    def params(self):
-        return [p for p, _ in self.entries]
 
-    @property
-    def grads(self):
-        return [p.grad for p, _ in self.entries]
-
-    @property
-    def steps(self):
-        return [s["step"] for _, s in self.entries]
-
-    def get(self, key):
-        return [s[key] for _, s in self.entries]
-
-    def by_device_and_dtype(self):
-        buckets = {}
-        for p, s in self.entries:
-            buckets.setdefault((p.device, p.dtype), _TensorLists()).append(p, s)
-        return buckets.values()
+def _lr_on(lr, device):
+    """lr as the kernels take it: a number as it is, a tensor on `device` (copied without a host sync)."""
+    if torch.is_tensor(lr) and lr.device != device:
+        return lr.to(device, non_blocking=True)
+    return lr
 
 
 # ---------------------------------------------------------------------------------------------------
 # Single-tensor reference: the rule of the class docstring, line by line.
 
 
-def _single_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_approx, mars_type):
-    beta1, beta2 = betas
-    k = gamma * beta1 / (1 - beta1)
-    for p, state in tl.entries:
-        g, t = p.grad, state["step"]
-        m, g_prev = state["exp_avg"], state["last_grad"]
-        c = torch.lerp(g_prev, g, 1 + k)  # g + k (g - g_prev), as foreach
-        c = c / c.norm().clamp_min(1.0)  # clip to Frobenius norm <= 1
-        m.lerp_(c, 1 - beta1)  # m = β1 m + (1 - β1) c
-        if mars_type == "mars-lion":
+def _single_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, is_approx):
+    for (p, state), rule in zip(entries, rules):
+        device_lr = _lr_on(lr, p.device)
+        step_size, bias_correction2_rsqrt = _adam_scalars([state["step"]], device_lr, beta1, beta2, p.dtype)
+        _mars_tensor_step(
+            p,
+            p.grad,
+            state["last_grad"],
+            state["exp_avg"],
+            state.get("exp_avg_sq"),
+            state.get("max_exp_avg_sq"),
+            device_lr,
+            step_size[0],
+            bias_correction2_rsqrt[0],
+            rule=rule,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            gamma=gamma,
+            keep_grad=is_approx,
+        )
+
+
+def _single_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay):
+    for p, state in entries:
+        device_lr = _lr_on(lr, p.device)
+        step_size, bias_correction2_rsqrt = _adam_scalars([state["step"]], device_lr, beta1, beta2, p.dtype)
+        _adamw_tensor_step(
+            p,
+            p.grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state.get("max_exp_avg_sq"),
+            device_lr,
+            step_size[0],
+            bias_correction2_rsqrt[0],
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+
+
+def _mars_tensor_step(
+    p,
+    g,
+    g_prev,
+    m,
+    v,
+    v_max,
+    lr,
+    step_size,
+    bias_correction2_rsqrt,
+    *,
+    rule,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    gamma,
+    keep_grad,
+):
+    """One MARS step of one tensor; v, v_max are None where the rule keeps none, and step_size,
+    bias_correction2_rsqrt are _adam_scalars' (used by the AdamW rule). fused=True compiles this."""
+    g = g.to(m.dtype)  # float16 parameters: c̃ in float32, as m and v (its small entries underflow float16)
+    c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)  # c_t, the variance-reduced gradient
+    # ‖c_t‖ accumulates in float32 (float64 for float64), but in float64 in the compiled CPU step: inductor
+    # sums float32 there through a cascade helper that made this reduction 1.8x slower than a float64 sum.
+    norm_dtype = torch.float64 if torch.compiler.is_compiling() and c.is_cpu else _opmath(c.dtype)
+    c = c / torch.linalg.vector_norm(c, dtype=norm_dtype).clamp_min(1.0)  # c̃_t: ‖c̃_t‖ <= 1
+    if rule == "adamw":
+        _adamw_tensor_step(
+            p,
+            c,
+            m,
+            v,
+            v_max,
+            lr,
+            step_size,
+            bias_correction2_rsqrt,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+    else:
+        m.lerp_(c, 1 - beta1)  # m_t = β1 m_{t-1} + (1 - β1) c̃_t
+        if rule == "lion":
             u = m.sign()
-        elif mars_type == "mars-shampoo" and p.ndim == 2:
-            u = newton_schulz(m / (1 - beta1), eps=eps) * math.sqrt(max(1.0, p.size(0) / p.size(1)))
         else:
-            u = _adam_direction(state, c, beta2, t, eps, amsgrad) / (1 - beta1**t)
+            u = newton_schulz(m / (1 - beta1), eps=eps) * math.sqrt(max(1.0, p.size(0) / p.size(1)))
         p.sub_(lr * (u + weight_decay * p))
-        if is_approx:
-            g_prev.copy_(g)
+    if keep_grad:
+        g_prev.copy_(g)
 
 
-def _single_tensor_adamw(tl, *, lr, betas, eps, weight_decay, amsgrad):
-    beta1, beta2 = betas
-    for p, state in tl.entries:
-        g, t = p.grad, state["step"]
-        state["exp_avg"].lerp_(g, 1 - beta1)
-        u = _adam_direction(state, g, beta2, t, eps, amsgrad) / (1 - beta1**t)
-        p.sub_(lr * (u + weight_decay * p))
+def _adamw_tensor_step(p, x, m, v, v_max, lr, step_size, bias_correction2_rsqrt, *, beta1, beta2, eps, weight_decay):
+    """AdamW on input x (c̃ for MARS tensors, g for the others); v_max is None without amsgrad.
 
-
-def _adam_direction(state, x, beta2, t, eps, amsgrad):
-    """Update v with x² and return m / (sqrt(v / (1 - β2^t)) + eps)."""
-    v = state["exp_avg_sq"]
+    m_t = β1 m + (1-β1) x, v_t = β2 v + (1-β2) x², p ← p - lr (m̂ / (sqrt(v̂) + eps) + λ p) with
+    m̂ = m / (1-β1^t), v̂ = v / (1-β2^t): the update of torch.optim.AdamW, which is why its fused kernel can
+    take it. As there, the bias corrections come folded into two scalars (_adam_scalars), so each element
+    costs one sqrt and one division.
+    """
+    m.lerp_(x.to(m.dtype), 1 - beta1)
     v.mul_(beta2).addcmul_(x, x, value=1 - beta2)
-    if amsgrad:
-        v = torch.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
-    return state["exp_avg"] / ((v / (1 - beta2**t)).sqrt() + eps)
+    if v_max is not None:
+        v = v_max.copy_(torch.maximum(v_max, v))
+    denom = v.sqrt() * bias_correction2_rsqrt + eps  # sqrt(v̂) + eps
+    p.sub_(lr * weight_decay * p + step_size * m / denom)
+
+
+def _adam_scalars(steps, lr, beta1, beta2, dtype):
+    """For each step tensor t (one device): lr / (1-β1^t) and 1 / sqrt(1-β2^t), torch AdamW's step size and
+    denominator scale, computed on the device (no host sync) in one stacked pass; dtype is the arithmetic
+    dtype of the parameters (float64 ones get float64 corrections from the float32 counts)."""
+    t = torch.stack(steps).to(_opmath(dtype))
+    return (lr / (1 - beta1**t)).unbind(), (1 - beta2**t).rsqrt().unbind()
 
 
 # ---------------------------------------------------------------------------------------------------
 # Multi-tensor path: the same rule with torch._foreach_* ops, one call per op per (device, dtype).
-# Every per-tensor scalar (bias corrections) is a Python float from the Python-int step, and the clip
-# divides by max(norm, 1) kept on the device, so nothing here waits on the device.
+# Scalars that change per step (lr, the step counts) stay on the device, so nothing here waits on it.
 
 
-def _multi_tensor_mars(tl, *, lr, betas, eps, weight_decay, amsgrad, gamma, is_approx, mars_type):
-    beta1, beta2 = betas
+def _multi_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, is_approx):
     k = gamma * beta1 / (1 - beta1)
-    for b in tl.by_device_and_dtype():
-        grads, last_grads = b.grads, b.get("last_grad")
-        if is_approx:
+    for bucket, bucket_rules in _by_device_and_dtype(entries, rules):
+        params = [p for p, _ in bucket]
+        grads = [p.grad for p in params]
+        last_grads = [state["last_grad"] for _, state in bucket]
+        device_lr = _lr_on(lr, params[0].device)
+        dtype = bucket[0][1]["exp_avg"].dtype  # c̃'s, as m's: float32 for float16 parameters
+        if is_approx and last_grads[0].dtype == dtype:
             # g_prev is replaced by g at the end of the step, so its buffer holds c meanwhile: the
             # step's one gradient-sized buffer, and no allocation.
             c = last_grads
-            torch._foreach_lerp_(c, grads, 1 + k)  # g + k (g - g_prev)
         else:
-            # Exact MARS: g_prev belongs to the loop's protocol (update_last_grad); c gets its own buffer.
-            c = torch._foreach_lerp(last_grads, grads, 1 + k)
-        norms = torch._foreach_norm(c)
+            # Exact MARS (g_prev belongs to update_last_grad), or g_prev stored in another dtype.
+            c = [g_prev.to(dtype, copy=True) for g_prev in last_grads]
+        torch._foreach_lerp_(c, [g.to(dtype) for g in grads], 1 + k)  # g + k (g - g_prev)
+        norms = torch._foreach_norm(c, dtype=_opmath(dtype))
         torch._foreach_clamp_min_(norms, 1.0)
         torch._foreach_div_(c, norms)  # clip to Frobenius norm <= 1
 
-        if mars_type == "mars-lion":
-            torch._foreach_lerp_(b.get("exp_avg"), c, 1 - beta1)
-            torch._foreach_copy_(c, b.get("exp_avg"))
-            torch._foreach_sign_(c)
-            if weight_decay != 0:
-                torch._foreach_mul_(b.params, 1 - lr * weight_decay)
-            torch._foreach_add_(b.params, c, alpha=-lr)
-        else:
-            # mars-shampoo's 2-D tensors take Newton-Schulz; every other tensor the AdamW rule on c̃.
-            is_ns = [mars_type == "mars-shampoo" and p.ndim == 2 for p in b.params]
-            for (p, state), c_i, ns in zip(b.entries, c, is_ns):
-                if ns:
-                    m = state["exp_avg"].lerp_(c_i, 1 - beta1)
-                    u = newton_schulz(m / (1 - beta1), eps=eps)
-                    if weight_decay != 0:
-                        p.mul_(1 - lr * weight_decay)
-                    p.add_(u, alpha=-lr * math.sqrt(max(1.0, p.size(0) / p.size(1))))
-            if not all(is_ns):
-                adam = _TensorLists([e for e, ns in zip(b.entries, is_ns) if not ns])
-                c_adam = [c_i for c_i, ns in zip(c, is_ns) if not ns]
-                _foreach_adam(
-                    adam,
-                    c_adam,
-                    c_adam,
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=eps,
-                    weight_decay=weight_decay,
-                    amsgrad=amsgrad,
-                )
+        for rule in ("lion", "newton-schulz", "adamw"):
+            picked = [i for i, r in enumerate(bucket_rules) if r == rule]
+            if not picked:
+                continue
+            sub = [bucket[i] for i in picked]
+            sub_c = [c[i] for i in picked]
+            if rule == "adamw":
+                _foreach_adamw(sub, sub_c, device_lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+                continue
+            momenta = [state["exp_avg"] for _, state in sub]
+            torch._foreach_lerp_(momenta, sub_c, 1 - beta1)
+            if rule == "lion":
+                torch._foreach_copy_(sub_c, momenta)
+                torch._foreach_sign_(sub_c)
+                _foreach_apply_update([p for p, _ in sub], sub_c, device_lr, weight_decay)
+            else:
+                _newton_schulz_update(sub, device_lr, beta1=beta1, eps=eps, weight_decay=weight_decay)
         if is_approx:
             torch._foreach_copy_(last_grads, grads)
 
 
-def _multi_tensor_adamw(tl, *, lr, betas, eps, weight_decay, amsgrad):
-    beta1, beta2 = betas
-    for b in tl.by_device_and_dtype():
-        _foreach_adam(
-            b, b.grads, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad
+def _multi_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay):
+    for bucket, _ in _by_device_and_dtype(entries):
+        grads = [p.grad for p, _ in bucket]
+        _foreach_adamw(
+            bucket, grads, _lr_on(lr, bucket[0][0].device), beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
         )
 
 
-# Devices where torch's fused AdamW kernel runs on the tensors MARS gives it: one pass over p, m, v and
-# the input instead of eight foreach passes. On CUDA the kernel wants its step counts as device tensors,
-# and building those from the Python-int steps would sync with the host, so CUDA takes the foreach ops.
-_FUSED_ADAM_DEVICES = ("cpu",)
+def _by_device_and_dtype(entries, rules=None):
+    """(entries, rules) per (device, dtype) of the parameters, in first-seen order."""
+    rules = rules if rules is not None else [None] * len(entries)
+    buckets = {}
+    for entry, rule in zip(entries, rules):
+        bucket = buckets.setdefault((entry[0].device, entry[0].dtype), ([], []))
+        bucket[0].append(entry)
+        bucket[1].append(rule)
+    return buckets.values()
 
 
-def _foreach_adam(b, x, scratch, *, lr, beta1, beta2, eps, weight_decay, amsgrad):
-    """AdamW on input x for the params of b: the mars-adamw rule with x = c̃, or plain AdamW with x = g.
+def _foreach_apply_update(params, updates, lr, weight_decay):
+    """p ← p - lr (u + λ p) for every pair; the buffers of `updates` are scratch.
 
-    The update x_p ← x_p(1 - lr λ) - lr·m̂/(sqrt(v̂) + eps) is exactly torch.optim.AdamW's, which is why
-    its fused kernel can take it where one exists.
-
-    scratch receives the denominator (it may be x itself: x is dead once v is updated); None allocates
-    it. m̂ / (sqrt(v̂) + eps) is computed as m·s/(1-β1^t) / (sqrt(v) + eps·s) with s = sqrt(1-β2^t),
-    which saves a pass over the denominator.
+    A tensor lr is used where it is (the Tensor overloads of the foreach ops), never read back.
     """
-    params, m, v = b.params, b.get("exp_avg"), b.get("exp_avg_sq")
-    v_max = b.get("max_exp_avg_sq") if amsgrad else []
-    if params[0].device.type in _FUSED_ADAM_DEVICES:
-        steps = [torch.tensor(float(t)) for t in b.steps]
+    if torch.is_tensor(lr):
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_mul_(updates, lr)
+        torch._foreach_sub_(params, updates)
+        return
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, updates, alpha=-lr)
+
+
+def _newton_schulz_update(entries, lr, *, beta1, eps, weight_decay):
+    """The mars-shampoo rule on 2-D tensors (m already updated), one batched Newton-Schulz per shape."""
+    by_shape = {}
+    for entry in entries:
+        by_shape.setdefault(tuple(entry[0].shape), []).append(entry)
+    for (rows, cols), same_shape in by_shape.items():
+        momenta = torch.stack([state["exp_avg"] for _, state in same_shape]).div_(1 - beta1)
+        u = newton_schulz(momenta, eps=eps).mul_(math.sqrt(max(1.0, rows / cols)))
+        _foreach_apply_update([p for p, _ in same_shape], list(u.unbind(0)), lr, weight_decay)
+
+
+# Devices whose torch build has the fused AdamW kernel (torch.optim.AdamW(fused=True)'s).
+_FUSED_ADAMW_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
+
+
+def _fused_adamw_can_take(p, x, state):
+    """Whether torch's fused AdamW kernel computes the reference's result on these tensors.
+
+    The kernel walks each tensor's memory linearly: every tensor must share p's dtype and strides, and p
+    must fill its memory without gaps (the gaps of a strided view would be written).
+    """
+    tensors = [x] + [state[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
+    return (
+        p.device.type in _FUSED_ADAMW_DEVICES
+        and _is_dense(p)
+        and all(t.dtype == p.dtype and t.stride() == p.stride() for t in tensors)
+    )
+
+
+def _is_dense(t):
+    """Whether t's elements fill one block of memory without gaps or overlaps, in some dimension order."""
+    order = sorted(range(t.ndim), key=t.stride, reverse=True)
+    return t.permute(order).is_contiguous()
+
+
+def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay):
+    """AdamW on inputs xs: torch's fused kernel on the tensors it can take, the reference on the rest."""
+    takes = [_fused_adamw_can_take(p, x, state) for (p, state), x in zip(entries, xs)]
+    fused = [(entry, x) for entry, x, ok in zip(entries, xs, takes) if ok]
+    if fused:
+        states = [state for (_, state), _ in fused]
         torch._fused_adamw_(
-            params,
-            x,
-            m,
-            v,
-            v_max,
-            steps,
+            [p for (p, _), _ in fused],
+            [x for _, x in fused],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states if "max_exp_avg_sq" in s],
+            [s["step"] for s in states],
             lr=lr,
             beta1=beta1,
             beta2=beta2,
             weight_decay=weight_decay,
             eps=eps,
-            amsgrad=amsgrad,
+            amsgrad="max_exp_avg_sq" in states[0],
             maximize=False,
         )
-        return
-    torch._foreach_lerp_(m, x, 1 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, x, x, value=1 - beta2)
-    if amsgrad:
-        torch._foreach_maximum_(v_max, v)
-        v = v_max
-    if scratch is None:
-        denom = torch._foreach_sqrt(v)
-    else:
-        denom = scratch
-        torch._foreach_copy_(denom, v)
-        torch._foreach_sqrt_(denom)
-    s = [math.sqrt(1 - beta2**t) for t in b.steps]
-    torch._foreach_add_(denom, [eps * si for si in s])
-    if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_addcdiv_(params, m, denom, [-lr * si / (1 - beta1**t) for si, t in zip(s, b.steps)])
+    rest = [(entry, x) for entry, x, ok in zip(entries, xs, takes) if not ok]
+    if rest:
+        steps = [state["step"] for (_, state), _ in rest]
+        step_sizes, bias_correction2_rsqrts = _adam_scalars(steps, lr, beta1, beta2, rest[0][0][0].dtype)
+        for ((p, state), x), step_size, bias_correction2_rsqrt in zip(rest, step_sizes, bias_correction2_rsqrts):
+            _adamw_tensor_step(
+                p,
+                x,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state.get("max_exp_avg_sq"),
+                lr,
+                step_size,
+                bias_correction2_rsqrt,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=weight_decay,
+            )
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused=True: _mars_tensor_step compiled. The tensors go in as 1-D views in memory order, so one compiled
+# graph (per dtype and rule) serves every shape. A group's numbers (β1, β2, eps, λ, γ) are compiled in as
+# constants, guarded: a group with other values compiles its own graph (with torch 2.13, floats left
+# symbolic were baked into lerp's weight and addcmul's value without a guard, so a second group silently
+# reused the first one's betas). lr changes every step, so it goes in as a tensor: no recompilation.
+# Tensors whose layouts differ (a transposed parameter with a contiguous gradient) take the eager reference.
+
+
+@functools.cache
+def _compiled_mars_tensor_step():
+    # cpp.dynamic_threads: without it inductor compiled the kernel for a bfloat16 last_grad single-threaded
+    # (2.2x slower than float32 here); with it OpenMP picks the threads at run time (C++ backend only).
+    return torch.compile(_mars_tensor_step, dynamic=True, options={"cpp.dynamic_threads": True})
+
+
+def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, is_approx):
+    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, gamma=gamma)
+    newton_schulz_entries = [entry for entry, rule in zip(entries, rules) if rule == "newton-schulz"]
+    if newton_schulz_entries:
+        rules_ns = ["newton-schulz"] * len(newton_schulz_entries)
+        _multi_tensor_mars(newton_schulz_entries, rules_ns, lr=lr, is_approx=is_approx, **hyper)
+    with torch._dynamo.config.patch(specialize_float=True):
+        for bucket, bucket_rules in _by_device_and_dtype(entries, rules):
+            p0 = bucket[0][0]
+            if torch.is_tensor(lr):
+                device_lr = _lr_on(lr, p0.device)
+            else:  # created on the device once per step: a number would be compiled in as a constant
+                device_lr = torch.full((), lr, dtype=_opmath(p0.dtype), device=p0.device)
+            steps = [state["step"] for _, state in bucket]
+            scalars = zip(*_adam_scalars(steps, device_lr, beta1, beta2, p0.dtype))
+            for (p, state), rule, (step_size, bias_correction2_rsqrt) in zip(bucket, bucket_rules, scalars):
+                if rule == "newton-schulz":
+                    continue
+                tensors = [
+                    p,
+                    p.grad,
+                    state["last_grad"],
+                    state["exp_avg"],
+                    state.get("exp_avg_sq"),
+                    state.get("max_exp_avg_sq"),
+                ]
+                flat = _flat_views(tensors)
+                step_fn = _mars_tensor_step if flat is None else _compiled_mars_tensor_step()
+                step_fn(
+                    *(tensors if flat is None else flat),
+                    device_lr,
+                    step_size,
+                    bias_correction2_rsqrt,
+                    rule=rule,
+                    keep_grad=is_approx,
+                    **hyper,
+                )
+
+
+def _flat_views(tensors):
+    """1-D views of the tensors (None stays None) in memory order, or None unless they share one dense layout.
+
+    The views are detached: with torch 2.13, a compiled graph updating a view of a parameter (which
+    requires grad) in place under no_grad computed wrong values; a detached view writes the same memory.
+    """
+    present = [t for t in tensors if t is not None]
+    if all(t.is_contiguous() for t in present):  # the common case, checked cheaply: this runs per tensor
+        return [None if t is None else t.detach().view(-1) for t in tensors]
+    first = present[0]
+    if not _is_dense(first) or any(t.stride() != first.stride() for t in present):
+        return None
+    order = sorted(range(first.ndim), key=first.stride, reverse=True)
+    return [None if t is None else t.detach().permute(order).view(-1) for t in tensors]

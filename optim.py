@@ -218,7 +218,12 @@ def build_optimizer(model, cfg, device_type, world_size=1):
             from mars import MARS
 
             optimizer = make(
-                MARS, groups, is_approx=cfg.is_approx, mars_type=cfg.mars_type, optimize_1d=cfg.optimize_1d
+                MARS,
+                groups,
+                is_approx=cfg.is_approx,
+                mars_type=cfg.mars_type,
+                optimize_1d=cfg.optimize_1d,
+                last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
             )
         elif cfg.optimizer_name == "adamw":
             optimizer = make(torch.optim.AdamW, groups, fused=fused)

@@ -2,7 +2,8 @@
 
 Each bench/bench_*.py module exposes ``run(quick=False) -> list[dict]``; a row has the keys
 ``benchmark`` (what was measured), ``ours`` and ``reference`` (numbers in ``unit``), ``ratio``
-(ours / reference, or None), ``target`` (the goal the issue sets, as text) and ``note``.
+(ours / reference, or None), ``target`` (the goal the issue sets, as text), ``note`` and, for
+memory-bound steps, ``bandwidth`` (text; the table shows that column only when a row has it).
 """
 
 import time
@@ -10,10 +11,19 @@ import time
 import torch
 
 
-def row(benchmark, ours, reference=None, unit="", ratio=None, target="", note=""):
+def row(benchmark, ours, reference=None, unit="", ratio=None, target="", note="", bandwidth=None):
     if ratio is None and reference:
         ratio = ours / reference
-    return dict(benchmark=benchmark, ours=ours, reference=reference, unit=unit, ratio=ratio, target=target, note=note)
+    return dict(
+        benchmark=benchmark,
+        ours=ours,
+        reference=reference,
+        unit=unit,
+        ratio=ratio,
+        target=target,
+        note=note,
+        bandwidth=bandwidth,
+    )
 
 
 def time_it(fn, warmup=2, repeats=5):
@@ -42,7 +52,8 @@ def _fmt(x):
 
 
 def print_table(rows):
-    cols = ["benchmark", "ours", "reference", "unit", "ratio", "target", "note"]
+    cols = ["benchmark", "ours", "reference", "unit", "ratio", "target"]
+    cols += ["bandwidth"] * any(r.get("bandwidth") for r in rows) + ["note"]
     cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(line[i]) for line in cells)) if cells else len(c) for i, c in enumerate(cols)]
     print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))

@@ -1,4 +1,5 @@
-"""mars.py against a float64 transcription of issue 3's update rule, and as a drop-in torch optimizer."""
+"""mars.py against a float64 transcription of issue 3's update rule, every path against the single-tensor
+reference on every dtype and layout, and MARS as a drop-in torch optimizer."""
 
 import copy
 import itertools
@@ -6,6 +7,8 @@ import math
 
 import pytest
 import torch
+import torch._dynamo
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mars
 from mars import MARS, MARS_TYPES, newton_schulz
@@ -14,6 +17,17 @@ from mars import MARS, MARS_TYPES, newton_schulz
 # (MARS or AdamW depending on optimize_1d), and 3-D (mars-shampoo falls back to the AdamW rule).
 SHAPES = [(4, 6), (7, 3), (5,), (2, 3, 2)]
 LRS = [3e-2, 2e-2, 1e-2, 5e-3]  # a changing learning rate, as a schedule would set it
+
+# The three ways a step runs; each must give the reference's result.
+PATHS = {"reference": dict(foreach=False), "foreach": dict(), "fused": dict(fused=True)}
+
+
+@pytest.fixture(autouse=True)
+def room_for_every_compiled_variant():
+    """These tests compile _mars_tensor_step for many dtypes and rules in one process; a training run
+    needs one or two. Above dynamo's recompile limit it would run eagerly and the fused path go untested."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,7 +98,14 @@ def spec_run(x0s, grads, lookaheads, hp):
 # Driving MARS the way a training loop does.
 
 
-def make_problem(dtype=torch.float64, seed=0, steps=None, grad_scale=lambda t, i: 0.05 if (t + i) % 2 else 2.0):
+def make_problem(
+    dtype=torch.float64,
+    seed=0,
+    steps=None,
+    shapes=SHAPES,
+    x_scale=1.0,
+    grad_scale=lambda t, i: 0.05 if (t + i) % 2 else 2.0,
+):
     """Initial tensors, gradients and (exact MARS) look-ahead gradients per step; by default some
     gradient norms are below 1 and some above, so both sides of the clip are exercised."""
     gen = torch.Generator().manual_seed(seed)
@@ -93,13 +114,18 @@ def make_problem(dtype=torch.float64, seed=0, steps=None, grad_scale=lambda t, i
     def rand(shape, scale):
         return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
-    x0s = [rand(s, 1.0) for s in SHAPES]
-    grads = [[rand(s, grad_scale(t, i)) for i, s in enumerate(SHAPES)] for t in range(steps)]
-    lookaheads = [[rand(s, grad_scale(t + 1, i)) for i, s in enumerate(SHAPES)] for t in range(steps)]
+    x0s = [rand(s, x_scale) for s in shapes]
+    grads = [[rand(s, grad_scale(t, i)) for i, s in enumerate(shapes)] for t in range(steps)]
+    lookaheads = [[rand(s, grad_scale(t + 1, i)) for i, s in enumerate(shapes)] for t in range(steps)]
     return x0s, grads, lookaheads
 
 
-def run_mars(x0s, grads, lookaheads, lrs=LRS, params=None, opt=None, **kwargs):
+def transposed(x):
+    """The same values in column-major memory (what x.T of a contiguous tensor looks like)."""
+    return x.T.contiguous().T if x.ndim == 2 else x
+
+
+def run_mars(x0s, grads, lookaheads, lrs=LRS, params=None, opt=None, grad_layout=lambda g: g, **kwargs):
     params = params or [torch.nn.Parameter(x.clone()) for x in x0s]
     opt = opt or MARS(params, lr=lrs[0], **kwargs)
     for lr, gs, hs in zip(lrs, grads, lookaheads):
@@ -107,10 +133,10 @@ def run_mars(x0s, grads, lookaheads, lrs=LRS, params=None, opt=None, **kwargs):
             group["lr"] = lr
         if not opt.param_groups[0]["is_approx"]:
             for p, h in zip(params, hs):
-                p.grad = h.clone()
+                p.grad = grad_layout(h.clone())
             opt.update_previous_grad()
         for p, g in zip(params, gs):
-            p.grad = g.clone()
+            p.grad = grad_layout(g.clone())
         opt.step()
         if not opt.param_groups[0]["is_approx"]:
             opt.update_last_grad()
@@ -125,8 +151,13 @@ HP = dict(
 @pytest.fixture
 def float64_newton_schulz(monkeypatch):
     """Newton-Schulz in float64 on both sides, so the rest of the shampoo rule is compared exactly;
-    test_newton_schulz_matches_transcription holds the bf16 function to the issue separately."""
-    monkeypatch.setattr(mars, "newton_schulz", lambda G, steps=5, eps=1e-7: spec_newton_schulz(G, eps, torch.float64))
+    test_newton_schulz_matches_transcription holds the real function to the issue separately."""
+
+    def per_matrix(G, steps=5, eps=1e-7):
+        matrices = G.reshape(-1, *G.shape[-2:])
+        return torch.stack([spec_newton_schulz(M, eps, torch.float64) for M in matrices]).reshape(G.shape)
+
+    monkeypatch.setattr(mars, "newton_schulz", per_matrix)
 
 
 @pytest.mark.parametrize(
@@ -153,71 +184,307 @@ def test_matches_float64_transcription(
     x0s, grads, lookaheads = make_problem()
     for steps in (1, len(LRS)):  # the first step on its own, then several
         expected = spec_run(x0s, grads[:steps], lookaheads, hp)
-        for foreach, fused_devices in ((False, ()), (True, ()), (True, ("cpu",))):
+        # The multi-tensor path also without torch's fused AdamW kernel: its per-tensor fallback.
+        for path, fused_adamw_devices in itertools.product(PATHS, [("cpu",), ()]):
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(mars, "_FUSED_ADAM_DEVICES", fused_devices)
-                params, _ = run_mars(
-                    x0s, grads[:steps], lookaheads, foreach=foreach, **{k: v for k, v in hp.items() if k != "lr"}
-                )
+                mp.setattr(mars, "_FUSED_ADAMW_DEVICES", fused_adamw_devices)
+                kw = {k: v for k, v in hp.items() if k != "lr"}
+                params, _ = run_mars(x0s, grads[:steps], lookaheads, **kw, **PATHS[path])
             for p, e in zip(params, expected):
-                torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(
+                    p.detach(), e, rtol=1e-10, atol=1e-12, msg=lambda m, path=path: f"{path}: {m}"
+                )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every path against the single-tensor reference, on every dtype and parameter layout.
+
+LAYOUTS = {
+    "contiguous": (lambda x: x, lambda g: g),
+    # A transposed weight (x.T of a contiguous tensor) with its gradient in the same layout, as autograd gives.
+    "transposed": (transposed, transposed),
+    # The same weight with a contiguous gradient: the layouts differ.
+    "mismatched": (transposed, lambda g: g),
+}
+
+
+def relative_difference(got, ref, start):
+    """Σ|got - ref| / Σ|ref - start|: how far a path's result is from the reference's, per unit of update."""
+    num = sum((a.double() - b.double()).abs().sum() for a, b in zip(got, ref))
+    den = sum((b.double() - s.double()).abs().sum() for b, s in zip(ref, start))
+    return (num / den).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mars_type", MARS_TYPES)
+def test_every_path_equals_the_reference(dtype, layout, mars_type):
+    """Small weights and a large lr, so each update is many ulps even in bfloat16. In the half types the
+    paths round differently (the fused kernels round once, the op-by-op paths after each op; Lion's sign
+    may flip where m is within rounding of 0), so they agree in total, not bit for bit."""
+    param_layout, grad_layout = LAYOUTS[layout]
+    shapes = [(16, 24), (24, 12), (5,), (2, 3, 2)]
+    x0s, grads, lookaheads = make_problem(dtype, shapes=shapes, x_scale=0.05)
+    x0s = [param_layout(x) for x in x0s]
+    lrs = [0.02, 0.03, 0.04, 0.05]
+    kw = dict(lrs=lrs, grad_layout=grad_layout, mars_type=mars_type, weight_decay=0.1, amsgrad=True)
+    ref, _ = run_mars(x0s, grads, lookaheads, **kw, **PATHS["reference"])
+    assert all(torch.isfinite(p).all() for p in ref)
+    for path in ("foreach", "fused"):
+        got, _ = run_mars(x0s, grads, lookaheads, **kw, **PATHS[path])
+        assert all(p.dtype == dtype and p.stride() == x.stride() for p, x in zip(got, x0s))
+        if dtype == torch.float64:
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        elif dtype == torch.float32:
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        else:
+            assert all(torch.isfinite(p).all() for p in got), path
+            assert relative_difference(got, ref, x0s) < (0.1 if dtype == torch.bfloat16 else 0.02), path
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float16_weight_stays_finite(path):
+    """Issue 13's case: a 768x768 float16 weight after one step. c̃'s entries are ~1/768, (1-β2)c̃² is
+    below float16's smallest subnormal, and v = 0 made m/(sqrt(v)+eps) infinite in 81% of the entries;
+    the smallest entries of c̃ and (1-β1)c̃ underflow too, so c̃, m and v are float32."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(768, 768, generator=gen) * 0.02).half())
+    p.grad = torch.randn(768, 768, generator=gen).half()
+    opt = MARS([p], lr=1e-3, **PATHS[path])
+    opt.step()
+    assert torch.isfinite(p).all()
+    assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == torch.float32
+    reference = torch.nn.Parameter((torch.randn(768, 768, generator=torch.Generator().manual_seed(0)) * 0.02).half())
+    reference.grad = p.grad
+    MARS([reference], lr=1e-3, foreach=False).step()
+    # Each entry moved by lr = 1e-3; the paths agree to about one float16 ulp (6e-5 at |p| ~ 0.1).
+    torch.testing.assert_close(p, reference, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["foreach", "fused"])
+@pytest.mark.parametrize("shape", [(6, 4), (5,)])
+def test_strided_view_parameter(path, shape):
+    """A parameter that is a strided view (every other column of a buffer): torch's fused AdamW kernel
+    walks raw memory and would write between the columns; the path must leave them alone."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)
+    untouched = base[..., 1::2].clone()
+    p = torch.nn.Parameter(base[..., ::2])
+    assert not p.is_contiguous() and p.data_ptr() == base.data_ptr()
+    reference = torch.nn.Parameter(p.detach().clone())
+    for param, kw in ((p, PATHS[path]), (reference, PATHS["reference"])):
+        opt = MARS([param], lr=1e-2, weight_decay=0.1, optimize_1d=True, **kw)
+        for t in range(3):
+            param.grad = torch.randn(shape, generator=torch.Generator().manual_seed(t))
+            opt.step()
+    assert torch.equal(base[..., 1::2], untouched)
+    torch.testing.assert_close(p, reference)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A learning rate stored as a tensor, without host syncs.
+
+
+class RefuseHostReads(TorchDispatchMode):
+    """Fails on any read of a tensor's value into Python or C++ scalars (aten._local_scalar_dense: what
+    .item(), float(t) and a tensor passed as a Scalar argument run; a device sync on CUDA)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("the step read a tensor's value back to the host")
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
-@pytest.mark.parametrize("is_approx", [True, False])
-@pytest.mark.parametrize("fused_devices", [("cpu",), ()])
-def test_foreach_equals_single_tensor_reference(mars_type, is_approx, fused_devices, monkeypatch):
-    """The multi-tensor path, with CPU's fused AdamW kernel and with the foreach ops CUDA uses."""
-    monkeypatch.setattr(mars, "_FUSED_ADAM_DEVICES", fused_devices)
-    x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=6)
-    lrs = [1e-2] * 6
-    kw = dict(mars_type=mars_type, is_approx=is_approx, weight_decay=0.1, amsgrad=True)
-    ref, _ = run_mars(x0s, grads, lookaheads, lrs=lrs, foreach=False, **kw)
-    fast, _ = run_mars(x0s, grads, lookaheads, lrs=lrs, foreach=True, **kw)
-    for a, b in zip(ref, fast):
+@pytest.mark.parametrize("path", PATHS)
+def test_tensor_lr_equals_float_lr_without_host_reads(mars_type, path):
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    kw = dict(mars_type=mars_type, weight_decay=0.1, **PATHS[path])
+    expected, _ = run_mars(x0s, grads, lookaheads, lrs=LRS[:3], **kw)
+
+    params = [torch.nn.Parameter(x.clone()) for x in x0s]
+    opt = MARS(params, lr=torch.tensor(LRS[0]), **kw)
+    for t, (lr, gs) in enumerate(zip(LRS, grads)):
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor(lr)
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        if t == 0 or path == "fused":  # the first step allocates state; compiled code runs outside the mode
+            opt.step()
+            continue
+        with RefuseHostReads():
+            opt.step()
+    for a, b in zip(params, expected):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("mars_type", MARS_TYPES)
-@pytest.mark.parametrize("is_approx", [True, False])
-@pytest.mark.parametrize("foreach", [False, True])
-def test_state_dict_round_trip_continues_bit_for_bit(mars_type, is_approx, foreach):
-    x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=6)
-    kw = dict(mars_type=mars_type, is_approx=is_approx, foreach=foreach, weight_decay=0.1, amsgrad=True)
-    params, opt = run_mars(x0s, grads[:3], lookaheads[:3], lrs=LRS[:3], **kw)
-    saved_params = [p.detach().clone() for p in params]
-    saved_state = copy.deepcopy(opt.state_dict())
-    run_mars(x0s, grads[3:], lookaheads[3:], lrs=LRS[:3], params=params, opt=opt)
-
-    restored = [torch.nn.Parameter(x.clone()) for x in saved_params]
-    opt2 = MARS(restored, **kw)
-    opt2.load_state_dict(saved_state)
-    run_mars(x0s, grads[3:], lookaheads[3:], lrs=LRS[:3], params=restored, opt=opt2)
-    for a, b in zip(params, restored):
-        assert torch.equal(a, b)
+def test_refuse_host_reads_catches_a_scalar_argument():
+    """The check above can fail: a tensor passed where torch wants a number is read back."""
+    x = torch.zeros(3)
+    with pytest.raises(AssertionError, match="host"), RefuseHostReads():
+        torch._foreach_add_([x], [x], alpha=torch.tensor(0.5))
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_previous_gradient_is_the_optimizers_own_copy(foreach):
-    """Zeroing, accumulating into or clipping .grad in place after step() leaves the run unchanged."""
-    x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=4)
-    expected, _ = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 4, foreach=foreach)
+# ---------------------------------------------------------------------------------------------------
+# fused=True: compiled once, not per step.
 
+
+def test_fused_step_does_not_recompile_for_new_lr_or_new_shapes():
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=4)
+    run_mars(x0s, grads[:1], lookaheads, lrs=[1e-2], fused=True)  # compiles
+    with torch.compiler.set_stance("fail_on_recompile"):
+        run_mars(x0s, grads, lookaheads, lrs=[1e-2, 2e-2, 3e-3, 5e-4], fused=True)
+        other = make_problem(torch.float32, steps=2, shapes=[(9, 5), (33, 17), (3, 8)])
+        run_mars(*other, lrs=[1e-3, 2e-3], fused=True)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_groups_with_different_hyperparameters(path):
+    """Two groups, every number different: the fused path's compiled step must not reuse one group's."""
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    groups = [
+        dict(betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, gamma=0.5),
+        dict(betas=(0.95, 0.99), eps=1e-8, weight_decay=0.1, gamma=0.025),
+    ]
+    expected = []
+    for group in groups:
+        params, _ = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 3, **group)
+        expected.append(params)
+    params = [[torch.nn.Parameter(x.clone()) for x in x0s] for _ in groups]
+    opt = MARS([dict(params=ps, **group) for ps, group in zip(params, groups)], lr=1e-2, **PATHS[path])
+    for gs in grads:
+        for ps in params:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+        opt.step()
+    for got, want in zip(params, expected):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("rule,amsgrad", [("adamw", False), ("adamw", True), ("lion", False)])
+def test_compiled_step_is_one_graph(rule, amsgrad):
+    """No graph breaks: the whole per-tensor step compiles into one graph (one reduction, one loop)."""
+    gen = torch.Generator().manual_seed(0)
+    p, g, g_prev, m = (torch.randn(40, generator=gen) for _ in range(4))
+    v = torch.zeros(40) if rule == "adamw" else None
+    v_max = torch.zeros(40) if amsgrad else None
+    explanation = torch._dynamo.explain(mars._mars_tensor_step)(
+        p,
+        g,
+        g_prev,
+        m,
+        v,
+        v_max,
+        torch.tensor(1e-2),
+        torch.tensor(0.1),
+        torch.tensor(1.2),
+        rule=rule,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        gamma=0.025,
+        keep_grad=True,
+    )
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact MARS: the protocol, with and without a GradScaler.
+
+
+def exact_run(scaler, steps=4):
+    """Exact MARS on a tiny linear model, as the class docstring's protocol says; with a GradScaler the
+    look-ahead gradient is stored unscaled through inverse_scale."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4, bias=False)
+    opt = MARS(model.parameters(), lr=1e-2, is_approx=False)
+    data = torch.randn(steps + 1, 8, 6, generator=torch.Generator().manual_seed(1))
+
+    def backward(batch):
+        loss = model(batch).square().mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+
+    for t in range(steps):
+        backward(data[t + 1])  # ∇f(x_t, ξ_{t+1})
+        opt.update_previous_grad(inverse_scale=1 / scaler.get_scale() if scaler else None)
+        opt.zero_grad(set_to_none=True)
+        backward(data[t])
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.update_last_grad()
+        opt.zero_grad(set_to_none=True)
+    return model.weight.detach()
+
+
+def test_exact_mars_under_a_grad_scaler_equals_the_unscaled_run():
+    scaled = exact_run(torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    torch.testing.assert_close(scaled, exact_run(None), rtol=1e-6, atol=0)
+
+
+def test_exact_mars_without_update_last_grad_raises():
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = MARS([p], is_approx=False)
+    p.grad = torch.randn(4, 3)
+    opt.update_previous_grad()
+    opt.step()
+    p.grad = torch.randn(4, 3)
+    opt.update_previous_grad()
+    with pytest.raises(RuntimeError, match=r"update_last_grad\(\)"):
+        opt.step()
+
+
+def test_exact_mars_update_last_grad_without_a_look_ahead_gradient_raises():
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = MARS([p], is_approx=False)
+    p.grad = torch.randn(4, 3)
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"update_previous_grad\(\)"):
+        opt.update_last_grad()
+
+
+def test_approximate_mars_ignores_the_exact_protocol_calls():
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    expected, _ = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 3)
     params = [torch.nn.Parameter(x.clone()) for x in x0s]
-    opt = MARS(params, lr=1e-2, foreach=foreach)
+    opt = MARS(params, lr=1e-2)
     for gs in grads:
         for p, g in zip(params, gs):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.add_(g)  # accumulate into the (zeroed) buffer
+            p.grad = g.clone()
+        opt.update_previous_grad()
         opt.step()
-        for p in params:
-            if "last_grad" in opt.state[p]:
-                assert opt.state[p]["last_grad"].data_ptr() != p.grad.data_ptr()
-            p.grad.mul_(0.5)  # an in-place clip after the step
-        opt.zero_grad(set_to_none=False)
-    for a, b in zip(expected, params):
+        opt.update_last_grad()
+    for a, b in zip(params, expected):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stored previous gradient in bfloat16 (last_grad_dtype).
+
+
+@pytest.mark.parametrize("is_approx", [True, False])
+def test_bfloat16_last_grad_on_every_path(is_approx):
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=4)
+    kw = dict(lrs=[1e-2] * 4, is_approx=is_approx, weight_decay=0.1, last_grad_dtype=torch.bfloat16)
+    ref, opt = run_mars(x0s, grads, lookaheads, **kw, **PATHS["reference"])
+    mars_tensors = [p for p in ref if p.ndim == 2]
+    assert all(opt.state[p]["last_grad"].dtype == torch.bfloat16 for p in mars_tensors)
+    full, _ = run_mars(x0s, grads, lookaheads, **{**kw, "last_grad_dtype": None})
+    assert 0 < relative_difference(ref, full, x0s) < 0.02  # g_{t-1} rounded to 8 bits: a small change
+    for path in ("foreach", "fused"):
+        got, _ = run_mars(x0s, grads, lookaheads, **kw, **PATHS[path])
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Newton-Schulz.
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 200)])
@@ -238,6 +505,15 @@ def test_newton_schulz_matches_transcription(shape):
     torch.testing.assert_close(newton_schulz(G), spec_newton_schulz(G, 1e-7, torch.float32), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(16, 40), (40, 16)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=str)
+def test_batched_newton_schulz_equals_one_matrix_at_a_time(shape, dtype, atol):
+    stack = torch.randn(3, *shape, generator=torch.Generator().manual_seed(3))
+    batched = newton_schulz(stack, dtype=dtype)
+    for matrix, out in zip(stack, batched):
+        torch.testing.assert_close(out, newton_schulz(matrix, dtype=dtype), rtol=0, atol=atol)
+
+
 def test_newton_schulz_on_a_spread_spectrum():
     gen = torch.Generator().manual_seed(1)
     U, _ = torch.linalg.qr(torch.randn(48, 48, generator=gen))
@@ -246,11 +522,17 @@ def test_newton_schulz_on_a_spread_spectrum():
     assert s.min() >= 0.5 and s.max() <= 1.5
 
 
+# ---------------------------------------------------------------------------------------------------
+# Arguments and parameter groups.
+
+
 @pytest.mark.parametrize(
     "kwargs,name",
     [
         (dict(lr=-1e-3), "lr"),
+        (dict(lr=torch.tensor([1e-3])), "lr"),
         (dict(eps=-1e-8), "eps"),
+        (dict(eps=0.0), "eps"),
         (dict(lr_1d=-1.0), "lr_1d"),
         (dict(weight_decay=-0.1), "weight_decay"),
         (dict(weight_decay_1d=-0.1), "weight_decay_1d"),
@@ -261,7 +543,11 @@ def test_newton_schulz_on_a_spread_spectrum():
         (dict(betas_1d=(0.9, 1.5)), "betas_1d"),
         (dict(mars_type="mars-sgd"), "mars_type"),
         (dict(foreach="yes"), "foreach"),
+        (dict(fused=1), "fused"),
+        (dict(fused=True, foreach=False), "fused"),
         (dict(routing="conv"), "routing"),
+        (dict(last_grad_dtype="bfloat16"), "last_grad_dtype"),
+        (dict(last_grad_dtype=torch.int8), "last_grad_dtype"),
         (dict(lr=0.0), "lr"),
     ],
 )
@@ -277,6 +563,17 @@ def test_invalid_per_group_override_raises():
         MARS([{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "gamma": -1.0}])
 
 
+@pytest.mark.parametrize("override", [dict(gamma=-1.0), dict(eps=0.0), dict(lr=0.0)])
+def test_add_param_group_validates_before_installing(override):
+    first, second = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(3, 2))
+    opt = MARS([first])
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": [second], **override})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [second]})  # not half-installed: adding it properly still works
+    assert opt.param_groups[1]["params"] == [second]
+
+
 def test_sparse_gradient_raises():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
@@ -284,11 +581,88 @@ def test_sparse_gradient_raises():
         MARS(emb.parameters()).step()
 
 
+# ---------------------------------------------------------------------------------------------------
+# State.
+
+
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
-@pytest.mark.parametrize("foreach", [False, True])
-def test_bfloat16_parameters_keep_bfloat16_state(mars_type, foreach):
+@pytest.mark.parametrize("is_approx", [True, False])
+@pytest.mark.parametrize("path", PATHS)
+def test_state_dict_round_trip_continues_bit_for_bit(mars_type, is_approx, path):
+    x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=6)
+    kw = dict(mars_type=mars_type, is_approx=is_approx, weight_decay=0.1, amsgrad=True, **PATHS[path])
+    params, opt = run_mars(x0s, grads[:3], lookaheads[:3], lrs=LRS[:3], **kw)
+    saved_params = [p.detach().clone() for p in params]
+    saved_state = copy.deepcopy(opt.state_dict())
+    run_mars(x0s, grads[3:], lookaheads[3:], lrs=LRS[:3], params=params, opt=opt)
+
+    restored = [torch.nn.Parameter(x.clone()) for x in saved_params]
+    opt2 = MARS(restored, **kw)
+    opt2.load_state_dict(saved_state)
+    run_mars(x0s, grads[3:], lookaheads[3:], lrs=LRS[:3], params=restored, opt=opt2)
+    for a, b in zip(params, restored):
+        assert torch.equal(a, b)
+
+
+def test_load_state_dict_keeps_the_state_dtypes():
+    """Optimizer.load_state_dict casts state to the parameter's dtype; float16 parameters keep a float32
+    v, and last_grad_dtype=bfloat16 keeps a bfloat16 g_{t-1}."""
+    params = [torch.nn.Parameter(torch.randn(4, 3).half()), torch.nn.Parameter(torch.randn(5, 2))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = MARS(params, last_grad_dtype=torch.bfloat16)
+    opt.step()
+    dtypes = {(i, k): v.dtype for i, p in enumerate(params) for k, v in opt.state[p].items()}
+    assert dtypes[(0, "exp_avg_sq")] == torch.float32 and dtypes[(1, "last_grad")] == torch.bfloat16
+    opt2 = MARS(params, last_grad_dtype=torch.bfloat16)
+    opt2.load_state_dict(opt.state_dict())
+    assert {(i, k): v.dtype for i, p in enumerate(params) for k, v in opt2.state[p].items()} == dtypes
+
+
+def test_checkpoint_with_integer_steps_loads():
+    """Checkpoints written before the step count was a tensor hold Python ints."""
+    x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=4)
+    params, opt = run_mars(x0s, grads[:2], lookaheads, lrs=[1e-2] * 2)
+    old = copy.deepcopy(opt.state_dict())
+    for state in old["state"].values():
+        state["step"] = int(state["step"])
+    restored = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = MARS(restored, lr=1e-2)
+    opt2.load_state_dict(old)
+    run_mars(x0s, grads[2:], lookaheads, lrs=[1e-2] * 2, params=params, opt=opt)
+    run_mars(x0s, grads[2:], lookaheads, lrs=[1e-2] * 2, params=restored, opt=opt2)
+    for a, b in zip(params, restored):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_previous_gradient_is_the_optimizers_own_copy(path):
+    """Zeroing, accumulating into or clipping .grad in place after step() leaves the run unchanged."""
+    x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=4)
+    expected, _ = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 4, **PATHS[path])
+
+    params = [torch.nn.Parameter(x.clone()) for x in x0s]
+    opt = MARS(params, lr=1e-2, **PATHS[path])
+    for gs in grads:
+        for p, g in zip(params, gs):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.add_(g)  # accumulate into the (zeroed) buffer
+        opt.step()
+        for p in params:
+            if "last_grad" in opt.state[p]:
+                assert opt.state[p]["last_grad"].data_ptr() != p.grad.data_ptr()
+            p.grad.mul_(0.5)  # an in-place clip after the step
+        opt.zero_grad(set_to_none=False)
+    for a, b in zip(expected, params):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mars_type", MARS_TYPES)
+@pytest.mark.parametrize("path", ["reference", "foreach"])
+def test_bfloat16_parameters_keep_bfloat16_state(mars_type, path):
     x0s, grads, lookaheads = make_problem(dtype=torch.bfloat16, steps=2)
-    params, opt = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 2, mars_type=mars_type, foreach=foreach, amsgrad=True)
+    params, opt = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 2, mars_type=mars_type, amsgrad=True, **PATHS[path])
     for p in params:
         assert p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all()
         for key, value in opt.state[p].items():
@@ -302,9 +676,10 @@ def test_state_holds_what_the_rule_needs(mars_type, per_tensor):
         p.grad = torch.ones_like(p)
     opt = MARS(params, mars_type=mars_type)
     opt.step()
-    tensors = [k for k, v in opt.state[params[0]].items() if torch.is_tensor(v)]
+    tensors = [k for k, v in opt.state[params[0]].items() if k != "step"]
     assert len(tensors) == per_tensor
     assert sorted(opt.state[params[1]]) == ["exp_avg", "exp_avg_sq", "step"]  # 1-D: AdamW
+    assert opt.state[params[0]]["step"].device == params[0].device
 
 
 def test_step_returns_closure_loss():
@@ -383,12 +758,13 @@ def test_agrees_with_pytorch_optimizer(mars_type, optimize_1d, amsgrad):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_routing_decides_which_tensors_take_mars():
+@pytest.mark.parametrize("path", PATHS)
+def test_routing_decides_which_tensors_take_mars(path):
     """A 4-D convolution kernel takes the AdamW rule under the paper's routing and MARS under "nd"."""
-    kernel = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
-    matrix = torch.nn.Parameter(torch.randn(5, 4))
     for routing, kernel_is_mars in (("2d", False), ("nd", True)):
-        opt = MARS([kernel, matrix], lr=1e-2, routing=routing)
+        kernel = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
+        matrix = torch.nn.Parameter(torch.randn(5, 4))
+        opt = MARS([kernel, matrix], lr=1e-2, routing=routing, **PATHS[path])
         kernel.grad, matrix.grad = torch.ones_like(kernel), torch.ones_like(matrix)
         opt.step()
         assert ("last_grad" in opt.state[kernel]) == kernel_is_mars

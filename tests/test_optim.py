@@ -134,6 +134,14 @@ def test_mars_refuses_a_zero_peak_lr_that_leaves_the_1d_lr_undefined():
         build_optimizer(tiny_model(), TrainConfig(learning_rate=0.0), "cpu")
 
 
+def test_mars_keeps_its_last_gradient_in_the_configured_dtype():
+    cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_mars.py")])
+    model = tiny_model()
+    opt = build_optimizer(model, dataclasses.replace(cfg, last_grad_dtype="bfloat16"), "cpu")
+    train_steps(model, opt, 1)
+    assert {s["last_grad"].dtype for s in opt.state.values() if "last_grad" in s} == {torch.bfloat16}
+
+
 def test_adamw_uses_the_reference_groups_and_betas():
     model = tiny_model()
     opt = build_optimizer(model, paper_config("small", "adamw"), "cpu")
