@@ -198,26 +198,11 @@ def run(quick=False):
             open(os.path.join(ref_dir, n), "rb").read() == open(os.path.join(ours_dir, n), "rb").read() for n in names
         )
         note = f"{speed_mb} MB stdlib corpus, {num_tokens / 1e6:.1f}M tokens, 2 shared cores (noisy)"
-        rows.append(
-            row(
-                "prepare vs tiktoken encode_ordinary_batch",
-                ours / 1e6,
-                ceiling / 1e6,
-                unit="Mtok/s",
-                target=">= 0.8",
-                note=note,
-            )
-        )
-        rows.append(
-            row(
-                "prepare vs HF datasets .map(num_proc=2)",
-                ours / 1e6,
-                reference / 1e6,
-                unit="Mtok/s",
-                target=">= 1.5",
-                note=note,
-            )
-        )
+        for what, speed, target in (
+            ("tiktoken encode_ordinary_batch", ceiling, ">= 0.8"),
+            ("HF datasets .map(num_proc=2)", reference, ">= 1.5"),
+        ):
+            rows.append(row(f"prepare vs {what}", ours / 1e6, speed / 1e6, unit="Mtok/s", target=target, note=note))
         rows.append(
             row(
                 "prepare shards == HF .map shards",
