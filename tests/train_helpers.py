@@ -52,8 +52,7 @@ WORDS = (
 
 def make_char_data(root, name="tiny", train_chars=40_000, val_chars=6_000, seed=0):
     """A word-salad character corpus in nanoGPT's layout (train.bin, val.bin, meta.pkl) under root/name."""
-    sys.path.insert(0, ROOT)
-    from tokens import write_bin, write_meta
+    from tokens import write_bin, write_meta  # the repository root is on sys.path: pyproject, or PYTHONPATH
 
     rng = np.random.default_rng(seed)
     text = " ".join(rng.choice(WORDS, size=(train_chars + val_chars) // 3))
@@ -177,8 +176,7 @@ def _install_hooks():
             os.path.isfile = lambda path: not is_hidden(path) and real_isfile(path)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # started by launch() with PYTHONPATH=ROOT (subprocess_env)
     _install_hooks()
     import train
 
