@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quickstart, no network needed: prepare the stdlib_char corpus (this Python's own standard-library
-# sources, character level), train a small GPT with MARS (config/quickstart.py; about 3 minutes on a
+# sources, character level), train a small GPT with MARS (config/quickstart.py; under 3 minutes on a
 # 2-core CPU, a GPU is used when there is one), then sample from it. Extra --key=value arguments go to
 # train.py, e.g. `bash scripts/quickstart.sh --max_iters=100`; an --out_dir among them is where the sample
 # is read from too.
