@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
 # Quickstart, no network needed: prepare the stdlib_char corpus (this Python's own standard-library
-# sources, character level), train a 3.2M-parameter GPT with MARS for 300 steps (a few minutes on a
-# 2-core CPU; a GPU is used when there is one), then sample from it. Extra --key=value arguments go to
-# train.py, e.g. `bash scripts/quickstart.sh --max_iters=100`.
+# sources, character level), train a small GPT with MARS (config/quickstart.py; under 3 minutes on a
+# 2-core CPU, a GPU is used when there is one), then sample from it. Extra --key=value arguments go to
+# train.py, e.g. `bash scripts/quickstart.sh --max_iters=100`; an --out_dir among them is where the sample
+# is read from too.
+# Running it again trains again from scratch: --overwrite=True replaces the previous run in the out_dir, so
+# every launch trains what its arguments say (3 minutes is little to lose if one is interrupted). To sample
+# again without training: python sample.py --out_dir=out-quickstart --start="def "
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out_dir=out-quickstart
+for arg in "$@"; do
+    case "$arg" in
+        --out_dir=*) out_dir="${arg#--out_dir=}" ;;
+    esac
+done
 python data/stdlib_char/prepare.py
-python train.py config/quickstart.py "$@"
-python sample.py --out_dir=out-quickstart --start="def " --num_samples=1 --max_new_tokens=400
+python train.py config/quickstart.py --overwrite=True "$@"
+python sample.py --out_dir="$out_dir" --start="def " --num_samples=1 --max_new_tokens=400
