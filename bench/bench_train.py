@@ -3,7 +3,8 @@
     python bench/bench_train.py            # CPU rows (8 rounds of 10 steps), CUDA rows when a GPU is present
     python bench/bench_train.py --quick    # 2 rounds
 
-CPU, the quickstart model (config/quickstart.py: 4 layers, 256 wide, 8 x 256 tokens a micro-batch, MARS)
+CPU, a 3.2M-parameter character GPT (config/quickstart.py's settings at 4 layers, 256 wide, 8 x 256 tokens a
+micro-batch, MARS)
 with 2 micro-batches a step, on a synthetic character corpus:
   * ours: train.step_and_log -- exactly what train.fit runs between evaluations, logging every 10 steps;
   * reference-style loop, same model: the structure of MARS/train_mars.py rewritten here -- the next step's
@@ -134,6 +135,11 @@ def cpu_rows(quick, tmp):
         os.path.join(REPO, "config", "quickstart.py"),
         f"--data_path={data_path}",
         "--dataset=bench",
+        "--n_layer=4",
+        "--n_head=4",
+        "--n_embd=256",
+        "--block_size=256",
+        "--batch_size=8",
         "--device=cpu",
         "--gradient_accumulation_steps=2",
         "--eval_iters=1",
@@ -158,7 +164,7 @@ def cpu_rows(quick, tmp):
         for name, loop in loops.items():
             theirs[name].append(loop.seconds_per_step(steps))
     note = (
-        f"quickstart model, {tokens_per_step} tokens/step, MARS, {torch.get_num_threads()} threads, "
+        f"4x256 char GPT, {tokens_per_step} tokens/step, MARS, {torch.get_num_threads()} threads, "
         f"best of {rounds} rounds x {steps} steps"
     )
     return [
