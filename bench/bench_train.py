@@ -3,9 +3,8 @@
     python bench/bench_train.py            # CPU rows (8 rounds of 10 steps), CUDA rows when a GPU is present
     python bench/bench_train.py --quick    # 2 rounds
 
-CPU, a 3.2M-parameter character GPT (config/quickstart.py's settings at 4 layers, 256 wide, 8 x 256 tokens a
-micro-batch, MARS)
-with 2 micro-batches a step, on a synthetic character corpus:
+CPU, a 3.2M-parameter character GPT (config/quickstart.py's settings at 4 layers, 256 wide, 8 x 256 tokens
+a micro-batch, MARS) with 2 micro-batches a step, on a synthetic character corpus:
   * ours: train.step_and_log -- exactly what train.fit runs between evaluations, logging every 10 steps;
   * reference-style loop, same model: the structure of MARS/train_mars.py rewritten here -- the next step's
     micro-batches drawn with torch.randint into a deque, the loss backpropagated unscaled per micro-step,
