@@ -11,6 +11,15 @@ from checkpoint import save_checkpoint
 from model import GPT, GPTConfig
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: tiny models run faster single-threaded on shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def data_path(tmp_path_factory):
     """make_char_data's word-salad corpus (dataset 'tiny'), written once per test session."""

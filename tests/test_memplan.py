@@ -29,12 +29,7 @@ OPTIMIZERS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models run faster single-threaded on shared cores
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(**overrides):

@@ -16,18 +16,7 @@ from model import GPT, GPTConfig
 from optim import scheduled_lr
 from tokens import TokenData, write_shard
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models run faster single-threaded on shared cores
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def data_path(tmp_path_factory):
-    return make_char_data(tmp_path_factory.mktemp("data"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read_metrics(out_dir):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from train_helpers import ROOT, launch, make_char_data, subprocess_env, tiny_args, wait_for_line
+from train_helpers import ROOT, launch, subprocess_env, tiny_args, wait_for_line
 
 import metrics
 import train
@@ -24,11 +24,6 @@ pytestmark = pytest.mark.slow
 RESUME_RUN = dict(max_iters=16, eval_interval=4, dropout=0.1, log_interval=2)
 # Exact MARS: the look-ahead pass goes through DDP too; checkpoints at 0, 3, 6, each kept.
 DDP_RUN = dict(max_iters=6, eval_interval=3, is_approx=False, log_interval=1, keep_every_n_evals=1)
-
-
-@pytest.fixture(scope="module")
-def data_path(tmp_path_factory):
-    return make_char_data(tmp_path_factory.mktemp("data"))
 
 
 def run_to_end(args, env=None, timeout=180):
