@@ -24,6 +24,14 @@ import torch
 from model import hidden_matrix_params, matrix_params, param_groups
 
 
+def closure_loss(closure):
+    """torch.optim's step(closure) protocol: the loss closure() returns, computed with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class ChainedOptimizer:
     """Several torch optimizers over disjoint parameters, driven as one (state_dict holds each)."""
 
@@ -40,10 +48,7 @@ class ChainedOptimizer:
         return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for opt in self.optimizers:
             opt.step()
         return loss

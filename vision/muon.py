@@ -16,6 +16,7 @@ import math
 import torch
 
 from mars import newton_schulz
+from optim import closure_loss
 
 
 class Muon(torch.optim.Optimizer):
@@ -34,10 +35,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
