@@ -12,7 +12,11 @@ MARS-AdamW <= 1.7x, MARS-Lion <= 1.4x, from about 11 and 9 tensor passes against
 The bandwidth column: the bytes a step must move (each tensor the rule reads or writes, once) over its
 time, and that as a fraction of a plain copy's bandwidth, timed in the same rounds (copy row: 2 x the
 parameter bytes, read and written; in-place updates can beat it, since a copy also reads its
-destination). MARS-Shampoo is bound by Newton-Schulz's matmuls instead: its row compares the step with
+destination). Then the bytes it must read over its time, as a fraction of a plain read's (the sum row:
+torch.sum over the parameter bytes). On a CPU where writes overlap with reads, a step that reads at a plain
+read's rate is at its memory limit, and its floor against fused AdamW is the ratio of the bytes they read:
+MARS-AdamW reads 7 tensor passes (g, g_prev for the norm; g, g_prev, m, v, p), AdamW 4 (1.75x); MARS-Lion 6
+(1.5x). MARS-Shampoo is bound by Newton-Schulz's matmuls instead: its row compares the step with
 those FLOPs at this machine's measured matmul rate (on CPU over one block's four matrices: the whole
 model is ~2.9 TFLOP, minutes on 2 cores). On CUDA the rows also say whether each path steps without a
 host sync (torch.cuda.set_sync_debug_mode("error") stays silent).
@@ -62,22 +66,31 @@ def state_bytes(optimizer):
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def bytes_moved(params, passes_2d, last_grad_passes=0, last_grad_bytes=4):
-    """Bytes a step must read and write: `passes_2d` parameter-sized passes over each 2-D (MARS) tensor, of
-    which `last_grad_passes` touch the stored gradient (last_grad_bytes per element); AdamW's 7 on the rest."""
+def bytes_moved(params, passes_2d, last_grad_passes=0, last_grad_bytes=4, passes_1d=7):
+    """Bytes a step must touch: `passes_2d` parameter-sized passes over each 2-D (MARS) tensor, of which
+    `last_grad_passes` touch the stored gradient (last_grad_bytes per element); AdamW's `passes_1d` on the rest."""
     total = 0
     for p in params:
         if p.ndim == 2:
             other = passes_2d - last_grad_passes
             total += p.numel() * (other * p.element_size() + last_grad_passes * last_grad_bytes)
         else:
-            total += p.numel() * 7 * p.element_size()
+            total += p.numel() * passes_1d * p.element_size()
     return total
 
 
-# Passes over a 2-D tensor (reads + writes): AdamW reads p, g, m, v and writes p, m, v. MARS reads g and
-# g_prev for c's norm, then g, g_prev, m, (v,) p, and writes m, (v,) p and g_prev; 3 of them touch g_prev.
+# Passes over a 2-D tensor, (reads + writes, of them on g_prev) and (reads, of them on g_prev): AdamW reads
+# p, g, m, v and writes p, m, v. MARS reads g and g_prev for c's norm, then g, g_prev, m, (v,) p, and writes
+# m, (v,) p and g_prev.
 PASSES = {"adamw": (7, 0), "mars-adamw": (11, 3), "mars-lion": (9, 3)}
+READS = {"adamw": (4, 0), "mars-adamw": (7, 2), "mars-lion": (6, 2)}
+
+
+def traffic(params, rule, last_grad_bytes=4):
+    """(bytes moved, bytes read) by one step of `rule` over params (1-D tensors take AdamW)."""
+    moved = bytes_moved(params, *PASSES[rule], last_grad_bytes=last_grad_bytes)
+    read = bytes_moved(params, *READS[rule], last_grad_bytes=last_grad_bytes, passes_1d=4)
+    return moved, read
 
 
 def _sync_free(optimizer):
@@ -116,26 +129,27 @@ def run(quick=False):
     note = f"GPT-2 small, {n_layer} blocks: {n_params / 1e6:.1f}M params, fp32, {device}, {repeats} rounds"
     hyper = dict(lr=6e-3, weight_decay=0.1)
 
-    # name -> (optimizer, bytes its step must move, target ratio to fused AdamW)
+    # name -> (optimizer, (bytes its step must move, bytes it must read), target ratio to fused AdamW)
+    adamw = traffic(params, "adamw")
     contenders = {
-        "AdamW(fused=True)": (torch.optim.AdamW(params, fused=True, **hyper), bytes_moved(params, 7), ""),
-        "AdamW(foreach=True)": (torch.optim.AdamW(params, foreach=True, **hyper), bytes_moved(params, 7), ""),
+        "AdamW(fused=True)": (torch.optim.AdamW(params, fused=True, **hyper), adamw, ""),
+        "AdamW(foreach=True)": (torch.optim.AdamW(params, foreach=True, **hyper), adamw, ""),
     }
     for mars_type, label in (("mars-adamw", "MARS-AdamW"), ("mars-lion", "MARS-Lion")):
         target = "<= 1.7" if mars_type == "mars-adamw" else "<= 1.4"
-        moved = bytes_moved(params, *PASSES[mars_type])
-        contenders[f"{label} (foreach)"] = (MARS(params, mars_type=mars_type, **hyper), moved, "")
-        contenders[f"{label} (fused=True)"] = (MARS(params, mars_type=mars_type, fused=True, **hyper), moved, target)
+        bytes_ = traffic(params, mars_type)
+        contenders[f"{label} (foreach)"] = (MARS(params, mars_type=mars_type, **hyper), bytes_, "")
+        contenders[f"{label} (fused=True)"] = (MARS(params, mars_type=mars_type, fused=True, **hyper), bytes_, target)
     contenders["MARS-AdamW (fused=True, bfloat16 last_grad)"] = (
         MARS(params, fused=True, last_grad_dtype=torch.bfloat16, **hyper),
-        bytes_moved(params, *PASSES["mars-adamw"], last_grad_bytes=2),
+        traffic(params, "mars-adamw", last_grad_bytes=2),
         "",
     )
 
-    # A plain copy of the parameter bytes, timed in the same rounds: the memory-bandwidth reference.
+    # A plain copy and a plain read of the parameter bytes, timed in the same rounds: the bandwidth references.
     source = torch.empty(n_params, device=device).normal_()
     copy = functools.partial(torch.empty_like(source).copy_, source)
-    steps = {"copy": copy} | {name: opt.step for name, (opt, _, _) in contenders.items()}
+    steps = {"copy": copy, "sum": source.sum} | {name: opt.step for name, (opt, _, _) in contenders.items()}
     times = {name: [] for name in steps}
     for i in range(warmup + repeats):  # the first rounds allocate state and compile
         for name, step in steps.items():
@@ -143,18 +157,26 @@ def run(quick=False):
             if i >= warmup:
                 times[name].append(seconds)
     copy_bandwidth = 2 * param_bytes / statistics.median(times["copy"])
+    read_bandwidth = param_bytes / statistics.median(times["sum"])
     rows = [
         row(
             "copy of the parameter bytes (bandwidth reference)",
             copy_bandwidth / 1e9,
             unit="GB/s",
             note=f"{2 * param_bytes / 1e9:.2f} GB read + written, median of {repeats}",
-        )
+        ),
+        row(
+            "read of the parameter bytes (torch.sum, read reference)",
+            read_bandwidth / 1e9,
+            unit="GB/s",
+            note=f"{param_bytes / 1e9:.2f} GB read, median of {repeats}",
+        ),
     ]
     base = times["AdamW(fused=True)"]
-    for name, (_, moved, target) in contenders.items():
+    for name, (_, (moved, read), target) in contenders.items():
         t = statistics.median(times[name])
-        bandwidth = moved / t
+        bandwidth, reads = moved / t, read / t
+        floor = read / adamw[1]  # where reads bound both steps
         # Each round's ratio compares two steps taken moments apart: robust to load that comes and goes.
         ratio = statistics.median(a / b for a, b in zip(times[name], base))
         rows.append(
@@ -165,8 +187,11 @@ def run(quick=False):
                 unit="ms",
                 ratio=ratio,
                 target=target,
-                note=note,
-                bandwidth=f"{bandwidth / 1e9:.0f} GB/s = {bandwidth / copy_bandwidth:.2f} copy",
+                note=f"{note}; read floor {floor:.2f}",
+                bandwidth=(
+                    f"{bandwidth / 1e9:.0f} GB/s = {bandwidth / copy_bandwidth:.2f} copy; "
+                    f"reads {reads / 1e9:.0f} GB/s = {reads / read_bandwidth:.2f} sum"
+                ),
             )
         )
 
