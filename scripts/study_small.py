@@ -63,9 +63,10 @@ OPTIMIZERS = {
 FACTORS = (1 / 3, 1.0, 3.0)
 MIN_LR_FRACTION = 0.1
 
-# Sized so the 15 runs fit in well under an hour on 2 CPU cores (10 minutes idle). The width is set by Muon: torch.optim.Muon
-# runs its Newton-Schulz iteration in bfloat16, which CPUs without bf16 matmul units run many times slower
-# than float32: measured here, a Muon step costs 3.4x an AdamW step at 4x128 and 7 s (vs 2.3 s) at 4x192.
+# Sized so the 15 runs fit in well under an hour on 2 CPU cores (10 minutes idle). The width is set by Muon:
+# torch.optim.Muon runs its Newton-Schulz iteration in bfloat16, which CPUs without bf16 matmul units run
+# many times slower than float32: measured here, a Muon step costs 3.4x an AdamW step at 4x128 and 7 s
+# (vs 2.3 s) at 4x192.
 # 160 steps x 32 sequences x 128 tokens = 655,360 tokens per run.
 COMMON = [
     "--dataset=stdlib_char",
