@@ -191,7 +191,7 @@ class MARS(torch.optim.Optimizer):
                     "undefined; construct with the peak lr (a schedule may start at 0)"
                 )
             # Fixed at construction: a schedule changes group['lr'] and the 1-D lr follows its shape.
-            param_group = {**param_group, "lr_1d_factor": group["lr_1d"] / lr if lr else 1.0}
+            param_group = {**param_group, "lr_1d_factor": lr_1d_factor(lr, group["lr_1d"])}
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict):
@@ -240,6 +240,8 @@ class MARS(torch.optim.Optimizer):
         if not exact_groups:
             return
         if not self._look_ahead_stored:
+            if not self._last_grad_pending:  # no MARS tensor stepped (1-D only, or a ZeRO-1 share without one)
+                return
             raise RuntimeError(
                 "exact MARS (is_approx=False): update_last_grad() found no look-ahead gradient; call "
                 "update_previous_grad() after the backward pass on the next batch, before step()"
@@ -325,6 +327,11 @@ class MARS(torch.optim.Optimizer):
                     eps=group["eps"],
                 )
         return loss
+
+
+def lr_1d_factor(lr, lr_1d):
+    """The 1-D tensors' lr as a multiple of the group's: lr_1d / lr at the peak lr (1 where lr is 0)."""
+    return lr_1d / lr if lr else 1.0
 
 
 def _validate(hp):
@@ -598,14 +605,13 @@ def _foreach_apply_update(params, updates, lr, weight_decay):
 
     A tensor lr is used where it is (the Tensor overloads of the foreach ops), never read back.
     """
-    if torch.is_tensor(lr):
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-        torch._foreach_mul_(updates, lr)
-        torch._foreach_sub_(params, updates)
-        return
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, updates, alpha=-lr)
+    if torch.is_tensor(lr):
+        torch._foreach_mul_(updates, lr)
+        torch._foreach_sub_(params, updates)
+    else:
+        torch._foreach_add_(params, updates, alpha=-lr)
 
 
 def _newton_schulz_update(entries, lr, *, beta1, eps, weight_decay):
@@ -639,6 +645,8 @@ def _fused_adamw_can_take(p, x, state):
 
 def _is_dense(t):
     """Whether t's elements fill one block of memory without gaps or overlaps, in some dimension order."""
+    if t.is_contiguous():  # the common case, checked cheaply: this runs per tensor per step
+        return True
     order = sorted(range(t.ndim), key=t.stride, reverse=True)
     return t.permute(order).is_contiguous()
 
@@ -719,8 +727,11 @@ def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, i
     if newton_schulz_entries:
         rules_ns = ["newton-schulz"] * len(newton_schulz_entries)
         _multi_tensor_mars(newton_schulz_entries, rules_ns, lr=lr, is_approx=is_approx, **hyper)
+    compiled = [(entry, rule) for entry, rule in zip(entries, rules) if rule != "newton-schulz"]
+    if not compiled:
+        return
     with torch._dynamo.config.patch(specialize_float=True):
-        for bucket, bucket_rules in _by_device_and_dtype(entries, rules):
+        for bucket, bucket_rules in _by_device_and_dtype(*zip(*compiled)):
             p0 = bucket[0][0]
             if torch.is_tensor(lr):
                 device_lr = _lr_on(lr, p0.device)
@@ -729,8 +740,6 @@ def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, i
             steps = [state["step"] for _, state in bucket]
             scalars = zip(*_adam_scalars(steps, device_lr, beta1, beta2, p0.dtype))
             for (p, state), rule, (step_size, bias_correction2_rsqrt) in zip(bucket, bucket_rules, scalars):
-                if rule == "newton-schulz":
-                    continue
                 tensors = [
                     p,
                     p.grad,

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from mars import MARS, lr_1d_factor
 from model import hidden_matrix_params, matrix_params, param_groups
 
 
@@ -101,6 +102,11 @@ class ShardedOptimizer:
         """This rank's optimizer_class over its share of the parameters."""
         return self.zero.optim
 
+    @property
+    def state(self):
+        """The state this rank holds: its share's."""
+        return self.local.state
+
     def step(self, closure=None):
         return self.zero.step(closure)
 
@@ -136,21 +142,11 @@ class ShardedOptimizer:
             first += len(local["params"])
         self.local.load_state_dict({"state": local_state, "param_groups": local_groups})
 
-    def update_previous_grad(self):
-        self.local.update_previous_grad()
+    def update_previous_grad(self, inverse_scale=None):
+        self.local.update_previous_grad(inverse_scale)
 
     def update_last_grad(self):
         self.local.update_last_grad()
-
-
-def held_state(optimizer):
-    """parameter -> optimizer state, for the parameters whose state this process holds (all of them, or its
-    share under ZeRO-1)."""
-    if isinstance(optimizer, ChainedOptimizer):
-        return {p: s for opt in optimizer.optimizers for p, s in held_state(opt).items()}
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.local.state
-    return optimizer.state
 
 
 def _group_settings(cfg):
@@ -181,7 +177,7 @@ def group_hyperparameters(optimizer, cfg):
     for group, setting in zip(groups, settings):
         group.update(setting, initial_lr=setting["lr"])
         if "lr_1d_factor" in group:  # MARS: the 1-D lr is lr_1d / lr times the scheduled lr (reference)
-            group["lr_1d_factor"] = setting["lr_1d"] / setting["lr"] if setting["lr"] else 1.0
+            group["lr_1d_factor"] = lr_1d_factor(setting["lr"], setting["lr_1d"])
 
 
 def is_sharded(cfg, world_size):
@@ -220,8 +216,6 @@ def build_optimizer(model, cfg, device_type, world_size=1):
     else:
         groups = [{**group, **setting} for group, setting in zip(param_groups(model, cfg.weight_decay), settings)]
         if cfg.optimizer_name == "mars":
-            from mars import MARS
-
             optimizer = make(
                 MARS,
                 groups,

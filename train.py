@@ -47,7 +47,7 @@ from checkpoint import CheckpointError, CheckpointWriter, RNGState
 from configurator import ConfigError, config_to_dict, fixed_keys, load_config, print_help, wants_help
 from metrics import LogWindow, MetricsLog
 from model import GPT, GPT2_VOCAB_SIZE, HF_CHECKPOINTS, PRESETS, GPTConfig, peak_flops
-from optim import build_optimizer, group_hyperparameters, held_state, is_sharded, set_lr
+from optim import build_optimizer, group_hyperparameters, is_sharded, set_lr
 from runtime import (
     SetupError,
     agree,
@@ -645,7 +645,7 @@ def norm_of(tensors):
 def momentum_norms(run):
     """The norms of MARS's m and v the reference train_mars.py logs, over all of the state: under ZeRO-1
     every rank holds a share, so the squares are summed over the ranks (every rank takes part)."""
-    states = [s for s in held_state(run.optimizer).values() if "exp_avg" in s]
+    states = [s for s in run.optimizer.state.values() if "exp_avg" in s]
     m = norm_of([s["exp_avg"] for s in states])
     v = norm_of([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s])
     if not run.sharded:

@@ -66,9 +66,9 @@ def state_bytes(optimizer):
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def bytes_moved(params, passes_2d, last_grad_passes=0, last_grad_bytes=4, passes_1d=7):
+def bytes_moved(params, passes_2d, last_grad_passes, last_grad_bytes, passes_1d):
     """Bytes a step must touch: `passes_2d` parameter-sized passes over each 2-D (MARS) tensor, of which
-    `last_grad_passes` touch the stored gradient (last_grad_bytes per element); AdamW's `passes_1d` on the rest."""
+    `last_grad_passes` touch the stored gradient (last_grad_bytes per element); `passes_1d` on the rest."""
     total = 0
     for p in params:
         if p.ndim == 2:
@@ -88,8 +88,8 @@ READS = {"adamw": (4, 0), "mars-adamw": (7, 2), "mars-lion": (6, 2)}
 
 def traffic(params, rule, last_grad_bytes=4):
     """(bytes moved, bytes read) by one step of `rule` over params (1-D tensors take AdamW)."""
-    moved = bytes_moved(params, *PASSES[rule], last_grad_bytes=last_grad_bytes)
-    read = bytes_moved(params, *READS[rule], last_grad_bytes=last_grad_bytes, passes_1d=4)
+    moved = bytes_moved(params, *PASSES[rule], last_grad_bytes, passes_1d=PASSES["adamw"][0])
+    read = bytes_moved(params, *READS[rule], last_grad_bytes, passes_1d=READS["adamw"][0])
     return moved, read
 
 

@@ -449,6 +449,18 @@ def test_exact_mars_update_last_grad_without_a_look_ahead_gradient_raises():
         opt.update_last_grad()
 
 
+def test_exact_mars_with_only_1d_tensors_follows_the_protocol_without_error():
+    # Nothing MARS-handled to store (optimize_1d=False): a ZeRO-1 rank whose share holds no matrix is the same.
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = MARS([p], is_approx=False, lr_1d=1e-2)
+    for _ in range(3):
+        p.grad = torch.randn(5)
+        opt.update_previous_grad()
+        opt.step()
+        opt.update_last_grad()
+    assert "last_grad" not in opt.state[p] and "exp_avg_sq" in opt.state[p]
+
+
 def test_approximate_mars_ignores_the_exact_protocol_calls():
     x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
     expected, _ = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 3)

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ from train_helpers import ROOT, launch, subprocess_env, tiny_args, wait_for_line
 
 import metrics
 import train
+from bench.common import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -202,12 +202,6 @@ def test_a_sharded_checkpoint_resumes_in_one_process_and_a_one_process_one_shard
         model_b, _ = final_state(original)
         for key in model_b:
             torch.testing.assert_close(model_a[key], model_b[key], rtol=1e-5, atol=1e-6, msg=key)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_ranks(args, fail, timeout_s, unreadable=""):

@@ -9,7 +9,6 @@ import copy
 import dataclasses
 import io
 import os
-import socket
 
 import pytest
 import torch
@@ -18,9 +17,10 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memplan
+from bench.common import free_port
 from configurator import TrainConfig
 from model import GPT, GPTConfig
-from optim import build_optimizer, held_state
+from optim import build_optimizer
 
 pytestmark = pytest.mark.slow
 
@@ -50,9 +50,7 @@ def batch(step, rank):
 
 
 def state_bytes(optimizer):
-    return sum(
-        t.numel() * t.element_size() for s in held_state(optimizer).values() for t in s.values() if torch.is_tensor(t)
-    )
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
 def train(model, optimizer, forward_backward, exact):
@@ -157,12 +155,6 @@ def worker(rank, port, report_path):
         )
     torch.save(report, f"{report_path}.{rank}")
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
