@@ -26,7 +26,7 @@ import zipfile
 import numpy as np
 import torch
 
-from files import atomic_writer
+from files import atomic_path, atomic_writer
 
 CKPT_NAME = "ckpt.pt"
 BEST_NAME = "best.pt"
@@ -61,20 +61,18 @@ def keep_copy(src, dst):
     """Make `dst` an atomic copy of the finished checkpoint `src` (best-val and periodic checkpoints).
 
     A hard link costs no I/O and stays valid after `src` is replaced by the next save (the rename
-    gives `src` a new inode); filesystems without hard links get a real copy.
+    gives `src` a new inode); filesystems without hard links get a real copy. Either is renamed into
+    place and made durable as every write is (files.py).
     """
-    tmp = f"{dst}.tmp.{os.getpid()}"
     try:
         try:
-            os.link(src, tmp)
+            with atomic_path(dst) as tmp:
+                os.link(src, tmp)  # src's bytes are on disk already: save_checkpoint fsync'ed them
         except OSError:
-            shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+            with open(src, "rb") as f, atomic_writer(dst) as copy:
+                shutil.copyfileobj(f, copy)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {dst}: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 class DataclassState:
@@ -106,10 +104,10 @@ class CheckpointWriter:
 
     save() takes a CPU copy of the state at once (the checkpoint is exactly the state at that moment),
     then a thread writes it atomically and makes its copies (best.pt, periodic ones). One write is in
-    flight at a time: the next save, or wait(), first waits for it and raises its CheckpointError, if
-    any. With a GPT-2 XL checkpoint (~25 GB) on storage at 40 MB/s a synchronous save would stall every
-    rank for ten minutes and trip the collective timeout; here it costs the device-to-host copy.
-    The cost is host memory for one copy of the state on the saving rank.
+    flight at a time: the next save, or wait(), first waits for it and raises its error, if any (always
+    a CheckpointError, whatever went wrong). With a GPT-2 XL checkpoint (~25 GB) on storage at 40 MB/s
+    a synchronous save would stall every rank for ten minutes and trip the collective timeout; here it
+    costs the device-to-host copy. The cost is host memory for one copy of the state on the saving rank.
     """
 
     def __init__(self):
@@ -129,6 +127,10 @@ class CheckpointWriter:
                 keep_copy(path, dst)
         except CheckpointError as e:
             self._error = e
+        except Exception as e:  # anything else would end the thread unseen, and training would go on unsaved
+            error = CheckpointError(f"cannot write checkpoint {path}: {type(e).__name__}: {e}")
+            error.__cause__ = e
+            self._error = error
 
     def wait(self):
         """Block until the write in flight is on disk; raise its error, if it had one."""

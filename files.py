@@ -18,12 +18,20 @@ def atomic_writer(path, mode="wb"):
     survives a power loss. An interrupted writer leaves only ``<path>.tmp.<pid>`` behind (removed when
     the interruption is an exception).
     """
+    with atomic_path(path) as tmp, open(tmp, mode) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """The temporary name beside `path` to create a complete file under (its bytes already on disk), renamed
+    over `path` on success, then the directory fsync'ed; removed when the body raises. atomic_writer's
+    renaming, for a file made some other way (checkpoint.keep_copy's hard link)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -67,7 +67,7 @@ import dataclasses
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, model_args_from_config
 from optim import ChainedOptimizer, build_optimizer, is_sharded
 
 GIB = 2**30
@@ -264,20 +264,16 @@ def usable(gpu_memory_bytes):
     return int(gpu_memory_bytes * (1 - HEADROOM))
 
 
-def default_model_args(cfg):
-    """The model cfg describes, with GPT-2's padded vocabulary (train.py passes the data's)."""
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig) if hasattr(cfg, f.name)}
-
-
 def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, layout=None, gpu_name=None):
     """The MemoryPlan of cfg's run on world_size GPUs of gpu_memory_gb GiB each (None: no verdict; gpu_name
     only labels it).
 
-    model_args: GPTConfig fields (default: default_model_args(cfg)); dtype: the autocast dtype the run
-    resolves to (default: cfg.dtype, 'auto' taken as bfloat16); layout: optimizer_layout(cfg, model_args),
-    to reuse it across plans that differ only in world size, batch, checkpointing or zero_stage.
+    model_args: GPTConfig fields (default: cfg's model with GPT-2's padded vocabulary; train.py passes the
+    data's); dtype: the autocast dtype the run resolves to (default: cfg.dtype, 'auto' taken as bfloat16);
+    layout: optimizer_layout(cfg, model_args), to reuse it across plans that differ only in world size,
+    batch, checkpointing or zero_stage.
     """
-    model_args = model_args or default_model_args(cfg)
+    model_args = model_args or model_args_from_config(cfg)
     dtype = dtype or (AUTO_DTYPE if cfg.dtype == "auto" else cfg.dtype)
     layout = layout or optimizer_layout(cfg, model_args)
     activations = activations_for(model_args, dtype)

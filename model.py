@@ -8,7 +8,7 @@ only by the Hugging Face functions at the bottom, and is imported there.
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -90,6 +90,13 @@ class GPTConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
+
+
+def model_args_from_config(cfg, vocab_size=GPTConfig.vocab_size):
+    """GPTConfig's fields from a run's configuration, which declares each of them but the vocabulary (the
+    data's: GPT-2's padded one unless given)."""
+    shape = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if f.name != "vocab_size"}
+    return shape | {"vocab_size": vocab_size}
 
 
 class CausalSelfAttention(nn.Module):

@@ -45,8 +45,9 @@ import memplan
 import metrics
 from checkpoint import CheckpointError, CheckpointWriter, RNGState
 from configurator import ConfigError, config_to_dict, fixed_keys, load_config, print_help, wants_help
+from files import atomic_writer
 from metrics import LogWindow, MetricsLog
-from model import GPT, GPT2_VOCAB_SIZE, HF_CHECKPOINTS, PRESETS, GPTConfig, peak_flops
+from model import GPT, GPT2_VOCAB_SIZE, HF_CHECKPOINTS, PRESETS, GPTConfig, model_args_from_config, peak_flops
 from optim import build_optimizer, group_hyperparameters, is_sharded, set_lr
 from runtime import (
     SetupError,
@@ -128,8 +129,7 @@ class Run:
 
 def checkpoint_parts(run, progress):
     """Each checkpoint part's object: what it saves with state_dict() and restores with load_state_dict()."""
-    objects = dict(model=run.model, optimizer=run.optimizer, scaler=run.scaler, rng=run.rng, progress=progress)
-    return {name: objects[name] for name in CHECKPOINT_PARTS}
+    return dict(zip(CHECKPOINT_PARTS, (run.model, run.optimizer, run.scaler, run.rng, progress), strict=True))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -150,12 +150,6 @@ def load_data(cfg):
 def model_vocab_size(data):
     """The data's own vocabulary (meta.pkl) or GPT-2's, padded to 50304 as the reference does."""
     return data.vocab_size if data.meta is not None else GPTConfig().vocab_size
-
-
-def model_args_from_config(cfg, vocab_size):
-    """GPTConfig's fields: the run's configuration declares each of them but the vocabulary (the data's)."""
-    shape = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
-    return shape | {"vocab_size": vocab_size}
 
 
 def run_files(out_dir):
@@ -202,10 +196,9 @@ def load_resume_checkpoint(cfg, device_type):
             f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
             f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
         )
-    saved = ckpt["config"]
     for key in fixed_keys():
         new = getattr(cfg, key)
-        old = type(new)(saved[key]) if isinstance(new, tuple) else saved.get(key, new)
+        old = saved_value(ckpt["config"], key, new)
         if old != new:
             raise CheckpointError(
                 f"{path} was trained with {key}={old!r} but the config gives {key}={new!r}; a resumed run cannot "
@@ -214,33 +207,46 @@ def load_resume_checkpoint(cfg, device_type):
     return ckpt
 
 
+def saved_value(saved, key, new):
+    """A key's value in a checkpoint's configuration, as comparable with the new value `new` (a tuple, when
+    it is one); `new` itself when the checkpoint predates the key."""
+    old = saved.get(key, new)
+    return tuple(old) if isinstance(new, tuple) else old
+
+
 def config_changes(saved, cfg):
     """`resume: key old -> new` for every key the resumed run's configuration changes."""
     lines = []
     for key, new in config_to_dict(cfg).items():
-        if key in ("init_from", "overwrite") or key not in saved:
-            continue
-        old = saved[key]
-        if isinstance(new, tuple):
-            old = tuple(old)
-        if old != new:
+        old = saved_value(saved, key, new)
+        if key not in ("init_from", "overwrite") and old != new:
             lines.append(f"resume: {key} {old!r} -> {new!r}")
     return lines
 
 
 def build_model(cfg, vocab_size, ckpt, ckpt_path):
-    """(GPT, model_args) for init_from: a fresh model, the checkpoint's weights, or OpenAI's GPT-2."""
+    """(GPT, model_args) for init_from: a fresh model, the checkpoint's weights, or OpenAI's GPT-2.
+
+    A resumed model has the shape the checkpoint was saved with: the configuration's for a run started from
+    scratch (load_resume_checkpoint has checked that it still is), OpenAI's (bias, vocabulary, size) for one
+    started from GPT-2. Only dropout, which may change on resume, is the configuration's.
+    """
     if cfg.init_from.startswith("gpt2"):
         model = GPT.from_pretrained(cfg.init_from, dict(dropout=cfg.dropout))
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
         return model, dataclasses.asdict(model.config)
-    model_args = model_args_from_config(cfg, vocab_size)
-    if ckpt is not None and ckpt["model_args"].get("vocab_size") != vocab_size:
-        raise CheckpointError(
-            f"{ckpt_path} was trained with a vocabulary of {ckpt['model_args'].get('vocab_size')} tokens but "
-            f"the dataset {cfg.dataset} has {vocab_size}; resume on data with the same vocabulary"
-        )
+    if ckpt is None:
+        model_args = model_args_from_config(cfg, vocab_size)
+    else:
+        model_args = {**ckpt["model_args"], "dropout": cfg.dropout}
+        # GPT-2-tokenized data: a run from scratch pads the vocabulary, one from init_from=gpt2* keeps OpenAI's
+        gpt2_data = vocab_size == GPTConfig.vocab_size
+        if model_args.get("vocab_size") not in ((vocab_size, GPT2_VOCAB_SIZE) if gpt2_data else (vocab_size,)):
+            raise CheckpointError(
+                f"{ckpt_path} was trained with a vocabulary of {model_args.get('vocab_size')} tokens but "
+                f"the dataset {cfg.dataset} has {vocab_size}; resume on data with the same vocabulary"
+            )
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = GPT(GPTConfig(**model_args))
     if ckpt is not None:
@@ -287,9 +293,10 @@ def resolve_compile(cfg, device_type):
 
 
 def gather_rng(dist_info):
-    """RNGState's gather: every rank's CUDA generator states (a collective under DDP on CUDA)."""
+    """RNGState's gather: every rank's CUDA generator states (a collective under DDP on CUDA); None, RNGState's
+    default (this rank's alone), otherwise."""
     if not (dist_info.ddp and torch.cuda.is_available()):
-        return lambda state: [state]
+        return None
 
     def gather(state):
         states = [None] * dist_info.world_size
@@ -432,7 +439,7 @@ def describe(run):
             f"note: mfu is logged as null: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name()} "
             "(model.PEAK_BF16_FLOPS)"
         )
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+    with atomic_writer(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
 
@@ -604,7 +611,8 @@ def log_train(run, progress, window, result, time_s):
     loss = None
     if window.losses:
         loss = all_reduce_sum(run, window.loss_sum / window.losses) / run.dist.world_size
-    momentum = momentum_norms(run) if cfg.optimizer_name == "mars" else []
+    # momentum_norms all-reduces under ZeRO-1 only: unsharded, the other ranks need not compute it
+    momentum = momentum_norms(run) if cfg.optimizer_name == "mars" and (run.sharded or run.dist.is_master) else []
     if not run.dist.is_master:
         return
     dt = (time.perf_counter() - window.t0) / window.steps

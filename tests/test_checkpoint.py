@@ -87,6 +87,39 @@ def test_writer_reports_a_failed_write_at_the_next_wait(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_writer_reports_any_failure_of_its_thread_as_a_checkpoint_error(tmp_path, monkeypatch):
+    """An error save_checkpoint does not translate (here a state torch.save cannot pickle) must not end the
+    thread unseen, leaving training to go on as if the checkpoint were on disk."""
+
+    def unpicklable(obj, f):
+        raise TypeError("cannot pickle 'generator' object")
+
+    monkeypatch.setattr(checkpoint.torch, "save", unpicklable)
+    writer = checkpoint.CheckpointWriter()
+    writer.save(str(tmp_path / "ckpt.pt"), state(1))
+    with pytest.raises(checkpoint.CheckpointError, match="cannot pickle 'generator' object") as raised:
+        writer.wait()
+    assert isinstance(raised.value.__cause__, TypeError)
+    writer.wait()  # reported once
+    assert os.listdir(tmp_path) == []
+
+
+def test_kept_copies_have_the_checkpoint_bytes_with_or_without_hard_links(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, state(1))
+    checkpoint.keep_copy(path, str(tmp_path / "best.pt"))
+
+    def no_links(src, dst):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(checkpoint.os, "link", no_links)
+    checkpoint.keep_copy(path, str(tmp_path / "ckpt_0000002.pt"))
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "ckpt.pt", "ckpt_0000002.pt"]  # no temporary file left
+    original = (tmp_path / "ckpt.pt").read_bytes()
+    assert (tmp_path / "best.pt").read_bytes() == original == (tmp_path / "ckpt_0000002.pt").read_bytes()
+    assert os.path.samefile(path, tmp_path / "best.pt") and not os.path.samefile(path, tmp_path / "ckpt_0000002.pt")
+
+
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     path = str(tmp_path / "rng.pt")
     rng = checkpoint.RNGState()

@@ -13,7 +13,7 @@ from train_helpers import ROOT, tiny_args
 import memplan
 import train
 from configurator import TrainConfig
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, model_args_from_config
 from optim import build_optimizer
 
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -157,7 +157,7 @@ def test_the_largest_micro_batch_that_fits_is_the_boundary():
 
 def test_sharding_and_checkpointing_lower_the_plan():
     cfg = dataclasses.replace(TrainConfig(), n_layer=24, n_head=16, n_embd=1024, batch_size=15)
-    layout = memplan.optimizer_layout(cfg, memplan.default_model_args(cfg))
+    layout = memplan.optimizer_layout(cfg, model_args_from_config(cfg))
     plain = memplan.plan(cfg, 8, layout=layout)
     sharded = memplan.plan(dataclasses.replace(cfg, zero_stage=1), 8, layout=layout)
     recomputing = memplan.plan(dataclasses.replace(cfg, activation_checkpointing=True), 8, layout=layout)

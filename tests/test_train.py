@@ -1,5 +1,6 @@
 """train.py in one process on the CPU: learning, metrics, exact MARS, wandb, divergence guard, bad input."""
 
+import dataclasses
 import glob
 import io
 import json
@@ -456,6 +457,37 @@ def test_init_from_auto_starts_fresh_then_continues_exactly(data_path, tmp_path)
         {k: v for k, v in r.items() if k not in timing} for r in read_metrics(whole)
     ]
     assert json.load(open(os.path.join(pieces, "config.json")))["init_from"] == "resume"
+
+
+def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
+    """init_from=gpt2 builds OpenAI's shape (biases, the unpadded 50257 tokens), not the configuration's: a
+    resume rebuilds the checkpoint's model. A tiny stand-in for GPT-2 replaces the download."""
+    from tokens import write_bin
+
+    def tiny_gpt2(name, override_args):
+        torch.manual_seed(0)
+        config = GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16, bias=True)
+        return GPT(GPTConfig(**{**dataclasses.asdict(config), **override_args}))
+
+    monkeypatch.setattr(train.GPT, "from_pretrained", tiny_gpt2)
+    (tmp_path / "bpe").mkdir()
+    ids = torch.randint(0, 50257, (3000,), generator=torch.Generator().manual_seed(0)).numpy()
+    write_bin(tmp_path / "bpe" / "train.bin", ids)
+    write_bin(tmp_path / "bpe" / "val.bin", ids[:1000])
+    whole, pieces = str(tmp_path / "whole"), str(tmp_path / "pieces")
+    args = dict(dataset="bpe", max_iters=4, eval_interval=2, init_from="gpt2")
+    run_ok(tiny_args(str(tmp_path), whole, **args))
+    run_ok(tiny_args(str(tmp_path), pieces, **{**args, "max_iters": 2}))
+    run_ok(tiny_args(str(tmp_path), pieces, **{**args, "init_from": "resume"}))
+    timing = {"time_s", "tokens_per_sec", "step_ms"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(pieces)] == [
+        {k: v for k, v in r.items() if k not in timing} for r in read_metrics(whole)
+    ]
+    resumed, uninterrupted = checkpoint.load_checkpoint(pieces), checkpoint.load_checkpoint(whole)
+    assert resumed["model_args"]["vocab_size"] == 50257 and resumed["model_args"]["bias"] is True
+    assert resumed["model_args"] == uninterrupted["model_args"]
+    for key, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
 
 
 def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one(
