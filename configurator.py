@@ -61,15 +61,21 @@ def betas(value):
     return None if all(0.0 <= b < 1.0 for b in value) else "must be in [0, 1)"
 
 
+def device_check(*kinds):
+    """The check of a device key: 'auto' or one of `kinds`, and 'cuda:N' where 'cuda' is one."""
+    names = ["auto"] + [name for kind in kinds for name in ((kind, "cuda:N") if kind == "cuda" else (kind,))]
+
+    def check(value):
+        kind, _, index = value.partition(":")
+        if value in ("auto", *kinds) or ("cuda" in kinds and kind == "cuda" and index.isdigit()):
+            return None
+        return f"is not one of: {', '.join(names)}"
+
+    return check
+
+
 # ---------------------------------------------------------------------------------------------------
 # The training configuration.
-
-
-def _device(value):
-    kind, _, index = value.partition(":")
-    if value in ("auto", "cpu", "mps", "cuda") or (kind == "cuda" and index.isdigit()):
-        return None
-    return "is not one of: auto, cpu, cuda, cuda:N, mps"
 
 
 @dataclass
@@ -172,7 +178,7 @@ class TrainConfig:
     # --- system. 'auto' (and compile=None) choose per device; the reference hard-codes
     # cuda / nccl / bfloat16 / compile=True.
     backend: Literal["auto", "nccl", "gloo"] = key("auto", "process-group backend: NCCL on CUDA, gloo on CPU")
-    device: str = key("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps", _device)
+    device: str = key("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps", device_check("cpu", "cuda", "mps"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = key(
         "auto", "autocast dtype: auto = bfloat16 where CUDA supports it, else float16 + GradScaler; float32 on CPU"
     )

@@ -1,8 +1,8 @@
-"""The run's metrics: the record names (defined here once), out_dir/metrics.jsonl, wandb, and a reader.
+"""The run's metrics: the record names (defined here once), out_dir/metrics.jsonl, wandb, and its readers.
 
-train.py writes the records, plot.py and scripts/study_small.py read them back. Every record has
-`iter`, `tokens` and `time_s` (the x axes) and some of the names below; the same records go to wandb,
-plotted against `iter`.
+train.py writes the records; plot.py and scripts/study_small.py read them back with read_metrics,
+scripts/gpu_check.py and vision/cpu_study.py with read_records. Every record has `iter`, `tokens` and
+`time_s` (the x axes) and some of the names below; the same records go to wandb, plotted against `iter`.
 """
 
 import dataclasses
@@ -164,16 +164,8 @@ class LogWindow:
         self.loss_sum, self.losses, self.steps, self.t0 = None, 0, 0, time.perf_counter()
 
 
-def read_metrics(run_dir, series=LOSS_SERIES):
-    """{name: [(iter, tokens, time_s, value), ...]} for each name in `series`, from run_dir/metrics.jsonl.
-
-    A resumed run logs again the iterations after its checkpoint; the latest record of an iteration wins.
-    Raises ValueError naming the file and line when it is missing, malformed or has none of `series`.
-    """
-    path = os.path.join(run_dir, FILE_NAME)
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} does not exist: is {run_dir!r} a training run's out_dir?")
-    latest = {name: {} for name in series}
+def _numbered_records(path):
+    """(line number, record) for each record of a metrics.jsonl; ValueError naming a malformed line."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -184,13 +176,36 @@ def read_metrics(run_dir, series=LOSS_SERIES):
                 if not line.endswith("\n"):
                     continue  # a half-written last line: the run was killed mid-write
                 raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
-            for name in series:
-                if record.get(name) is None:
-                    continue
-                missing = [k for k in (ITER, TOKENS, TIME_S) if k not in record]
-                if missing:
-                    raise ValueError(f"{path}, line {lineno}: a {name} record without {', '.join(missing)}")
-                latest[name][record[ITER]] = (record[ITER], record[TOKENS], record[TIME_S], record[name])
+            yield lineno, record
+
+
+def read_records(run_dir):
+    """Every record of run_dir/metrics.jsonl, in file order, as dicts.
+
+    A half-written last line (the run was killed mid-write) is skipped; any other malformed line raises
+    ValueError naming the file and line, and a missing file FileNotFoundError.
+    """
+    return [record for _, record in _numbered_records(os.path.join(run_dir, FILE_NAME))]
+
+
+def read_metrics(run_dir, series=LOSS_SERIES):
+    """{name: [(iter, tokens, time_s, value), ...]} for each name in `series`, from run_dir/metrics.jsonl.
+
+    A resumed run logs again the iterations after its checkpoint; the latest record of an iteration wins.
+    Raises ValueError naming the file and line when it is missing, malformed or has none of `series`.
+    """
+    path = os.path.join(run_dir, FILE_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist: is {run_dir!r} a training run's out_dir?")
+    latest = {name: {} for name in series}
+    for lineno, record in _numbered_records(path):
+        for name in series:
+            if record.get(name) is None:
+                continue
+            missing = [k for k in (ITER, TOKENS, TIME_S) if k not in record]
+            if missing:
+                raise ValueError(f"{path}, line {lineno}: a {name} record without {', '.join(missing)}")
+            latest[name][record[ITER]] = (record[ITER], record[TOKENS], record[TIME_S], record[name])
     result = {name: [points[i] for i in sorted(points)] for name, points in latest.items()}
     if not any(result.values()):
         raise ValueError(f"{path} has no {' or '.join(series)} records yet")

@@ -233,11 +233,9 @@ def short_command(argv, work):
 
 def read_records(out_dir):
     """metrics.jsonl of a run as a list of dicts ([] when there is none)."""
-    path = os.path.join(out_dir, metrics.FILE_NAME)
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(out_dir, metrics.FILE_NAME)):
         return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return metrics.read_records(out_dir)
 
 
 def read_json(path):

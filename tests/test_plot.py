@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+import metrics
 import plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -68,6 +69,15 @@ def test_resumed_run_keeps_the_latest_record_of_each_iteration(tmp_path):
 def test_half_written_last_line_is_ignored(tmp_path):
     write_run(tmp_path / "k", [3.0, 2.0], extra_lines=['{"iter": 2, "tokens": 20'])
     assert len(plot.read_metrics(tmp_path / "k")["train/loss"]) == 2
+
+
+def test_read_records_returns_every_record_but_a_half_written_last_line(tmp_path):
+    write_run(tmp_path / "k", [3.0, 2.0], extra_lines=['{"iter": 2, "tokens": 20'])
+    records = metrics.read_records(tmp_path / "k")
+    assert [(r["iter"], "val/loss" in r) for r in records] == [(0, False), (0, True), (1, False)]
+    (tmp_path / "k" / "metrics.jsonl").write_text('{"iter": 0}\n{"iter": 1\n{"iter": 2}\n')
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+        metrics.read_records(tmp_path / "k")
 
 
 def test_missing_empty_and_corrupt_metrics_are_clear_errors(tmp_path, capsys):

@@ -414,6 +414,7 @@ def _truncate(path):
         (lambda d: os.remove(os.path.join(d, "cifar-10-batches-py", "test_batch")), {}, "test_batch is missing"),
         (lambda d: None, {"dataset": "cifar1000"}, "dataset='cifar1000' is not one of: cifar10, cifar100"),
         (lambda d: None, {"mars_routing": "3d"}, "mars_routing='3d' is not one of: 2d, nd"),
+        (lambda d: None, {"device": "mps"}, "device='mps' is not one of: auto, cpu, cuda, cuda:N"),
         (lambda d: None, {"init_from": "resume"}, "no checkpoint at"),
     ],
 )

@@ -27,7 +27,6 @@ OUT/results.md (the table) and the plot (test accuracy, test loss and train loss
 
 import argparse
 import gzip
-import json
 import os
 import sys
 
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from metrics import read_records  # noqa: E402
 from vision import train_cifar  # noqa: E402
 from vision.cifar import write_binary_split  # noqa: E402
 
@@ -83,11 +83,6 @@ def write_data(fashion_mnist_dir, data_dir):
         write_binary_split(os.path.join(folder, f"data_batch_{i}.bin"), as_cifar_images(images[part]), labels[part])
     images, labels = splits["test"]
     write_binary_split(os.path.join(folder, "test_batch.bin"), as_cifar_images(images), labels)
-
-
-def read_records(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def run(name, args, data_dir, out):

@@ -15,8 +15,11 @@ classifier's weight with MARS; 'nd' gives it the convolution kernels too.
 Each epoch: a progress bar, a line with train/test loss and test accuracy, a record in
 out_dir/metrics.jsonl, and out_dir/ckpt.pt (written atomically) holding everything the next epoch depends
 on: model, optimizer, epoch (the learning-rate schedule is a function of the epoch), RNG states. Batches
-and augmentation are a pure function of (seed, epoch) (vision/cifar.py), so a run killed at any moment and
-restarted with --init_from=resume ends with the same parameters as one left alone.
+and augmentation are a pure function of (seed, epoch) (vision/cifar.py), so on CPU a run killed at any
+moment and restarted with --init_from=resume ends with bit-identical parameters to one left alone. On a
+GPU that holds only with deterministic kernels, which the trainer does not ask for: it sets
+cudnn.benchmark (as the reference), which times candidate convolution kernels at startup and may pick
+other ones in the resumed process.
 
 Differences from the reference, each deliberate:
 - One device (the reference wraps the model in DataParallel over every visible GPU, which splits each
@@ -49,6 +52,7 @@ from configurator import (  # noqa: E402
     ConfigError,
     betas,
     config_to_dict,
+    device_check,
     fraction,
     key,
     load_config,
@@ -57,6 +61,7 @@ from configurator import (  # noqa: E402
     print_help,
     wants_help,
 )
+from files import atomic_writer  # noqa: E402
 from mars import MARS  # noqa: E402
 from metrics import MetricsLog  # noqa: E402
 from optim import ChainedOptimizer  # noqa: E402
@@ -68,13 +73,6 @@ from vision.resnet import ResNet  # noqa: E402
 
 # The reference's ResNets of BasicBlocks (model_CNN.py), by depth.
 NETS = {"resnet10": (1, 1, 1, 1), "resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}
-
-
-def _cuda_or_cpu(value):
-    kind, _, index = value.partition(":")
-    if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
-        return None
-    return "is not one of: auto, cpu, cuda, cuda:N"
 
 
 @dataclasses.dataclass
@@ -108,7 +106,12 @@ class CifarConfig:
     betas_1d: tuple[float, float] = key((0.9, 0.95), "MARS: AdamW betas of the other tensors", betas)
     weight_decay_1d: float = key(0.1, "MARS: AdamW weight decay of the other tensors", non_negative)
     # --- schedule
-    epochs: int = key(200, "passes over the training set", positive)
+    epochs: int = key(
+        200,
+        "passes over the training set; a resume may change it, and the multistep milestones (1/2 and 3/4 of it) "
+        "move with it: extending a run past a drop raises the lr again",
+        positive,
+    )
     batch_size: int = key(128, "training images per step", positive)
     eval_batch_size: int = key(100, "test images per forward pass", positive)
     schedule: Literal["multistep", "constant"] = key(
@@ -127,7 +130,7 @@ class CifarConfig:
     wandb_run_name: str = key(
         "", "wandb run name; '' = the reference's {dataset}_{net}_{optimizer_name}_{learning_rate}"
     )
-    device: str = key("auto", "auto (CUDA when present), cpu, cuda or cuda:N", _cuda_or_cpu)
+    device: str = key("auto", "auto (CUDA when present), cpu, cuda or cuda:N", device_check("cpu", "cuda"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,7 +315,7 @@ def train_epoch(run, epoch, progress):
         correct += (logits.argmax(1) == labels).sum()
         seen += len(labels)
         bar.update()
-        if step % 20 == 0:  # reading the loss waits for the device: not every step
+        if step % 20 == 0 and not bar.disable:  # reading the loss waits for the device: only for a bar on show
             bar.set_postfix(loss=f"{loss_sum.item() / seen:.3f}")
     bar.close()
     return loss_sum.item() / seen, 100.0 * correct.item() / seen
@@ -397,7 +400,7 @@ def describe(run):
     n_train, n_test = len(run.data.train_labels), len(run.data.test_labels)
     print(f"{cfg.net} width {cfg.width}: {n_params / 1e6:.2f}M parameters on {run.device}")
     print(f"{cfg.dataset}: {n_train:,} training and {n_test:,} test images")
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+    with atomic_writer(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
 
