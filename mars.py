@@ -41,14 +41,14 @@ def newton_schulz(G, steps=5, eps=1e-7, dtype=None):
     smaller Gram matrix. Leading dimensions are a batch: a stack of same-shape matrices takes one batched
     matmul per product instead of one matmul per matrix. Returns G's dtype.
 
-    dtype=None means bfloat16 on CUDA, as the paper's code, and float32 elsewhere: CPUs without native
-    bfloat16 matmuls run them several times slower than float32 (here 1.35 s vs 0.22 s for a
-    768x2304 Gram matrix), which made a CPU MARS-Shampoo step take minutes.
+    dtype=None means bfloat16 on CUDA, as the paper's code, and elsewhere float32 (float64 for float64
+    matrices): CPUs without native bfloat16 matmuls run them several times slower than float32 (here 1.35 s
+    vs 0.22 s for a 768x2304 Gram matrix), which made a CPU MARS-Shampoo step take minutes.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs matrices (ndim >= 2), got shape {tuple(G.shape)}")
     if dtype is None:
-        dtype = torch.bfloat16 if G.is_cuda else torch.float32
+        dtype = torch.bfloat16 if G.is_cuda else torch.promote_types(G.dtype, torch.float32)
     a, b, c = _NS_COEFFS
     norms = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
     X = (G.to(dtype) / (norms + eps)).to(dtype)  # as the paper's code: cast, then divide by G's norm
@@ -95,7 +95,8 @@ class MARS(torch.optim.Optimizer):
     :meth:`update_last_grad`. A step() without update_last_grad() after the previous one, or an
     update_last_grad() without a stored look-ahead gradient, raises instead of correcting with a stale
     gradient. Under a GradScaler pass ``inverse_scale=1 / scaler.get_scale()`` to update_previous_grad: it
-    sees the gradient before scaler.step() unscales it.
+    sees the gradient before scaler.step() unscales it (and a non-finite one is not kept). A tensor with a
+    gradient in step() but none in the look-ahead pass takes its own gradient as g_{t-1}.
 
     Difference from the paper's reference code: there ``last_grad`` starts at zero, so its first step
     uses c_1 = (1 + γβ1/(1-β1)) g_1. Here the correction is zero at t = 1 (c_1 = g_1), as Algorithm 1's
@@ -175,14 +176,34 @@ class MARS(torch.optim.Optimizer):
             fused=fused,
         )
         _validate(defaults)
-        # Exact-mode protocol checks (see update_previous_grad / update_last_grad).
-        self._look_ahead_stored = False
-        self._last_grad_pending = False
+        self.__dict__.update(_protocol_state())
         super().__init__(params, defaults)
+
+    # Exact MARS's protocol (see update_previous_grad / update_last_grad) travels with copies and pickles:
+    # Optimizer's own __getstate__ keeps only defaults, state and param_groups.
+    def __getstate__(self):
+        return {**super().__getstate__(), **{key: self.__dict__[key] for key in _protocol_state()}}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for key, value in _protocol_state().items():  # a pickle written before these existed
+            self.__dict__.setdefault(key, value)
 
     def add_param_group(self, param_group):
         group = {**self.defaults, **param_group}  # what the group will hold: validate before installing
         _validate(group)
+        params = param_group["params"]
+        if torch.is_tensor(params):
+            params = [params]
+        elif not isinstance(params, set):  # Optimizer refuses sets (their order changes between runs)
+            params = list(params)
+        param_group = {**param_group, "params": params}
+        for p in params:
+            if torch.is_tensor(p) and p.is_complex():
+                raise ValueError(
+                    f"MARS does not support complex parameters (got one of shape {tuple(p.shape)}, {p.dtype}); "
+                    "optimize torch.view_as_real(p) instead"
+                )
         if "lr_1d_factor" not in group:
             lr = float(group["lr"])
             if lr == 0 and not group["optimize_1d"]:
@@ -195,7 +216,13 @@ class MARS(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict):
+        # Which path runs (foreach, fused) is this process's choice, not the checkpoint's: Optimizer's
+        # load_state_dict would take the saved groups' values, so a fused=True optimizer restored from a
+        # foreach run would silently stop compiling.
+        paths = [{key: group[key] for key in ("foreach", "fused")} for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, path in zip(self.param_groups, paths):
+            group.update(path)
         # Optimizer.load_state_dict casts every floating-point state tensor to its parameter's dtype and
         # leaves 'step' where it was saved; MARS keeps some tensors in another dtype (float32 v of float16
         # parameters, last_grad_dtype) and every step on its parameter's device.
@@ -218,8 +245,11 @@ class MARS(torch.optim.Optimizer):
 
         inverse_scale: multiplies the stored gradient; under torch.amp.GradScaler pass
         1 / scaler.get_scale(), since .grad still holds the scaled gradient here (a number, or a tensor
-        on the device to avoid reading the scale back).
+        on the device to avoid reading the scale back). With it, a look-ahead gradient with an inf or nan
+        (the loss scale too high for it, which the scaler never sees) is not kept: the next step corrects
+        with the look-ahead gradient stored before it, chosen on the device (no host sync).
         """
+        stored = []
         for group in self.param_groups:
             if group["is_approx"]:
                 continue
@@ -231,7 +261,27 @@ class MARS(torch.optim.Optimizer):
                 if "previous_grad" not in state:
                     state["previous_grad"] = torch.empty_like(p.grad, dtype=group["last_grad_dtype"] or p.dtype)
                 torch.mul(p.grad, 1.0 if inverse_scale is None else inverse_scale, out=state["previous_grad"])
-                self._look_ahead_stored = True
+                stored.append(p)
+        if inverse_scale is not None:
+            self._keep_finite_look_ahead(stored)
+        self._look_ahead.update(stored)
+
+    def _keep_finite_look_ahead(self, params):
+        """Where any stored look-ahead gradient on a device is not finite, every one on that device (as a
+        GradScaler skips a whole step) falls back to the one stored before it (zero before the first)."""
+        by_device = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        for same_device in by_device.values():
+            states = [self.state[p] for p in same_device]
+            buffers = [state["previous_grad"] for state in states]
+            # The max-norm is finite exactly when every entry is (and, unlike the 2-norm, cannot overflow).
+            finite = torch.stack(torch._foreach_norm(buffers, ord=math.inf)).isfinite().all()
+            for state, buffer in zip(states, buffers):
+                fallback = state.get("last_grad")
+                if fallback is None:
+                    fallback = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
+                torch.where(finite, buffer, fallback, out=buffer)
 
     @torch.no_grad()
     def update_last_grad(self):
@@ -239,7 +289,7 @@ class MARS(torch.optim.Optimizer):
         exact_groups = [group for group in self.param_groups if not group["is_approx"]]
         if not exact_groups:
             return
-        if not self._look_ahead_stored:
+        if not self._look_ahead:
             if not self._last_grad_pending:  # no MARS tensor stepped (1-D only, or a ZeRO-1 share without one)
                 return
             raise RuntimeError(
@@ -249,13 +299,17 @@ class MARS(torch.optim.Optimizer):
         for group in exact_groups:
             for p in group["params"]:
                 state = self.state[p]
-                if "previous_grad" not in state:
+                if p not in self._look_ahead:
+                    if "last_grad" in state and p.grad is not None:
+                        # It stepped, but had no gradient in the look-ahead pass (unused there): its own
+                        # gradient, as approximate MARS, rather than a look-ahead gradient from steps ago.
+                        state["last_grad"].copy_(p.grad)
                     continue
                 if "last_grad" in state:  # swap the buffers: the old g_{t-1} is overwritten next time
                     state["last_grad"], state["previous_grad"] = state["previous_grad"], state["last_grad"]
                 else:
                     state["last_grad"] = state.pop("previous_grad")
-        self._look_ahead_stored = False
+        self._look_ahead = set()
         self._last_grad_pending = False
 
     def _state_for(self, p, group):
@@ -317,7 +371,7 @@ class MARS(torch.optim.Optimizer):
                 )
                 self._last_grad_pending |= not group["is_approx"]
             if adamw:
-                kernel = _single_tensor_adamw if group["foreach"] is False else _multi_tensor_adamw
+                kernel = _single_tensor_adamw if _reference_path(group) else _multi_tensor_adamw
                 kernel(
                     adamw,
                     lr=group["lr"] * group["lr_1d_factor"],
@@ -327,6 +381,12 @@ class MARS(torch.optim.Optimizer):
                     eps=group["eps"],
                 )
         return loss
+
+
+def _protocol_state():
+    """Exact MARS's protocol between calls: the parameters whose look-ahead gradient update_previous_grad()
+    stored since the last update_last_grad(), and whether a step() is waiting for update_last_grad()."""
+    return {"_look_ahead": set(), "_last_grad_pending": False}
 
 
 def lr_1d_factor(lr, lr_1d):
@@ -339,13 +399,19 @@ def _validate(hp):
         value = hp[name]
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
         is_scalar_tensor = name == "lr" and torch.is_tensor(value) and value.ndim == 0 and value.is_floating_point()
-        if not (is_number or is_scalar_tensor) or not float(value) >= 0.0:
-            allowed = "a number >= 0" + (" or a 0-d floating tensor" if name == "lr" else "")
+        if name == "eps":
+            if not (is_number and math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"invalid eps: {value!r} (must be a finite number > 0: it keeps the AdamW and Newton-Schulz "
+                    "divisions finite)"
+                )
+            continue
+        if not (is_number or is_scalar_tensor) or not 0.0 <= float(value) < math.inf:
+            allowed = "a finite number >= 0" + (" or a 0-d floating tensor" if name == "lr" else "")
             raise ValueError(f"invalid {name}: {value!r} (must be {allowed})")
-    if not hp["eps"] > 0:
-        raise ValueError(
-            f"invalid eps: {hp['eps']!r} (must be > 0: it keeps the AdamW and Newton-Schulz divisions finite)"
-        )
+    for name in ("amsgrad", "is_approx", "optimize_1d"):
+        if not isinstance(hp[name], bool):
+            raise ValueError(f"invalid {name}: {hp[name]!r} (must be True or False)")
     for name in ("betas", "betas_1d"):
         betas = hp[name]
         if (
@@ -379,13 +445,22 @@ def _rule(p, mars_type):
     """The update direction a MARS-handled tensor takes: "adamw", "lion" or "newton-schulz"."""
     if mars_type == "mars-lion":
         return "lion"
-    if mars_type == "mars-shampoo" and p.ndim == 2:
-        return "newton-schulz"
-    return "adamw"  # mars-adamw everywhere, and mars-shampoo on the tensors Newton-Schulz cannot take
+    if mars_type == "mars-shampoo":
+        return "newton-schulz" if p.ndim == 2 else "adamw"  # the tensors Newton-Schulz cannot take: AdamW's
+    if mars_type == "mars-adamw":
+        return "adamw"
+    # A group's value written after construction (the constructor validates it).
+    raise ValueError(f"invalid mars_type: {mars_type!r} (allowed: {', '.join(MARS_TYPES)})")
+
+
+def _reference_path(group):
+    """foreach=False, or a step traced by torch.compile (torch.compile(optimizer.step)): the reference's plain
+    ops compile into fused kernels, where torch's fused AdamW kernel and the compiled step cannot be traced."""
+    return group["foreach"] is False or torch.compiler.is_compiling()
 
 
 def _kernel_mars(group):
-    if group["foreach"] is False:
+    if _reference_path(group):
         return _single_tensor_mars
     return _fused_mars if group["fused"] else _multi_tensor_mars
 
@@ -695,11 +770,18 @@ def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay):
 
 # ---------------------------------------------------------------------------------------------------
 # fused=True: _mars_tensor_step compiled. The tensors go in as 1-D views in memory order, so one compiled
-# graph (per dtype and rule) serves every shape. A group's numbers (β1, β2, eps, λ, γ) are compiled in as
-# constants, guarded: a group with other values compiles its own graph (with torch 2.13, floats left
-# symbolic were baked into lerp's weight and addcmul's value without a guard, so a second group silently
-# reused the first one's betas). lr changes every step, so it goes in as a tensor: no recompilation.
-# Tensors whose layouts differ (a transposed parameter with a contiguous gradient) take the eager reference.
+# graph (per dtype and rule) serves every shape. Every number (lr, β1, β2, eps, λ, γ) goes in as a 0-d tensor
+# on the device, so no value is compiled in: a schedule may change lr or the betas every step (OneCycleLR
+# cycles β1) and groups may differ in every number without a recompilation. (Python floats would each be
+# compiled in and guarded, one graph per value up to dynamo's limit of 8, then eager; and with torch 2.13,
+# floats left symbolic were baked into lerp's weight and addcmul's value without a guard, so a second group
+# silently reused the first one's betas.) Tensors whose layouts differ (a transposed parameter with a
+# contiguous gradient) take the eager reference, with the numbers as they are.
+#
+# The graphs a process can need (dtypes x rules x amsgrad x exact/approximate) exceed dynamo's default limit
+# of 8 per function only in unusual mixes; the limit is raised for this function, and reaching it raises
+# instead of silently running uncompiled.
+_RECOMPILE_LIMIT = 64
 
 
 @functools.cache
@@ -730,13 +812,17 @@ def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, i
     compiled = [(entry, rule) for entry, rule in zip(entries, rules) if rule != "newton-schulz"]
     if not compiled:
         return
-    with torch._dynamo.config.patch(specialize_float=True):
+    limits = dict(recompile_limit=_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+    with torch._dynamo.config.patch(**limits):
         for bucket, bucket_rules in _by_device_and_dtype(*zip(*compiled)):
             p0 = bucket[0][0]
-            if torch.is_tensor(lr):
-                device_lr = _lr_on(lr, p0.device)
-            else:  # created on the device once per step: a number would be compiled in as a constant
-                device_lr = torch.full((), lr, dtype=_opmath(p0.dtype), device=p0.device)
+            opmath = _opmath(p0.dtype)
+            device_lr = (
+                _lr_on(lr, p0.device) if torch.is_tensor(lr) else torch.full((), lr, dtype=opmath, device=p0.device)
+            )
+            device_hyper = {
+                name: torch.full((), value, dtype=opmath, device=p0.device) for name, value in hyper.items()
+            }
             steps = [state["step"] for _, state in bucket]
             scalars = zip(*_adam_scalars(steps, device_lr, beta1, beta2, p0.dtype))
             for (p, state), rule, (step_size, bias_correction2_rsqrt) in zip(bucket, bucket_rules, scalars):
@@ -749,15 +835,18 @@ def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, i
                     state.get("max_exp_avg_sq"),
                 ]
                 flat = _flat_views(tensors)
-                step_fn = _mars_tensor_step if flat is None else _compiled_mars_tensor_step(_simdlen(p, tensors[2]))
+                if flat is None:  # layouts differ: the eager reference, which takes the numbers as they are
+                    step_fn, args, numbers = _mars_tensor_step, tensors, hyper
+                else:
+                    step_fn, args, numbers = _compiled_mars_tensor_step(_simdlen(p, tensors[2])), flat, device_hyper
                 step_fn(
-                    *(tensors if flat is None else flat),
+                    *args,
                     device_lr,
                     step_size,
                     bias_correction2_rsqrt,
                     rule=rule,
                     keep_grad=is_approx,
-                    **hyper,
+                    **numbers,
                 )
 
 

@@ -4,6 +4,7 @@ reference on every dtype and layout, and MARS as a drop-in torch optimizer."""
 import copy
 import itertools
 import math
+import pickle
 
 import pytest
 import torch
@@ -327,6 +328,24 @@ def test_refuse_host_reads_catches_a_scalar_argument():
         torch._foreach_add_([x], [x], alpha=torch.tensor(0.5))
 
 
+@pytest.mark.parametrize("mars_type", MARS_TYPES)
+@pytest.mark.parametrize("path", ["foreach", "fused"])
+def test_compiled_optimizer_step_equals_the_reference(mars_type, path):
+    """torch.compile(optimizer.step): traced, every path takes the reference's ops (torch's fused AdamW
+    kernel cannot be traced), and the compiled step gives the reference's result."""
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    expected, _ = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 3, mars_type=mars_type)
+    params = [torch.nn.Parameter(x.clone()) for x in x0s]
+    opt = MARS(params, lr=1e-2, mars_type=mars_type, **PATHS[path])
+    step = torch.compile(opt.step)
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        step()
+    for a, b in zip(params, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------
 # fused=True: compiled once, not per step.
 
@@ -338,6 +357,37 @@ def test_fused_step_does_not_recompile_for_new_lr_or_new_shapes():
         run_mars(x0s, grads, lookaheads, lrs=[1e-2, 2e-2, 3e-3, 5e-4], fused=True)
         other = make_problem(torch.float32, steps=2, shapes=[(9, 5), (33, 17), (3, 8)])
         run_mars(*other, lrs=[1e-3, 2e-3], fused=True)
+
+
+@pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion"])
+def test_fused_step_does_not_recompile_when_every_number_changes(mars_type):
+    """A schedule may write the betas each step (OneCycleLR's cycle_momentum) and groups may differ in every
+    number: one compiled graph serves them all, and the results are the reference's. With the numbers
+    compiled in, each new β1 recompiled, and after dynamo's limit of 8 the step ran eagerly for good."""
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=10, shapes=[(6, 5), (4, 7)])
+    # Every group number that reaches the compiled step, different at every step.
+    numbers = [
+        dict(betas=(0.85 + 0.01 * t, 0.95 + 0.004 * t), eps=1e-8 * (t + 1), weight_decay=0.01 * t, gamma=0.02 * (t + 1))
+        for t in range(len(grads))
+    ]
+
+    def run(path, compile_first):
+        params = [torch.nn.Parameter(x.clone()) for x in x0s]
+        opt = MARS(params, lr=1e-2, mars_type=mars_type, **PATHS[path])
+        for t, gs in enumerate(grads):
+            opt.param_groups[0].update(numbers[t])
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            if t == 0 or not compile_first:
+                opt.step()
+            else:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    opt.step()
+        return params
+
+    expected = run("reference", compile_first=False)
+    for got, want in zip(run("fused", compile_first=True), expected):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -428,6 +478,70 @@ def test_exact_mars_under_a_grad_scaler_equals_the_unscaled_run():
     torch.testing.assert_close(scaled, exact_run(None), rtol=1e-6, atol=0)
 
 
+def test_exact_mars_drops_a_non_finite_look_ahead_gradient_under_a_grad_scaler():
+    """The scaler checks only the gradient step() sees; an overflowed look-ahead gradient stored as g_{t-1}
+    made every later step NaN. It falls back to the look-ahead gradient stored before it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4, bias=False)
+    opt = MARS(model.parameters(), lr=1e-2, is_approx=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    data = torch.randn(7, 8, 6, generator=torch.Generator().manual_seed(1))
+    state = opt.state[model.weight]
+    for t in range(6):
+        scaler.scale(model(data[t + 1]).square().mean()).backward()
+        if t == 3:
+            model.weight.grad[0, 0] = float("inf")
+            before = state["last_grad"].clone()
+        opt.update_previous_grad(inverse_scale=1 / scaler.get_scale())
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(model(data[t]).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.update_last_grad()
+        opt.zero_grad(set_to_none=True)
+        if t == 3:
+            assert torch.equal(state["last_grad"], before)
+        assert torch.isfinite(model.weight).all() and torch.isfinite(state["last_grad"]).all(), t
+
+
+def test_exact_mars_parameter_without_a_look_ahead_gradient_takes_its_own():
+    """A tensor unused in the look-ahead pass but used in the step: its g_{t-1} is its own gradient of the
+    step (approximate MARS for it), not the look-ahead gradient it had steps ago."""
+    a, b = torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2, 2))
+    opt = MARS([a, b], is_approx=False)
+    for t in range(3):
+        a.grad, b.grad = torch.randn(3, 2), (torch.randn(2, 2) if t == 0 else None)
+        opt.update_previous_grad()  # b's look-ahead only at t = 0
+        grads = torch.randn(3, 2), torch.randn(2, 2)
+        a.grad, b.grad = grads[0].clone(), grads[1].clone()
+        opt.step()
+        opt.update_last_grad()
+        if t > 0:
+            assert torch.equal(opt.state[b]["last_grad"], grads[1])
+            assert not torch.equal(opt.state[a]["last_grad"], grads[0])
+
+
+@pytest.mark.parametrize("is_approx", [True, False])
+def test_copied_and_unpickled_optimizers_step(is_approx):
+    """Optimizer.__getstate__ keeps only defaults, state and param_groups; the exact protocol's bookkeeping
+    travels too (a copy made between step() and update_last_grad() still expects update_last_grad())."""
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = MARS([p], is_approx=is_approx)
+    p.grad = torch.randn(4, 3)
+    opt.update_previous_grad()
+    opt.step()
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        (q,) = copied.param_groups[0]["params"]
+        q.grad = torch.randn(4, 3)
+        if not is_approx:
+            copied.update_previous_grad()
+            with pytest.raises(RuntimeError, match=r"update_last_grad\(\)"):
+                copied.step()
+            copied.update_last_grad()
+        copied.step()
+        assert copied.state[q]["step"].item() == 2
+
+
 def test_exact_mars_without_update_last_grad_raises():
     p = torch.nn.Parameter(torch.randn(4, 3))
     opt = MARS([p], is_approx=False)
@@ -515,6 +629,9 @@ def test_newton_schulz_matches_transcription(shape):
     torch.testing.assert_close(out, spec_newton_schulz(G, 1e-7), rtol=0, atol=1e-2)
     # The CPU default computes in float32 (bf16 matmuls are slow on CPUs): the same rule, less rounding.
     torch.testing.assert_close(newton_schulz(G), spec_newton_schulz(G, 1e-7, torch.float32), rtol=0, atol=1e-5)
+    # float64 matrices keep float64 on CPU.
+    G64 = G.double()
+    torch.testing.assert_close(newton_schulz(G64), spec_newton_schulz(G64, 1e-7, torch.float64), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(16, 40), (40, 16)])
@@ -561,6 +678,12 @@ def test_newton_schulz_on_a_spread_spectrum():
         (dict(last_grad_dtype="bfloat16"), "last_grad_dtype"),
         (dict(last_grad_dtype=torch.int8), "last_grad_dtype"),
         (dict(lr=0.0), "lr"),
+        (dict(lr=math.inf), "lr"),
+        (dict(gamma=math.inf), "gamma"),
+        (dict(eps=math.nan), "eps"),
+        (dict(optimize_1d="no"), "optimize_1d"),
+        (dict(amsgrad="yes"), "amsgrad"),
+        (dict(is_approx=0), "is_approx"),
     ],
 )
 def test_invalid_arguments_raise_naming_the_argument(kwargs, name):
@@ -584,6 +707,25 @@ def test_add_param_group_validates_before_installing(override):
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [second]})  # not half-installed: adding it properly still works
     assert opt.param_groups[1]["params"] == [second]
+
+
+def test_negative_eps_is_told_it_must_be_positive():
+    with pytest.raises(ValueError, match="> 0"):
+        MARS([torch.nn.Parameter(torch.zeros(2, 2))], eps=-1e-8)
+
+
+def test_complex_parameter_raises():
+    with pytest.raises(ValueError, match="complex"):
+        MARS([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+
+
+def test_mars_type_written_into_a_group_later_is_checked():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = MARS([p])
+    opt.param_groups[0]["mars_type"] = "mars-sgd"
+    p.grad = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="mars_type"):
+        opt.step()
 
 
 def test_sparse_gradient_raises():
@@ -614,6 +756,18 @@ def test_state_dict_round_trip_continues_bit_for_bit(mars_type, is_approx, path)
     run_mars(x0s, grads[3:], lookaheads[3:], lrs=LRS[:3], params=restored, opt=opt2)
     for a, b in zip(params, restored):
         assert torch.equal(a, b)
+
+
+def test_load_state_dict_keeps_this_processs_path():
+    """foreach and fused choose how this process computes the step; a checkpoint of another path must not
+    switch it (a fused=True optimizer restored from a default-path run kept compiling)."""
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.randn(4, 3)
+    saved = MARS([p])
+    saved.step()
+    restored = MARS([torch.nn.Parameter(p.detach().clone())], fused=True)
+    restored.load_state_dict(saved.state_dict())
+    assert restored.param_groups[0]["fused"] is True and restored.param_groups[0]["foreach"] is None
 
 
 def test_load_state_dict_keeps_the_state_dtypes():
