@@ -22,6 +22,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import sys
 import types
 import typing
@@ -357,7 +358,11 @@ def print_help(cls=TrainConfig, usage="python train.py [config/file.py ...] [--k
         kind = "str" if want is str else _type_name(want)
         lines.append(f"  --{name}={defaults[name]!r}  [{kind}]")
         lines.append(f"      {f.metadata.get('help', '')}")
-    print("\n".join(lines), file=file or sys.stdout)
+    out = file or sys.stdout
+    try:
+        print("\n".join(lines), file=out, flush=True)
+    except BrokenPipeError:  # `--help | head` closed the pipe: nothing more to say, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
 
 
 def main(argv=None):

@@ -39,6 +39,33 @@ def atomic_path(path):
     fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
+def remove_stale_temporaries(directory):
+    """Remove the ``<name>.tmp.<pid>`` files in `directory` that a killed writer left (kill -9 during a
+    checkpoint save leaves one as large as the checkpoint), skipping any whose process is alive here.
+    Returns the names removed."""
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    for name in sorted(os.listdir(directory)):
+        stem, sep, pid = name.rpartition(".tmp.")
+        if not (stem and sep and pid.isdigit()) or _process_alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
+def _process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def atomic_write_bytes(path, data):
     with atomic_writer(path) as f:
         f.write(data)

@@ -44,6 +44,10 @@ def resolve_device(device, ddp=False, local_rank=0):
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(
+            "device='mps' but MPS is not available (this torch build or machine has none); use --device=cpu"
+        )
     if not device.startswith("cuda"):
         return device
     if not torch.cuda.is_available():

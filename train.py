@@ -45,7 +45,7 @@ import memplan
 import metrics
 from checkpoint import CheckpointError, CheckpointWriter, RNGState
 from configurator import ConfigError, config_to_dict, fixed_keys, load_config, print_help, wants_help
-from files import atomic_writer
+from files import atomic_writer, remove_stale_temporaries
 from metrics import LogWindow, MetricsLog
 from model import GPT, GPT2_VOCAB_SIZE, HF_CHECKPOINTS, PRESETS, GPTConfig, model_args_from_config, peak_flops
 from optim import build_optimizer, group_hyperparameters, is_sharded, set_lr
@@ -173,6 +173,11 @@ def resolve_init_from(cfg):
     if cfg.init_from == "auto" and not has_checkpoint:
         previous = []  # a run killed before its first checkpoint: nothing to keep
     if init_from != "resume" and previous and not cfg.overwrite:
+        if not has_checkpoint:  # e.g. an eval_only run's metrics: nothing to resume
+            raise ConfigError(
+                f"out_dir {cfg.out_dir} holds {os.path.basename(previous[0])} but no {checkpoint.CKPT_NAME} to "
+                f"resume; start elsewhere with a new --out_dir, or replace it with --overwrite=True"
+            )
         raise ConfigError(
             f"out_dir {cfg.out_dir} already holds a run ({os.path.basename(previous[0])}); continue it with "
             f"--init_from=resume (or auto), start elsewhere with a new --out_dir, or delete it with --overwrite=True"
@@ -232,6 +237,12 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path):
     started from GPT-2. Only dropout, which may change on resume, is the configuration's.
     """
     if cfg.init_from.startswith("gpt2"):
+        if vocab_size != GPTConfig.vocab_size:  # checked before the download
+            raise ConfigError(
+                f"init_from={cfg.init_from} needs GPT-2-tokenized data, but the dataset {cfg.dataset} has its own "
+                f"vocabulary of {vocab_size} tokens (meta.pkl); train it with --init_from=scratch, or use a GPT-2 "
+                "dataset (openwebtext, fineweb_edu)"
+            )
         model = GPT.from_pretrained(cfg.init_from, dict(dropout=cfg.dropout))
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
@@ -318,8 +329,12 @@ def setup(cfg, dist_info):
     model, model_args = agree(dist_info, lambda: build_model(cfg, vocab_size, ckpt, ckpt_path), USER_ERRORS)
 
     if dist_info.is_master:
+        for name in remove_stale_temporaries(cfg.out_dir):
+            print(f"removed {os.path.join(cfg.out_dir, name)}, left by an interrupted write", flush=True)
         if cfg.overwrite and init_from != "resume":
             remove_previous_run(cfg)
+        if ckpt is not None:
+            print(f"resuming {ckpt_path} at iter {ckpt['progress']['iter_num']:,}", flush=True)
         for line in config_changes(ckpt["config"], cfg) if ckpt else []:
             print(line, flush=True)
     set_deterministic(cfg.deterministic, dist_info.device_type)
@@ -409,21 +424,27 @@ def plan_memory(cfg, dist_info, model_args):
     return memplan.plan(cfg, dist_info.world_size, gb, model_args=model_args, dtype=dtype, gpu_name=name)
 
 
-def describe(run):
+def describe(run, progress):
     """Print the effective configuration and the token budget; record the configuration in out_dir."""
     cfg = run.cfg
+    micro_batches = cfg.gradient_accumulation_steps // run.dist.world_size
     config = config_to_dict(cfg)
     for key, value in config.items():
         print(f"{key} = {value!r}")
     print(
         f"world size {run.dist.world_size} on {run.dist.device}; "
-        f"{cfg.gradient_accumulation_steps // run.dist.world_size} micro-batches per rank per step"
+        f"{micro_batches} micro-batch{'es' if micro_batches != 1 else ''} per rank per step"
     )
     print(
         f"tokens per optimizer step: {run.tokens_per_step:,} = batch_size {cfg.batch_size} x "
         f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} x block_size {cfg.block_size}"
     )
     print(f"total tokens: {run.tokens_per_step * cfg.max_iters:,} over max_iters {cfg.max_iters:,}")
+    if progress.iter_num >= cfg.max_iters and not cfg.eval_only:
+        print(
+            f"nothing to train: the run is at iter {progress.iter_num:,} and max_iters is {cfg.max_iters:,}; "
+            f"raise --max_iters to train further"
+        )
     print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
     plan = run.memory_plan
     print("\n".join(memplan.format_plan(plan)))
@@ -811,6 +832,13 @@ def dry_run(cfg):
     plan = dry_run_plan(cfg)
     if os.environ.get("RANK", "0") == "0":
         print("\n".join(memplan.format_plan(plan)))
+        if plan.fits is False:
+            print(f"to fit, try {memplan.advice(plan)}")
+        if cfg.gradient_accumulation_steps % plan.world_size:
+            print(
+                f"note: a run on {plan.world_size} processes is refused: gradient_accumulation_steps="
+                f"{cfg.gradient_accumulation_steps} is not a multiple of {plan.world_size}"
+            )
     return 0
 
 
@@ -832,7 +860,7 @@ def main(argv=None):
                 print(f"error: {e}", file=sys.stderr)
             return 2
         if dist_info.is_master:
-            describe(run)
+            describe(run, progress)
         try:
             fit(run, progress, resumed)
             run.writer.wait()

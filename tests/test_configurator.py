@@ -158,6 +158,15 @@ def test_help_lists_every_key_with_type_default_and_meaning():
     assert "[one of: mars, adamw, muon]" in run.stdout
 
 
+@pytest.mark.parametrize("script", ["train.py", "configurator.py"])
+def test_help_into_a_closed_pipe_ends_quietly(script):
+    """`python train.py --help | head`: a reader gone before the help is written is no traceback."""
+    run = subprocess.Popen([sys.executable, script, "--help"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run.stdout.close()  # long before the help is written: the interpreter is still importing torch
+    err = run.stderr.read().decode()
+    assert run.wait() == 0 and err == "", err
+
+
 def test_any_dataclass_declared_with_key_parses_and_checks(tmp_path):
     from typing import Literal
 

@@ -202,6 +202,15 @@ def test_dry_run_prints_the_plan_without_data_or_gpu(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_dry_run_that_does_not_fit_says_what_to_try_and_which_world_sizes_are_refused(tmp_path, capsys):
+    argv = ["config/train_gpt2_xl_mars.py", "--dry_run=True", "--plan_world_size=7", "--gpu_memory_gb=40"]
+    assert train.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "does NOT fit" in printed
+    assert "to fit, try --zero_stage=1 or --activation_checkpointing=True" in printed
+    assert "note: a run on 7 processes is refused: gradient_accumulation_steps=96 is not a multiple of 7" in printed
+
+
 def test_sharding_in_one_process_is_a_note_not_an_error(tmp_path, capsys):
     argv = ["config/train_gpt2_small_adamw.py", "--dry_run=True", "--zero_stage=1", "--device=cpu"]
     assert train.main(argv) == 0

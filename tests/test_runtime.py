@@ -10,6 +10,12 @@ import runtime
 from configurator import TrainConfig
 
 
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_mps_without_mps_is_a_clear_error():
+    with pytest.raises(ValueError, match="device='mps' but MPS is not available"):
+        runtime.resolve_device("mps")
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """A machine with 4 visible GPUs as far as torch.cuda's queries go; set_device calls are recorded."""

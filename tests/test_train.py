@@ -6,6 +6,8 @@ import io
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -434,6 +436,52 @@ def test_a_fresh_start_into_an_existing_run_is_refused_and_changes_nothing(data_
     assert "--init_from=resume" in captured.err and "--overwrite=True" in captured.err
     assert captured.err.count("\n") == 1 and captured.out == ""
     assert file_bytes(out) == before
+
+
+def test_an_out_dir_without_a_checkpoint_is_not_sent_to_resume(data_path, tmp_path, capsys):
+    """An eval_only run leaves metrics.jsonl but no ckpt.pt: the refusal must not suggest --init_from=resume,
+    which would then fail for want of a checkpoint."""
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, eval_only=True))
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))
+    capsys.readouterr()
+    assert train.main(tiny_args(data_path, out, max_iters=1)) == 2
+    err = capsys.readouterr().err
+    assert "no ckpt.pt to resume" in err and "--overwrite=True" in err and "--init_from=resume" not in err, err
+
+
+def test_init_from_gpt2_refuses_a_dataset_with_its_own_vocabulary_before_downloading(
+    data_path, tmp_path, monkeypatch, capsys
+):
+    def no_download(*args):
+        raise AssertionError("GPT-2 was downloaded for a character-level dataset")
+
+    monkeypatch.setattr(GPT, "from_pretrained", no_download)
+    assert train.main(tiny_args(data_path, str(tmp_path / "out"), init_from="gpt2")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: init_from=gpt2 needs GPT-2-tokenized data") and err.count("\n") == 1, err
+
+
+def test_a_relaunch_removes_what_a_killed_save_left_and_says_where_it_resumes(data_path, tmp_path, capsys):
+    """kill -9 during a save leaves ckpt.pt.tmp.<pid>, as large as the checkpoint; the next launch removes
+    it (not one whose process is alive), says which checkpoint and iteration it resumes, and says when
+    there is nothing left to train."""
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, max_iters=4, eval_interval=2))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = os.path.join(out, f"ckpt.pt.tmp.{dead.pid}")
+    alive = os.path.join(out, f"ckpt.pt.tmp.{os.getpid()}")
+    for path in (stale, alive):
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+    capsys.readouterr()
+    run_ok(tiny_args(data_path, out, max_iters=4, eval_interval=2, init_from="resume"))
+    printed = capsys.readouterr().out
+    assert not os.path.exists(stale) and os.path.exists(alive)
+    assert f"removed {stale}, left by an interrupted write" in printed
+    assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 4" in printed
+    assert "nothing to train: the run is at iter 4 and max_iters is 4" in printed
 
 
 def test_overwrite_replaces_the_previous_run(data_path, tmp_path):
