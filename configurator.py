@@ -49,6 +49,10 @@ def positive(value):
     return None if value > 0 else "must be positive"
 
 
+def non_empty(value):
+    return None if value.strip() else "must not be empty"
+
+
 def non_negative(value):
     return None if value >= 0 else "must be >= 0"
 
@@ -84,7 +88,7 @@ class TrainConfig:
     """Every key of a training run (train.py)."""
 
     # --- run and checkpoints
-    out_dir: str = key("out", "directory of the run: ckpt.pt, best.pt, metrics.jsonl, config.json")
+    out_dir: str = key("out", "directory of the run: ckpt.pt, best.pt, metrics.jsonl, config.json", non_empty)
     init_from: Literal["scratch", "resume", "auto", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] = key(
         "scratch",
         "scratch: a new run (refused when out_dir holds one); resume: continue out_dir's ckpt.pt; "
@@ -103,8 +107,8 @@ class TrainConfig:
     wandb_run_name: str = key("gpt2", "wandb run name")
     wandb_run_id: str = key("", "continue this wandb run; a resume takes it from the checkpoint")
     # --- data and batch
-    data_path: str = key("data", "folder holding the datasets (data/<name>/prepare.py writes them)")
-    dataset: str = key("openwebtext", "token files in data_path/dataset: openwebtext, fineweb_edu, ...")
+    data_path: str = key("data", "folder holding the datasets (data/<name>/prepare.py writes them)", non_empty)
+    dataset: str = key("openwebtext", "token files in data_path/dataset: openwebtext, fineweb_edu, ...", non_empty)
     gradient_accumulation_steps: int = key(
         40,
         "micro-batches per optimizer step across ALL ranks (nanoGPT's meaning): the global batch does not "
@@ -312,7 +316,7 @@ class _Schema:
             if problem:
                 value = getattr(cfg, name)
                 raise ConfigError(
-                    f"{name}={value!r} {problem}" if problem.startswith("is ") else f"{name} {problem}, got {value}"
+                    f"{name}={value!r} {problem}" if problem.startswith("is ") else f"{name} {problem}, got {value!r}"
                 )
         if hasattr(cfg, "validate"):
             cfg.validate()

@@ -96,6 +96,7 @@ def test_override_values(arg, key, value):
         (["--n_embd=100"], "n_embd=100 must be divisible by n_head=12"),
         (["--dropout=1.0"], "dropout must be in [0, 1), got 1.0"),
         (["--beta2=1.0"], "beta2 must be in [0, 1), got 1.0"),
+        (["--out_dir="], "out_dir must not be empty, got ''"),
         (["--wsd_decay_frac=0"], "wsd_decay_frac must be in (0, 1], got 0.0"),
         (["--lr_decay_iters=100"], "lr_decay_iters=100 must exceed warmup_iters=2000 for the cosine schedule"),
     ],
