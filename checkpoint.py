@@ -142,19 +142,22 @@ class CheckpointWriter:
             raise error
 
 
-def load_checkpoint(path, mmap=False):
+RESUME_ADVICE = "train with --init_from=scratch first, or point out_dir at the run to resume"  # train.py's
+TOOL_ADVICE = "train a model first (python train.py ...), or give the out_dir of a trained run"  # the tools'
+
+
+def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE):
     """The checkpoint dict at `path` (a file, or a directory holding ckpt.pt), loaded onto the CPU.
 
     mmap=True maps the file instead of reading it: the tensors are paged in from the page cache as they
     are copied to their device, so the 8 ranks of a node resuming a GPT-2 XL run share one copy of the
     file in memory instead of holding 8 (about 200 GB). The mapping is private (copy-on-write), and
-    checkpoints are only ever replaced by a rename, which leaves a mapped file intact.
+    checkpoints are only ever replaced by a rename, which leaves a mapped file intact. `missing_advice`
+    ends the error for a missing file: what the user of this tool should do.
     """
     path = checkpoint_path(path)
     if not os.path.isfile(path):
-        raise CheckpointError(
-            f"no checkpoint at {path}; train with --init_from=scratch first, or point out_dir at the run to resume"
-        )
+        raise CheckpointError(f"no checkpoint at {path}; {missing_advice}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
@@ -200,17 +203,29 @@ def load_model_state(model, state_dict, path):
     model.load_state_dict(state_dict)
 
 
-def load_model(path_or_out_dir, device="cpu"):
+def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):
     """(GPT, checkpoint dict): the trained model in eval mode, for sample.py, hellaswag.py, export_hf.py."""
     from model import GPT, GPTConfig  # here, so checkpoint.py stays importable without model.py's cost
 
     path = checkpoint_path(path_or_out_dir)
-    ckpt = load_checkpoint(path)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
+    ckpt = load_checkpoint(path, missing_advice=missing_advice)
+    if not isinstance(ckpt["model"], dict) or not isinstance(ckpt["model_args"], dict):
+        raise CheckpointError(f"{path} is not a training checkpoint (its model and model_args are not dicts)")
+    try:
+        config = GPTConfig(**ckpt["model_args"])
+    except TypeError as e:  # another model's arguments (a vision/ checkpoint) or a newer model.py's
+        raise CheckpointError(f"{path} is not a checkpoint of this repository's GPT ({e})") from None
+    model = GPT(config)
     load_model_state(model, ckpt["model"], path)
     model.to(device)
     model.eval()
     return model, ckpt
+
+
+def iteration(ckpt):
+    """The step a checkpoint was saved after (its progress part's iter_num), or None when it has none."""
+    progress = ckpt.get("progress")
+    return progress.get("iter_num") if isinstance(progress, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,6 +31,9 @@ from tokens import DataError, get_gpt2_encoding
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
 NUM_ENDINGS = 4
+MISSING_ADVICE = (
+    "train a model first (python train.py ...), or pass --ckpt the out_dir or checkpoint file of a trained run"
+)
 
 
 def ensure_data(path="", cache_dir=CACHE_DIR, url=VAL_URL, timeout_s=15):
@@ -136,6 +139,17 @@ def ending_losses(model, rendered, device, ctx=None):
     return summed.view(-1, NUM_ENDINGS), torch.tensor(lengths, device=device).view(-1, NUM_ENDINGS)
 
 
+def check_vocab(model):
+    """GPT-2's encoding, after checking that `model` reads its tokens (ValueError for a character model)."""
+    enc = get_gpt2_encoding()
+    if model.config.vocab_size < enc.n_vocab:
+        raise ValueError(
+            f"HellaSwag needs a model with GPT-2's vocabulary (vocab_size >= {enc.n_vocab}); "
+            f"this one has vocab_size {model.config.vocab_size}"
+        )
+    return enc
+
+
 def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_examples=4):
     """acc_norm, acc and n over `examples`, rank r scoring examples i with i % world_size == r.
 
@@ -145,13 +159,7 @@ def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_exam
     """
     if not examples:
         raise ValueError("no HellaSwag examples to evaluate")
-    vocab_size, block_size = model.config.vocab_size, model.config.block_size
-    enc = get_gpt2_encoding()
-    if vocab_size < enc.n_vocab:
-        raise ValueError(
-            f"HellaSwag needs a model with GPT-2's vocabulary (vocab_size >= {enc.n_vocab}); "
-            f"this one has vocab_size {vocab_size}"
-        )
+    enc = check_vocab(model)
     mine = examples[rank::world_size]
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct_norm, correct, n
     was_training = model.training
@@ -159,7 +167,8 @@ def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_exam
     try:
         for start in range(0, len(mine), batch_examples):
             batch = mine[start : start + batch_examples]
-            summed, lengths = ending_losses(model, [render_example(e, enc, block_size) for e in batch], device, ctx)
+            rendered = [render_example(e, enc, model.config.block_size) for e in batch]
+            summed, lengths = ending_losses(model, rendered, device, ctx)
             labels = torch.tensor([e["label"] for e in batch], device=device)
             counts[0] += ((summed / lengths).argmin(dim=1) == labels).sum()
             counts[1] += (summed.argmin(dim=1) == labels).sum()
@@ -185,7 +194,16 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples (0 = all)")
     p.add_argument("--batch_examples", type=int, default=4, help="examples per forward pass")
     args = p.parse_args(argv)
+    if args.batch_examples < 1:
+        p.error(f"--batch_examples must be at least 1, got {args.batch_examples}")
     try:
+        args.device = resolve_device(args.device)
+        device_type = torch.device(args.device).type
+        if args.ckpt:
+            model, _ = load_model(args.ckpt, device=args.device, missing_advice=MISSING_ADVICE)
+        else:
+            model = GPT.from_pretrained(args.init_from).to(args.device)
+        check_vocab(model)  # before any download: a character model cannot be scored
         path = ensure_data(args.data)
         if path is None:
             raise ValueError(
@@ -195,12 +213,6 @@ def main(argv=None):
         examples = load_examples(path)
         if args.limit > 0:
             examples = examples[: args.limit]
-        args.device = resolve_device(args.device)
-        device_type = torch.device(args.device).type
-        if args.ckpt:
-            model, _ = load_model(args.ckpt, device=args.device)
-        else:
-            model = GPT.from_pretrained(args.init_from).to(args.device)
         t0 = time.time()
         result = evaluate(
             model,

@@ -19,6 +19,8 @@ from model import GPT
 from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
 from tokens import DataError, get_gpt2_encoding
 
+MISSING_ADVICE = "train a model first (python train.py ...), or pass --out_dir of a trained run"
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -67,15 +69,32 @@ def bpe_codec():
     return enc.encode_ordinary, lambda ids: enc.decode([i for i in ids if i < enc.n_vocab])
 
 
-def checkpoint_codec(ckpt, vocab_size):
-    """The codec of the dataset a checkpoint was trained on: its meta.pkl, else GPT-2 BPE."""
-    config = ckpt.get("config") or {}
-    data_dir = os.path.join(config.get("data_path", ""), config.get("dataset", ""))
-    meta_path = os.path.join(data_dir, "meta.pkl")
-    if config.get("dataset") and os.path.isfile(meta_path):
+def read_meta(meta_path):
+    """A character vocabulary's meta.pkl, checked for the 'stoi' and 'itos' char_codec reads."""
+    try:
         with open(meta_path, "rb") as f:
             meta = pickle.load(f)  # the user's own dataset file, written by data/<name>/prepare.py
-        return char_codec(meta)
+    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError) as e:
+        raise ValueError(
+            f"{meta_path} is not a readable meta.pkl ({type(e).__name__}); rerun the dataset's prepare.py"
+        ) from None
+    if (
+        not isinstance(meta, dict)
+        or not isinstance(meta.get("stoi"), dict)
+        or not isinstance(meta.get("itos"), (dict, list))
+    ):
+        raise ValueError(f"{meta_path} has no character vocabulary ('stoi' and 'itos'); rerun the dataset's prepare.py")
+    return meta
+
+
+def checkpoint_codec(ckpt, vocab_size):
+    """The codec of the dataset a checkpoint was trained on: its meta.pkl, else GPT-2 BPE."""
+    config = ckpt.get("config")
+    config = config if isinstance(config, dict) else {}
+    data_dir = os.path.join(str(config.get("data_path", "")), str(config.get("dataset", "")))
+    meta_path = os.path.join(data_dir, "meta.pkl")
+    if config.get("dataset") and os.path.isfile(meta_path):
+        return char_codec(read_meta(meta_path))
     enc = get_gpt2_encoding()
     if vocab_size < enc.n_vocab:
         raise ValueError(
@@ -102,7 +121,7 @@ def generate(args):
     args.device = resolve_device(args.device)
     prompt = read_prompt(args.start)
     if args.init_from == "resume":
-        model, ckpt = load_model(args.out_dir, device=args.device)
+        model, ckpt = load_model(args.out_dir, device=args.device, missing_advice=MISSING_ADVICE)
         encode, decode = checkpoint_codec(ckpt, model.config.vocab_size)
     else:
         model = GPT.from_pretrained(args.init_from).to(args.device)

@@ -143,3 +143,27 @@ def test_rng_part_holds_every_rank_s_cuda_state_and_gives_each_rank_its_own(monk
     assert restored == [12]
     checkpoint.RNGState(rank=1).load_state_dict(saved, world_size=2)  # another world size: fresh seeds kept
     assert restored == [12]
+
+
+def test_iteration_reads_the_progress_part_train_py_saves():
+    assert checkpoint.iteration(state(0, iter_num=7)) == 7
+    assert checkpoint.iteration({"model": {}, "model_args": {}}) is None  # not written by train.py
+
+
+def test_a_missing_checkpoint_gives_each_caller_its_advice(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="train with --init_from=scratch first"):
+        checkpoint.load_checkpoint(tmp_path)  # train.py's resume
+    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint at .*; train a model first \(python train"):
+        checkpoint.load_model(tmp_path)  # the tools after training
+    with pytest.raises(checkpoint.CheckpointError, match="; do this$"):
+        checkpoint.load_model(tmp_path, missing_advice="do this")
+
+
+def test_load_model_refuses_a_checkpoint_of_another_model(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, {"model": {}, "model_args": {"num_classes": 10}})  # a vision/ checkpoint
+    with pytest.raises(checkpoint.CheckpointError, match="is not a checkpoint of this repository's GPT"):
+        checkpoint.load_model(path)
+    checkpoint.save_checkpoint(path, {"model": [], "model_args": {}})
+    with pytest.raises(checkpoint.CheckpointError, match="is not a training checkpoint"):
+        checkpoint.load_model(path)

@@ -5,8 +5,10 @@ import sys
 
 import pytest
 import torch
+from train_helpers import tiny_args
 
-from checkpoint import save_checkpoint
+import train
+from checkpoint import load_model
 from export_hf import export_hf, main
 from model import GPT, GPTConfig, config_from_hf, gpt_from_hf, hf_from_gpt
 
@@ -121,25 +123,88 @@ def test_export_of_a_model_without_biases(tmp_path):
         assert (all_logits(gpt, idx) - loaded(idx).logits).abs().max() <= 1e-5
 
 
-def test_command_exports_a_training_checkpoint(tmp_path, capsys):
-    gpt = tiny_gpt()
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    save_checkpoint(
-        str(out_dir / "ckpt.pt"), {"model": gpt.state_dict(), "iter_num": 7, "model_args": vars(gpt.config)}
-    )
-    assert main([str(out_dir), str(tmp_path / "hf")]) == 0
-    assert "iteration 7" in capsys.readouterr().out
-    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
-    idx = torch.randint(0, 50257, (1, 8))
+@pytest.fixture(scope="module")
+def trained_run(data_path, tmp_path_factory):
+    """An out_dir that train.py itself wrote: 2 steps of the tiny character model (about a second)."""
+    out = str(tmp_path_factory.mktemp("run") / "out")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train.main(tiny_args(data_path, out, max_iters=2, eval_interval=2, eval_iters=1)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_command_exports_a_checkpoint_train_py_wrote(trained_run, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    assert main([trained_run, str(hf)]) == 0
+    assert "from iteration 2 of" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # nothing left beside it
+    gpt, _ = load_model(trained_run)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(hf).eval()
+    idx = torch.randint(0, gpt.config.vocab_size, (1, 8))
     with torch.no_grad():
-        assert (all_logits(gpt, idx)[..., :50257] - loaded(idx).logits).abs().max() <= 1e-5
+        assert (all_logits(gpt, idx) - loaded(idx).logits).abs().max() <= 1e-5
+
+
+def failing_save(monkeypatch):
+    """save_pretrained writes the whole folder, then fails (a full disk while the tokenizer is copied)."""
+    real = transformers.GPT2LMHeadModel.save_pretrained
+
+    def save_then_fail(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "save_pretrained", save_then_fail)
+
+
+def test_a_failed_export_leaves_no_folder_that_looks_complete(trained_run, tmp_path, monkeypatch, capsys):
+    failing_save(monkeypatch)
+    assert main([trained_run, str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err  # after transformers' progress bar
+    assert err.splitlines()[-1] == "error: [Errno 28] No space left on device" and "Traceback" not in err
+    assert os.listdir(tmp_path) == []  # neither hf/ nor its temporary folder
+
+
+def test_a_failed_reexport_keeps_the_previous_export_and_a_good_one_replaces_it(trained_run, tmp_path, monkeypatch):
+    hf = tmp_path / "hf"
+    assert main([trained_run, str(hf)]) == 0
+    before = {name: (hf / name).read_bytes() for name in os.listdir(hf)}
+    with monkeypatch.context() as m:
+        failing_save(m)
+        assert main([trained_run, str(hf) + "/"]) == 2
+    assert {name: (hf / name).read_bytes() for name in os.listdir(hf)} == before
+    assert os.listdir(tmp_path) == ["hf"]
+    (hf / "model.safetensors").write_bytes(b"stale")
+    assert main([trained_run, str(hf)]) == 0  # a previous export is replaced whole
+    assert {name: (hf / name).read_bytes() for name in os.listdir(hf)} == before
+    assert os.listdir(tmp_path) == ["hf"]
+
+
+@pytest.mark.parametrize(
+    "make_target, message",
+    [
+        (lambda t: t.write_text("mine"), "exists and is not a folder"),
+        (lambda t: (t.mkdir(), (t / "notes.txt").write_text("mine")), "not a previous export (notes.txt)"),
+    ],
+)
+def test_an_output_path_that_is_not_an_export_is_refused_untouched(trained_run, tmp_path, capsys, make_target, message):
+    target = tmp_path / "target"
+    make_target(target)
+    assert main([trained_run, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert (target / "notes.txt" if target.is_dir() else target).read_text() == "mine"
+    assert os.listdir(tmp_path) == ["target"]
 
 
 def test_command_reports_a_missing_checkpoint_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "nowhere"), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "nowhere" in err and "Traceback" not in err
+    assert "train a model first" in err and "--init_from" not in err  # advice for this tool, not train.py's
+    assert os.listdir(tmp_path) == []
 
 
 def test_without_transformers_the_message_says_how_to_install(monkeypatch):

@@ -300,7 +300,33 @@ def test_ensure_data(tmp_path):
     assert hellaswag.ensure_data("", cache_dir=str(cache)) == str(cache / "hellaswag_val.jsonl")
 
 
-def test_cli_errors_are_one_line(tmp_path, capsys):
-    assert hellaswag.main(["--ckpt", str(tmp_path), "--data", str(tmp_path / "missing.jsonl")]) == 2
+def test_cli_errors_are_one_line(tmp_path, capsys, tiny_checkpoint):
+    tiny_checkpoint(tmp_path / "out", PADDED_VOCAB)
+    assert hellaswag.main(["--ckpt", str(tmp_path / "out"), "--data", str(tmp_path / "missing.jsonl")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "missing.jsonl" in err and "Traceback" not in err
+    assert err.startswith("error: ") and "missing.jsonl" in err and err.count("\n") == 1
+
+
+def test_a_missing_checkpoint_gives_advice_for_hellaswag_py(tmp_path, capsys):
+    assert hellaswag.main(["--ckpt", str(tmp_path / "nope"), "--data", write_jsonl(tmp_path / "v.jsonl", ITEMS)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no checkpoint at {tmp_path / 'nope'}; train a model first (python train.py ...)")
+    assert "--ckpt" in err and "--init_from" not in err and err.count("\n") == 1
+
+
+def test_a_character_model_is_refused_before_any_download(tmp_path, capsys, tiny_checkpoint, monkeypatch):
+    tiny_checkpoint(tmp_path / "out", 96)
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("ensure_data was called for a model HellaSwag cannot score")
+
+    monkeypatch.setattr(hellaswag, "ensure_data", no_download)
+    assert hellaswag.main(["--ckpt", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: HellaSwag needs a model with GPT-2's vocabulary") and "vocab_size 96" in err
+
+
+def test_batch_examples_must_be_positive(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        hellaswag.main(["--ckpt", str(tmp_path), "--batch_examples", "0"])
+    assert e.value.code == 2 and "--batch_examples must be at least 1, got 0" in capsys.readouterr().err

@@ -1,8 +1,11 @@
 import os
+import pickle
 
 import pytest
+import torch
 
 import sample
+from checkpoint import save_checkpoint
 from tokens import get_gpt2_encoding, write_meta
 
 CHARS = sorted(set("def main():\n    return 42\n"))
@@ -91,6 +94,51 @@ def test_errors_are_one_line_and_exit_2(char_run, tmp_path, capsys, args, messag
     assert sample.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_a_missing_checkpoint_gives_advice_for_sample_py(tmp_path, capsys):
+    assert sample.main(["--out_dir", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: no checkpoint at {tmp_path / 'nope'}; train a model first (python train.py ...), "
+        "or pass --out_dir of a trained run\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        (b"garbage", "is not a readable meta.pkl"),
+        (b"", "is not a readable meta.pkl"),
+        (pickle.dumps({"vocab_size": 3}), "has no character vocabulary ('stoi' and 'itos')"),
+        (pickle.dumps([1, 2]), "has no character vocabulary ('stoi' and 'itos')"),
+    ],
+    ids=["garbage", "empty", "no-stoi", "a-list"],
+)
+def test_a_broken_meta_pkl_is_one_line_and_exit_2(char_run, tmp_path, capsys, meta, message):
+    (tmp_path / "data" / "tiny_char" / "meta.pkl").write_bytes(meta)
+    assert sample.main(["--out_dir", str(char_run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c["model_args"].update(num_classes=10), "is not a checkpoint of this repository's GPT"),
+        (lambda c: c.update(model_args=[1, 2]), "is not a training checkpoint"),
+        (lambda c: c.update(model=5), "is not a training checkpoint"),
+        (lambda c: c.update(config=5), "meta.pkl was not found"),  # no dataset to read: the vocabulary decides
+    ],
+    ids=["foreign-model_args", "model_args-list", "model-int", "config-int"],
+)
+def test_a_checkpoint_of_another_shape_is_one_line_and_exit_2(char_run, capsys, change, message):
+    ckpt = torch.load(char_run / "ckpt.pt", weights_only=True)
+    change(ckpt)
+    save_checkpoint(str(char_run / "ckpt.pt"), ckpt)
+    assert sample.main(["--out_dir", str(char_run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
 def test_char_model_without_its_meta_is_refused(tmp_path, capsys, tiny_checkpoint):
