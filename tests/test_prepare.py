@@ -1,10 +1,13 @@
 import filecmp
+import http.client
 import importlib.util
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
+import urllib.error
 
 import numpy as np
 import pyarrow as pa
@@ -322,3 +325,193 @@ def test_openwebtext_corpus_too_small_to_split_is_one_error_line(tmp_path):
         "train.bin: pass more --data_files"
     )
     assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: one `error: ...` line and exit status 2 (tokens.run_prepare), never a traceback, and no
+# output that looks complete.
+
+
+def run_script(tmp_path, name, *args):
+    """data/<name>/prepare.py in a subprocess, offline, with datasets' cache under tmp_path."""
+    env = dict(os.environ, HF_DATASETS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    script = os.path.join(REPO, "data", name, "prepare.py")
+    return subprocess.run([sys.executable, script, *map(str, args)], env=env, capture_output=True, text=True)
+
+
+def assert_error_line(result, *parts):
+    """The run failed with status 2 and an `error:` last line holding each of parts, after no traceback."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # after any progress bars
+    assert last.startswith("error: ") and all(part in last for part in parts), last
+
+
+def test_shakespeare_char_refuses_non_utf8_input_and_a_directory(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("First Citizen:\nCaf\xe9\n".encode("latin-1"))
+    result = run_script(
+        tmp_path, "shakespeare_char", "--input", tmp_path / "latin1.txt", "--output_dir", tmp_path / "out"
+    )
+    assert_error_line(result, f"--input: {tmp_path / 'latin1.txt'} is not UTF-8 text (byte 18", "UTF-8")
+    result = run_script(tmp_path, "shakespeare_char", "--input", tmp_path, "--output_dir", tmp_path / "out")
+    assert_error_line(result, f"--input: {tmp_path} is a directory")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_shakespeare_char_failed_download_is_one_error_and_leaves_no_input_txt(tmp_path, monkeypatch):
+    shakespeare = load_script("shakespeare_char")
+    monkeypatch.setattr(shakespeare, "network_reachable", lambda host: True)
+
+    class Truncated:  # the connection drops mid-body
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            raise http.client.IncompleteRead(b"First Citizen:", 1_100_000)
+
+    def refused(url, timeout):
+        raise urllib.error.URLError("connection refused")
+
+    for opener in (refused, lambda url, timeout: Truncated()):
+        monkeypatch.setattr(shakespeare.urllib.request, "urlopen", opener)
+        with pytest.raises(DataError, match="downloading https://.*input.txt failed .*pass --input PATH"):
+            shakespeare.download(str(tmp_path / "input.txt"))
+        assert os.listdir(tmp_path) == []
+
+
+def test_character_corpora_refuse_bad_arguments(tmp_path):
+    (tmp_path / "input.txt").write_text("hello world\n" * 10)
+    (tmp_path / "taken").write_text("a file")
+    shakespeare = load_script("shakespeare_char")
+    with pytest.raises(DataError, match="--output_dir: .*taken is a file, not a directory"):
+        shakespeare.main(["--input", str(tmp_path / "input.txt"), "--output_dir", str(tmp_path / "taken")])
+    stdlib = load_script("stdlib_char")
+    for chars in ("0", "-5"):  # -5 used to write the first source file less its last 5 characters
+        with pytest.raises(DataError, match=f"--chars must be positive, got {chars}"):
+            stdlib.main(["--output_dir", str(tmp_path / "out"), "--chars", chars])
+    assert not os.path.exists(tmp_path / "out")
+
+
+def write_bad_data_files(tmp_path):
+    """{name: (path, what the error says)} for files neither GPT-2 prepare script can read."""
+    files = {
+        "no_text.jsonl": (b'{"content": "a document"}\n', "no_text.jsonl: line 1 has no 'text' key (keys: content)"),
+        "garbage.jsonl": (b"<html>404</html>\n", "garbage.jsonl could not be read as JSON lines: line 1 is not JSON"),
+        "latin1.jsonl": (
+            b'\n{"text": "caf\xe9"}\n',
+            "latin1.jsonl could not be read as JSON lines: line 2 is not UTF-8",
+        ),
+        "null_text.jsonl": (b'{"text": null}\n', "null_text.jsonl: line 1's 'text' is null, not a string"),
+        "garbage.parquet": (b"<html>404</html>\n", "garbage.parquet could not be read as parquet (Parquet magic bytes"),
+        "empty.parquet": (b"", "empty.parquet could not be read as parquet"),
+        "notes.txt": (b"text\n", "--data_files takes .parquet or .jsonl files, got"),
+    }
+    paths = {}
+    for name, (content, message) in files.items():
+        (tmp_path / name).write_bytes(content)
+        paths[name] = (tmp_path / name, message)
+    pq.write_table(pa.table(dict(text=[1, 2])), tmp_path / "numbers.parquet")
+    paths["numbers.parquet"] = (tmp_path / "numbers.parquet", "numbers.parquet: the 'text' column holds int64")
+    pq.write_table(pa.table(dict(content=["x"])), tmp_path / "no_text.parquet")
+    paths["no_text.parquet"] = (tmp_path / "no_text.parquet", "no_text.parquet: no 'text' column (columns: content)")
+    (tmp_path / "folder").mkdir()
+    paths["folder"] = (tmp_path / "folder", f"--data_files: {tmp_path / 'folder'} is a directory")
+    return paths
+
+
+@pytest.mark.parametrize("name", ["fineweb_edu", "openwebtext"])
+def test_unreadable_data_files_are_refused_by_name_before_any_work(tmp_path, name):
+    script = load_script(name)
+    write_fineweb_parquet(tmp_path / "good.parquet", documents(3))
+    for bad, message in write_bad_data_files(tmp_path).values():
+        out = tmp_path / f"out_{bad.name}"
+        with pytest.raises(DataError) as excinfo:  # the good file first: the bad one is still named
+            script.main(["--data_files", str(tmp_path / "good.parquet"), str(bad), "--output_dir", str(out)])
+        assert message in str(excinfo.value) and "\n" not in str(excinfo.value)
+        assert not os.path.exists(out) or not [f for f in os.listdir(out) if f.endswith(".bin")]
+
+
+def test_a_bad_row_deep_inside_a_fineweb_file_is_named(tmp_path):
+    good = [json.dumps(dict(text=text)) + "\n" for text in documents(40)]
+    cases = {
+        "late_no_text.jsonl": (b'{"id": 7}\n', "late_no_text.jsonl: line 41 has no 'text' key (keys: id)"),
+        "late_garbage.jsonl": (b"{truncated\n", "late_garbage.jsonl could not be read as JSON lines: line 41"),
+        "late_latin1.jsonl": (b'{"text": "caf\xe9"}\n', "late_latin1.jsonl could not be read as JSON lines: line 41"),
+    }
+    for name, (bad_line, message) in cases.items():
+        (tmp_path / name).write_bytes("".join(good).encode() + bad_line)
+        with pytest.raises(DataError, match=re.escape(message)):
+            run_fineweb([tmp_path / name], tmp_path / name.replace(".", "_"))
+        assert not [f for f in os.listdir(tmp_path / name.replace(".", "_")) if ".tmp." in f]  # finished shards only
+    pq.write_table(pa.table(dict(text=["a document", None])), tmp_path / "null.parquet")
+    with pytest.raises(DataError, match="null.parquet: row group 0 has a null 'text'"):
+        run_fineweb([tmp_path / "null.parquet"], tmp_path / "null")
+    write_corrupt_parquet(tmp_path / "corrupt.parquet")
+    result = run_script(tmp_path, "fineweb_edu", "--data_files", tmp_path / "corrupt.parquet", "--num_proc", "1")
+    assert_error_line(result, "corrupt.parquet could not be read as parquet (Couldn't deserialize thrift")
+
+
+def write_corrupt_parquet(path):
+    """A parquet file whose footer reads but whose first page header is garbage."""
+    pq.write_table(pa.table(dict(text=[f"Document {i} says hello." for i in range(100)])), path)
+    data = bytearray(path.read_bytes())
+    data[4:24] = b"\xff" * 20  # just after the leading magic bytes
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_openwebtext_unreadable_data_inside_a_file_is_one_error_line(tmp_path):
+    good = "".join(json.dumps(dict(text=f"Document {i}.")) + "\n" for i in range(20))
+    (tmp_path / "late_garbage.jsonl").write_text(good + "{truncated\n")
+    (tmp_path / "good.jsonl").write_text(good)
+    (tmp_path / "late_no_text.jsonl").write_text(good + '{"id": 7}\n')
+    write_corrupt_parquet(tmp_path / "corrupt.parquet")
+    out = tmp_path / "out"
+    cases = [
+        (["late_garbage.jsonl"], ["late_garbage.jsonl could not be read as JSON lines (JSON parse error"]),
+        (["good.jsonl", "late_garbage.jsonl"], ["one of the 2 --data_files", "could not be read as JSON lines"]),
+        (["corrupt.parquet"], ["corrupt.parquet could not be read as parquet (Couldn't deserialize thrift"]),
+        (["late_no_text.jsonl"], ["late_no_text.jsonl: 1 document(s) have no 'text'", "the first at row 20"]),
+    ]
+    for files, parts in cases:
+        result = run_script(
+            tmp_path, "openwebtext", "--data_files", *[tmp_path / f for f in files], "--output_dir", out
+        )
+        assert_error_line(result, *parts)
+        assert files[-1] in result.stderr  # one of several: datasets' log line above the error names it
+        assert os.listdir(out) == []
+
+
+def test_openwebtext_data_files_that_cannot_go_into_one_dataset(tmp_path):
+    owt = load_script("openwebtext")
+    write_fineweb_parquet(tmp_path / "a.parquet", documents(3))
+    (tmp_path / "b.jsonl").write_text(json.dumps(dict(text="a document")) + "\n")
+    (tmp_path / "empty.jsonl").write_text("\n\n")  # datasets' json loader raises StopIteration on these
+    (tmp_path / "empty2.jsonl").write_text("")
+    args = ["--output_dir", str(tmp_path / "out"), "--data_files"]
+    with pytest.raises(DataError, match="pass only .parquet or only .jsonl files, got .*a.parquet and .*b.jsonl"):
+        owt.main([*args, str(tmp_path / "a.parquet"), str(tmp_path / "b.jsonl")])
+    with pytest.raises(DataError, match="the --data_files hold no documents"):
+        owt.main([*args, str(tmp_path / "empty.jsonl"), str(tmp_path / "empty2.jsonl")])
+    for script in (owt, fineweb):
+        with pytest.raises(DataError, match="--num_proc must be positive, got 0"):
+            script.main([*args, str(tmp_path / "a.parquet"), "--num_proc", "0"])
+
+
+@pytest.mark.parametrize(
+    "name, documented",
+    [
+        ("shakespeare_char", ["--output_dir", "(default: data/shakespeare_char/", "--input", "(default: download"]),
+        ("stdlib_char", ["(default: data/stdlib_char/", "--chars", "(default: 5000000)"]),
+        ("openwebtext", ["(default: data/openwebtext/", "(default: download", "from the Hugging Face hub"]),
+        ("fineweb_edu", ["(default: data/fineweb_edu/", "(default: sample-10BT", "(default: stream --subset"]),
+    ],
+)
+def test_help_documents_every_default(name, documented, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        load_script(name).main(["--help"])
+    assert excinfo.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines wherever the terminal ends
+    assert all(part in text for part in documented), text

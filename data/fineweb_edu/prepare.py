@@ -18,7 +18,6 @@ Memory: one shard buffer (2 bytes per token) plus a few MB of text in flight per
 import argparse
 import collections
 import glob
-import io
 import json
 import multiprocessing
 import os
@@ -33,8 +32,15 @@ from tokens import (
     HEADER_BYTES,
     DataError,
     atomic_write_bytes,  # noqa: E402
+    check_data_files,
+    check_parquet_schema,
     get_gpt2_encoding,
+    is_arrow_data_error,
+    json_line_text,
+    json_lines,
+    make_output_dir,
     network_reachable,
+    read_error,
     run_prepare,
     write_shard,
 )
@@ -84,33 +90,42 @@ def _parquet_reader(name, file):
     # Every row group's buffers come and go; arrow's default mimalloc pool keeps the freed pages and the
     # process would grow with the corpus. The system allocator returns them.
     pa.set_memory_pool(pa.system_memory_pool())
-    parquet = pq.ParquetFile(file)
-    if "text" not in parquet.schema_arrow.names:
-        raise DataError(f"{name}: no 'text' column (columns: {', '.join(parquet.schema_arrow.names)})")
+    try:
+        parquet = pq.ParquetFile(file)
+    except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        if not is_arrow_data_error(e):
+            raise
+        raise read_error(name, "parquet", e) from None
+    check_parquet_schema(name, parquet.schema_arrow)
 
     def texts(skip):
-        for group in range(parquet.num_row_groups):
-            rows = parquet.metadata.row_group(group).num_rows
-            if skip >= rows:  # a resume skips whole row groups without reading them
-                skip -= rows
-                continue
-            for batch in parquet.iter_batches(batch_size=ROWS_PER_READ, row_groups=[group], columns=["text"]):
-                batch_texts = batch.column(0).to_pylist()
-                yield from batch_texts[skip:]
-                skip = max(0, skip - len(batch_texts))
+        try:
+            for group in range(parquet.num_row_groups):
+                rows = parquet.metadata.row_group(group).num_rows
+                if skip >= rows:  # a resume skips whole row groups without reading them
+                    skip -= rows
+                    continue
+                for batch in parquet.iter_batches(batch_size=ROWS_PER_READ, row_groups=[group], columns=["text"]):
+                    if batch.column(0).null_count:
+                        raise DataError(f"{name}: row group {group} has a null 'text'; every row needs a text")
+                    batch_texts = batch.column(0).to_pylist()
+                    yield from batch_texts[skip:]
+                    skip = max(0, skip - len(batch_texts))
+        except (ValueError, OSError) as e:  # a corrupt page; the consumer's exceptions never arrive here
+            if not is_arrow_data_error(e):
+                raise
+            raise read_error(name, "parquet", e) from None
 
     return parquet.metadata.num_rows, texts
 
 
 def _jsonl_reader(name, file):
     def texts(skip):
-        for line in io.TextIOWrapper(file, encoding="utf-8"):
-            if not line.strip():
-                continue
+        for number, line in json_lines(name, file):
             if skip:
                 skip -= 1
                 continue
-            yield json.loads(line)["text"]
+            yield json_line_text(name, number, line)
 
     return None, texts  # the row count is known only once read
 
@@ -242,7 +257,7 @@ def save_progress(output_dir, progress):
 def prepare(source, list_files, open_file, output_dir, shard_size, num_proc):
     """Tokenize the documents of the files list_files() names, each read through open_file, into shards
     of shard_size tokens in output_dir; resumes a stopped run from its first unfinished file."""
-    os.makedirs(output_dir, exist_ok=True)
+    make_output_dir(output_dir)
     for stale in glob.glob(os.path.join(output_dir, "*.tmp.*")):  # left by a killed run
         os.remove(stale)
     progress = load_progress(output_dir, dict(source=source, shard_size=shard_size))
@@ -280,26 +295,26 @@ def prepare(source, list_files, open_file, output_dir, shard_size, num_proc):
         )
         save_progress(output_dir, progress)
 
-    bar = tqdm(unit="tok", unit_scale=True, desc="tokenizing", initial=len(shards) * shard_size)
-    chunks = text_chunks(stream)
-    for tokens, lengths in ordered_map(tokenize, chunks, num_proc):
-        doc_ends = np.cumsum(lengths)  # token position where each document of this chunk ends
-        position, skip_tokens = skip_tokens, 0  # a resumed document drops what the last shard holds
-        start = position
-        while position < len(tokens):
-            take = min(shard_size - filled, len(tokens) - position)
-            buffer[filled : filled + take] = tokens[position : position + take]
-            filled += take
-            position += take
-            if filled == shard_size:
-                # The next shard starts in document j of this chunk, `position - doc start` tokens in.
-                j = int(np.searchsorted(doc_ends, position, side="right"))
-                finish_shard(buffer, doc_index + j, position - (doc_ends[j - 1] if j else 0))
-                filled = 0
-        doc_index += len(lengths)
-        bar.set_postfix(docs=f"{doc_index:,}", shards=len(shards), refresh=False)
-        bar.update(len(tokens) - start)
-    bar.close()
+    # closed (its line ended) before an error is printed: the error is a line of its own
+    with tqdm(unit="tok", unit_scale=True, desc="tokenizing", initial=len(shards) * shard_size) as bar:
+        chunks = text_chunks(stream)
+        for tokens, lengths in ordered_map(tokenize, chunks, num_proc):
+            doc_ends = np.cumsum(lengths)  # token position where each document of this chunk ends
+            position, skip_tokens = skip_tokens, 0  # a resumed document drops what the last shard holds
+            start = position
+            while position < len(tokens):
+                take = min(shard_size - filled, len(tokens) - position)
+                buffer[filled : filled + take] = tokens[position : position + take]
+                filled += take
+                position += take
+                if filled == shard_size:
+                    # The next shard starts in document j of this chunk, `position - doc start` tokens in.
+                    j = int(np.searchsorted(doc_ends, position, side="right"))
+                    finish_shard(buffer, doc_index + j, position - (doc_ends[j - 1] if j else 0))
+                    filled = 0
+            doc_index += len(lengths)
+            bar.set_postfix(docs=f"{doc_index:,}", shards=len(shards), refresh=False)
+            bar.update(len(tokens) - start)
     if filled:
         finish_shard(buffer[:filled], doc_index, 0)
     if not shards:
@@ -315,26 +330,37 @@ def prepare(source, list_files, open_file, output_dir, shard_size, num_proc):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data_files", nargs="+", help="local .parquet/.jsonl files (no network is touched)")
-    parser.add_argument("--output_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__))))
-    parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard")
+    parser.add_argument(
+        "--data_files",
+        nargs="+",
+        help="local .parquet/.jsonl files with a 'text' column, read in the order given; no network is "
+        "touched (default: stream --subset from the Hugging Face hub)",
+    )
+    parser.add_argument(
+        "--output_dir",
+        default=os.path.dirname(os.path.abspath(__file__)),
+        help="where the shards and progress.json go (default: data/fineweb_edu/, beside this script)",
+    )
+    parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default: 100000000)")
     parser.add_argument(
         "--num_proc",
         type=int,
         default=os.cpu_count() or 1,
         help="tokenizer processes (default: one per core; the main process mostly waits)",
     )
-    parser.add_argument("--subset", default="sample-10BT", help="sample-10BT, sample-100BT, sample-350BT, ...")
+    parser.add_argument(
+        "--subset",
+        default="sample-10BT",
+        help="the hub subset to stream: sample-10BT, sample-100BT, sample-350BT, ... (default: sample-10BT; "
+        "ignored with --data_files)",
+    )
     args = parser.parse_args(argv)
     if args.shard_size < 1:
         raise DataError(f"--shard_size must be positive, got {args.shard_size}")
+    if args.num_proc < 1:
+        raise DataError(f"--num_proc must be positive, got {args.num_proc}")
     if args.data_files:
-        missing = [p for p in args.data_files if not os.path.isfile(p)]
-        if missing:
-            raise DataError(f"--data_files: no such file {missing[0]}")
-        unknown = [p for p in args.data_files if not p.endswith((".parquet", ".jsonl", ".json"))]
-        if unknown:
-            raise DataError(f"--data_files takes .parquet or .jsonl files, got {unknown[0]}")
+        check_data_files(args.data_files)
         source = [os.path.abspath(p) for p in args.data_files]
         return prepare(source, lambda: source, open_local_file, args.output_dir, args.shard_size, args.num_proc)
     if not network_reachable("huggingface.co"):

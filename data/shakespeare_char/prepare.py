@@ -5,12 +5,13 @@ python data/shakespeare_char/prepare.py --input PATH      # a local copy, no net
 """
 
 import argparse
+import http.client
 import os
 import sys
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from tokens import DataError, network_reachable, run_prepare, write_char_corpus  # noqa: E402
+from tokens import DataError, atomic_write_bytes, network_reachable, run_prepare, write_char_corpus  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -22,25 +23,39 @@ def download(path):
             f"elsewhere and pass --input PATH (or use the offline quickstart: "
             f"python data/stdlib_char/prepare.py)"
         )
-    with urllib.request.urlopen(URL, timeout=30) as response:
-        data = response.read()
-    with open(path, "wb") as f:
-        f.write(data)
+    try:
+        with urllib.request.urlopen(URL, timeout=30) as response:
+            data = response.read()
+    except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
+        raise DataError(f"downloading {URL} failed ({e}); fetch it elsewhere and pass --input PATH") from None
+    atomic_write_bytes(path, data)  # an interrupted download leaves no input.txt that looks complete
 
 
 def main(argv=None):
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", help="a local input.txt (default: download it beside this script)")
-    parser.add_argument("--output_dir", default=here)
+    parser.add_argument("--input", help="a local UTF-8 input.txt (default: download it beside this script)")
+    parser.add_argument(
+        "--output_dir",
+        default=here,
+        help="where train.bin, val.bin and meta.pkl go (default: data/shakespeare_char/, beside this script)",
+    )
     args = parser.parse_args(argv)
     path = args.input or os.path.join(here, "input.txt")
     if args.input is None and not os.path.exists(path):
         download(path)
+    if os.path.isdir(path):
+        raise DataError(f"--input: {path} is a directory; pass a text file")
     if not os.path.isfile(path):
         raise DataError(f"--input: no such file {path}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:  # read() decodes the whole file at once: e.start is its byte offset
+        raise DataError(
+            f"--input: {path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8 first "
+            f"(iconv -f <its encoding> -t UTF-8)"
+        ) from None
     write_char_corpus(args.output_dir, text)
 
 

@@ -44,9 +44,15 @@ def stdlib_sources(max_chars):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default=os.path.dirname(os.path.abspath(__file__)))
-    parser.add_argument("--chars", type=int, default=5_000_000, help="corpus size in characters")
+    parser.add_argument(
+        "--output_dir",
+        default=os.path.dirname(os.path.abspath(__file__)),
+        help="where train.bin, val.bin and meta.pkl go (default: data/stdlib_char/, beside this script)",
+    )
+    parser.add_argument("--chars", type=int, default=5_000_000, help="corpus size in characters (default: 5000000)")
     args = parser.parse_args(argv)
+    if args.chars < 1:  # [:max_chars] would cut characters off the end instead
+        raise DataError(f"--chars must be positive, got {args.chars}")
     write_char_corpus(args.output_dir, stdlib_sources(args.chars))
 
 
