@@ -9,7 +9,6 @@ dataset has one, else with GPT-2's BPE.
 
 import argparse
 import os
-import pickle
 import sys
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from checkpoint import CheckpointError, load_model
 from model import GPT
 from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
-from tokens import DataError, get_gpt2_encoding
+from tokens import DataError, get_gpt2_encoding, read_meta
 
 MISSING_ADVICE = "train a model first (python train.py ...), or pass --out_dir of a trained run"
 
@@ -67,24 +66,6 @@ def bpe_codec():
     enc = get_gpt2_encoding()
     # ids in a padded vocabulary (50257..50303) have no text; an undertrained model may still pick one
     return enc.encode_ordinary, lambda ids: enc.decode([i for i in ids if i < enc.n_vocab])
-
-
-def read_meta(meta_path):
-    """A character vocabulary's meta.pkl, checked for the 'stoi' and 'itos' char_codec reads."""
-    try:
-        with open(meta_path, "rb") as f:
-            meta = pickle.load(f)  # the user's own dataset file, written by data/<name>/prepare.py
-    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError) as e:
-        raise ValueError(
-            f"{meta_path} is not a readable meta.pkl ({type(e).__name__}); rerun the dataset's prepare.py"
-        ) from None
-    if (
-        not isinstance(meta, dict)
-        or not isinstance(meta.get("stoi"), dict)
-        or not isinstance(meta.get("itos"), (dict, list))
-    ):
-        raise ValueError(f"{meta_path} has no character vocabulary ('stoi' and 'itos'); rerun the dataset's prepare.py")
-    return meta
 
 
 def checkpoint_codec(ckpt, vocab_size):

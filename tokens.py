@@ -276,6 +276,28 @@ def write_meta(path, itos):
     atomic_write_bytes(path, pickle.dumps(meta))
 
 
+def read_meta(path):
+    """A character vocabulary's meta.pkl, checked for what train.py and sample.py read from it: vocab_size,
+    stoi and itos. A DataError names the file when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            meta = pickle.load(f)  # the user's own dataset file, written by data/<name>/prepare.py
+    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError) as e:
+        raise DataError(
+            f"{path} is not a readable meta.pkl ({type(e).__name__}); rerun the dataset's prepare.py"
+        ) from None
+    if not (
+        isinstance(meta, dict)
+        and isinstance(meta.get("vocab_size"), int)
+        and isinstance(meta.get("stoi"), dict)
+        and isinstance(meta.get("itos"), (dict, list))
+    ):
+        raise DataError(
+            f"{path} has no character vocabulary (vocab_size, stoi and itos); rerun the dataset's prepare.py"
+        )
+    return meta
+
+
 def write_char_corpus(output_dir, text):
     """A character-level dataset as nanoGPT's shakespeare_char: the sorted set of characters is the
     vocabulary (meta.pkl), and the ids split 90/10 by position into train.bin and val.bin."""
@@ -387,10 +409,7 @@ class TokenData:
             self._first_token_byte = HEADER_BYTES
         self.num_tokens = sum(self.lengths)
         meta_path = os.path.join(data_dir, "meta.pkl")
-        self.meta = None
-        if os.path.exists(meta_path):
-            with open(meta_path, "rb") as f:
-                self.meta = pickle.load(f)
+        self.meta = read_meta(meta_path) if os.path.exists(meta_path) else None
         self.vocab_size = int(self.meta["vocab_size"]) if self.meta else GPT2_VOCAB_SIZE
         self._max_id = None  # set by check_vocab; get_batch then checks every batch
 

@@ -353,6 +353,12 @@ def foreign_checkpoint(tmp_path):
     return dict(data_path=str(tmp_path), out_dir=str(tmp_path / "out"), init_from="resume")
 
 
+def broken_meta(tmp_path):
+    make_char_data(tmp_path, name="tiny")
+    (tmp_path / "tiny" / "meta.pkl").write_bytes(b"garbage\n")
+    return dict(data_path=str(tmp_path), dataset="tiny")
+
+
 def corrupt_checkpoint(tmp_path):
     make_char_data(tmp_path, name="tiny")
     (tmp_path / "out").mkdir()
@@ -372,6 +378,7 @@ def corrupt_checkpoint(tmp_path):
         (truncated_shard_data, "fineweb_train_000001.bin: header says 300 tokens"),
         (out_of_vocab_data, "token id 200 at position 3 is >= the model's vocabulary size"),
         (lambda p: dict(init_from="resume"), "no checkpoint at"),
+        (broken_meta, "meta.pkl is not a readable meta.pkl"),
         (corrupt_checkpoint, "ckpt.pt is not a readable checkpoint"),
         (mismatching_checkpoint, "was trained with n_layer=2 but the config gives n_layer=3; a resumed run cannot"),
         (foreign_checkpoint, "ckpt.pt lacks scaler, rng, progress: it was not written by this train.py"),
@@ -383,6 +390,7 @@ def corrupt_checkpoint(tmp_path):
         "truncated-shard",
         "token-beyond-vocab",
         "resume-without-checkpoint",
+        "broken-meta",
         "corrupt-checkpoint",
         "shape-mismatch",
         "foreign-checkpoint",
