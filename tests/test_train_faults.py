@@ -109,7 +109,8 @@ def ddp_and_single_runs(data_path, root, gradient_accumulation_steps):
     ddp, single = str(root / "ddp"), str(root / "single")
     output = torchrun(tiny_args(data_path, ddp, **args))
     per_rank = gradient_accumulation_steps // 2
-    assert f"world size 2 on cpu; {per_rank} micro-batches per rank per step" in output
+    micro_batches = "1 micro-batch" if per_rank == 1 else f"{per_rank} micro-batches"
+    assert f"world size 2 on cpu; {micro_batches} per rank per step" in output
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
