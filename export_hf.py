@@ -127,6 +127,11 @@ def main(argv=None):
         f"wrote {args.hf_dir}: GPT-2 with {hf_model.config.n_layer} layers, vocab "
         f"{hf_model.config.vocab_size}, from {origin}"
     )
+    if hf_model.config.vocab_size != GPT2_VOCAB_SIZE:
+        print(
+            f"note: no tokenizer written: the vocabulary ({hf_model.config.vocab_size} tokens) is the dataset's own "
+            "(its meta.pkl), not GPT-2's; encode text with that meta.pkl's stoi (sample.py does)"
+        )
     return 0
 
 

@@ -27,6 +27,8 @@ def plot_runs(run_dirs, out, labels=None, ylim=None):
     """Write the PNG and return the figure: a 2x2 grid, rows train/val loss, columns tokens/time."""
     if not run_dirs:
         raise ValueError("give at least one run directory")
+    if ylim and not ylim[0] < ylim[1]:
+        raise ValueError(f"--ylim {ylim[0]:g} {ylim[1]:g}: LOW must be below HIGH")
     labels = list(labels) if labels else default_labels(run_dirs)
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs; give one label per run")
@@ -66,6 +68,8 @@ def main(argv=None):
     p.add_argument("--labels", nargs="+", help="one legend label per run (default: directory names)")
     p.add_argument("--ylim", nargs=2, type=float, metavar=("LOW", "HIGH"), help="loss axis range")
     args = p.parse_args(argv)
+    if not os.path.splitext(args.out)[1]:
+        args.out += ".png"  # what matplotlib would write: say the name it gets
     try:
         plot_runs(args.run_dirs, args.out, args.labels, args.ylim)
     except (ValueError, OSError) as e:

@@ -56,6 +56,12 @@ def test_labels_and_cli(tmp_path, capsys):
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["MARS", "AdamW"]
     assert plot.main([str(tmp_path / "a"), "--out", str(out), "--labels", "one", "two"]) == 2
     assert "2 labels for 1 runs" in capsys.readouterr().err
+    assert plot.main([str(tmp_path / "a"), "--out", str(out), "--ylim", "3", "2"]) == 2
+    assert "LOW must be below HIGH" in capsys.readouterr().err
+    # No extension: the PNG matplotlib writes gets .png, and the printed name is that file's.
+    assert plot.main([str(tmp_path / "a"), "--out", str(tmp_path / "curves")]) == 0
+    assert f"wrote {tmp_path / 'curves.png'}" in capsys.readouterr().out
+    assert_png(tmp_path / "curves.png")
 
 
 def test_resumed_run_keeps_the_latest_record_of_each_iteration(tmp_path):
