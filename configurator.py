@@ -129,11 +129,17 @@ class TrainConfig:
     )
     # --- optimizer
     optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer (optim.py)", fixed=True)
-    learning_rate: float = key(6e-4, "peak lr: MARS's 2-D tensors, AdamW's everything", non_negative)
+    learning_rate: float = key(
+        6e-4, "peak lr: MARS's 2-D tensors, AdamW's everything (Muon: unused, see muon_lr, muon_adamw_lr)", non_negative
+    )
     max_iters: int = key(600000, "optimizer steps of the run", non_negative)
-    weight_decay: float = key(1e-1, "decoupled weight decay of the 2-D tensors", non_negative)
-    beta1: float = key(0.95, "first-moment decay", fraction)
-    beta2: float = key(0.99, "second-moment decay", fraction)
+    weight_decay: float = key(
+        1e-1,
+        "decoupled weight decay of the 2-D tensors (Muon: of its AdamW part; Muon's matrices take 0)",
+        non_negative,
+    )
+    beta1: float = key(0.95, "first-moment decay (Muon: its AdamW part's; Muon's momentum is 0.95)", fraction)
+    beta2: float = key(0.99, "second-moment decay (Muon: its AdamW part's)", fraction)
     grad_clip: float = key(1.0, "global gradient-norm clip; 0 disables", non_negative)
     grad_multiplier: float = key(
         1.0,
@@ -346,6 +352,30 @@ def fixed_keys(cls=TrainConfig):
 def config_to_dict(cfg):
     """Every key and value, in declaration order (for printing, wandb and checkpoints)."""
     return dataclasses.asdict(cfg)
+
+
+# The keys only one optimizer reads: a value given for one of them changes nothing in another's run.
+MARS_KEYS = (
+    "gamma",
+    "lr_1d",
+    "is_approx",
+    "mars_type",
+    "optimize_1d",
+    "weight_decay_1d",
+    "betas_1d",
+    "last_grad_dtype",
+)
+MUON_KEYS = ("muon_lr", "muon_adamw_lr", "muon_matrices")
+
+
+def unused_keys(cfg):
+    """The TrainConfig keys cfg's optimizer does not read (Muon's AdamW part takes muon_adamw_lr, not
+    learning_rate)."""
+    return {
+        "mars": set(MUON_KEYS),
+        "adamw": set(MARS_KEYS + MUON_KEYS),
+        "muon": set(MARS_KEYS) | {"learning_rate"},
+    }[cfg.optimizer_name]
 
 
 def wants_help(argv):

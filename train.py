@@ -44,7 +44,16 @@ import checkpoint
 import memplan
 import metrics
 from checkpoint import CheckpointError, CheckpointWriter, RNGState
-from configurator import ConfigError, config_to_dict, fixed_keys, load_config, print_help, wants_help
+from configurator import (
+    ConfigError,
+    TrainConfig,
+    config_to_dict,
+    fixed_keys,
+    load_config,
+    print_help,
+    unused_keys,
+    wants_help,
+)
 from files import atomic_writer, remove_stale_temporaries
 from metrics import LogWindow, MetricsLog
 from model import GPT, GPT2_VOCAB_SIZE, HF_CHECKPOINTS, PRESETS, GPTConfig, model_args_from_config, peak_flops
@@ -202,6 +211,8 @@ def load_resume_checkpoint(cfg, device_type):
             f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
         )
     for key in fixed_keys():
+        if key in unused_keys(cfg):  # e.g. mars_type in a Muon run: nothing to keep fixed
+            continue
         new = getattr(cfg, key)
         old = saved_value(ckpt["config"], key, new)
         if old != new:
@@ -220,13 +231,32 @@ def saved_value(saved, key, new):
 
 
 def config_changes(saved, cfg):
-    """`resume: key old -> new` for every key the resumed run's configuration changes."""
-    lines = []
+    """`resume: key old -> new` for every key the resumed run's configuration changes (a key this optimizer
+    does not read says so)."""
+    lines, unused = [], unused_keys(cfg)
     for key, new in config_to_dict(cfg).items():
         old = saved_value(saved, key, new)
         if key not in ("init_from", "overwrite") and old != new:
-            lines.append(f"resume: {key} {old!r} -> {new!r}")
+            note = f" (not used by optimizer_name={cfg.optimizer_name})" if key in unused else ""
+            lines.append(f"resume: {key} {old!r} -> {new!r}{note}")
     return lines
+
+
+def ignored_settings(cfg):
+    """A note naming the keys set away from their defaults that this run's optimizer does not read, or None.
+    Muon's learning_rate is exempt where it mirrors muon_adamw_lr (the paper configs set both: the
+    reference calls the AdamW part's lr learning_rate)."""
+    defaults = TrainConfig()
+    ignored = [
+        f"{key}={getattr(cfg, key)!r}"
+        for key in sorted(unused_keys(cfg))
+        if getattr(cfg, key) != getattr(defaults, key)
+        and not (key == "learning_rate" and cfg.learning_rate == cfg.muon_adamw_lr)
+    ]
+    if not ignored:
+        return None
+    hint = " (Muon's lrs are muon_lr and muon_adamw_lr)" if cfg.optimizer_name == "muon" else ""
+    return f"note: optimizer_name={cfg.optimizer_name} does not use {', '.join(ignored)}{hint}"
 
 
 def build_model(cfg, vocab_size, ckpt, ckpt_path):
@@ -446,6 +476,9 @@ def describe(run, progress):
             f"raise --max_iters to train further"
         )
     print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
+    note = ignored_settings(cfg)
+    if note:
+        print(note)
     plan = run.memory_plan
     print("\n".join(memplan.format_plan(plan)))
     if plan.fits is False:
@@ -655,8 +688,9 @@ def log_train(run, progress, window, result, time_s):
     }
     if cfg.optimizer_name == "mars":
         record[metrics.MOMENTUM_NORM] = values[2]
-        record[metrics.MOMENTUM_NORM_SQ] = values[3]
-        record[metrics.MOMENTUM_DIV] = values[2] / (math.sqrt(values[3]) + 1e-8)
+        if cfg.mars_type == "mars-adamw":  # Lion's and Shampoo's matrices keep no v: only the 1-D tensors' would count
+            record[metrics.MOMENTUM_NORM_SQ] = values[3]
+            record[metrics.MOMENTUM_DIV] = values[2] / (math.sqrt(values[3]) + 1e-8)
     mfu_text = "" if mfu is None else f", mfu {mfu * 100:.1f}%"
     print(
         f"iter {progress.iter_num}: loss {values[0]:.4f}, lr {record[metrics.LR]:.3e}, "
