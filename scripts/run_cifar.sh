@@ -4,7 +4,7 @@
 # reports each optimizer's best. The base lr is --learning_rate: AdamW's for every tensor, MARS's for
 # the tensors MARS takes, Muon's for its matrices; lr_1d (3e-3) stays, as in the reference.
 #
-#   bash scripts/run_cifar.sh mars|mars-nd|adamw|muon [cifar10|cifar100] [--key=value ...]
+#   bash scripts/run_cifar.sh mars|mars-nd|adamw|muon [cifar10|cifar100] [config/file.py ...] [--key=value ...]
 #
 # mars is the paper's routing (only 2-D tensors take MARS), mars-nd puts the convolutions under MARS too.
 # The runs go one after another into out-cifar/<dataset>_<optimizer>_lr<lr>/ and resume where they
@@ -12,8 +12,13 @@
 # the grid (e.g. one lr per GPU with --device=cuda:N); extra --key=value go to every run; DRY_RUN=1
 # prints the commands only.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-usage="usage: bash scripts/run_cifar.sh mars|mars-nd|adamw|muon [cifar10|cifar100] [--key=value ...]"
+usage="usage: bash scripts/run_cifar.sh mars|mars-nd|adamw|muon [cifar10|cifar100] [config/file.py ...] [--key=value ...]"
+if [[ "${1:-}" == --help || "${1:-}" == -h ]]; then
+  # this header comment, without its '#'s: the usage and what the script does
+  sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"
+  exit 0
+fi
+cd "$(dirname "${BASH_SOURCE[0]}")/.."  # config files are named from the repository root, as the runs see them
 case "${1:-}" in
   mars) optimizer=(--optimizer_name=mars --mars_routing=2d) ;;
   mars-nd) optimizer=(--optimizer_name=mars --mars_routing=nd) ;;
@@ -26,6 +31,9 @@ dataset=cifar10
 if [[ "${1:-}" == cifar10 || "${1:-}" == cifar100 ]]; then
   dataset=$1
   shift
+elif [[ $# -gt 0 && "$1" != --* && ! -f "$1" ]]; then  # a typo of a dataset would otherwise train cifar10
+  echo "error: the second argument '$1' is neither a dataset (cifar10 or cifar100) nor a config file; $usage" >&2
+  exit 2
 fi
 for lr in ${LRS:-1e-5 1e-4 1e-3 1e-2 1e-1}; do
   ${DRY_RUN:+echo} python vision/train_cifar.py --dataset="$dataset" "${optimizer[@]}" --learning_rate="$lr" \

@@ -6,10 +6,12 @@ Images are tiny-net-learnable: each class has its own colour.
 """
 
 import dataclasses
+import gzip
 import io
 import json
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from PIL import Image
 
 import checkpoint
 from configurator import load_config
-from vision import cifar, train_cifar
+from vision import bench_loader, cifar, cpu_study, train_cifar
 from vision.bench_loader import PerImageCifar, pil_crop_and_flip, pil_to_normalized_tensor
 from vision.cifar import DATASETS, CifarData, crop_and_flip, read_cifar, write_binary_split
 from vision.muon import Muon
@@ -211,6 +213,41 @@ def test_a_downloaded_archive_whose_checksum_matches_is_read(tmp_path, monkeypat
     assert_splits_equal(read_cifar("cifar10", data_dir), want)
     assert requested == ["https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"]
     assert os.listdir(data_dir) == ["cifar-10-python.tar.gz"]
+
+
+def test_an_unreadable_batch_file_is_a_data_error_naming_it(cifar10_dir, monkeypatch):
+    """A directory in a batch file's place, or a file it may not read, is a DataError, not an OSError."""
+    folder = os.path.join(cifar10_dir, "cifar-10-batches-py")
+    os.remove(os.path.join(folder, "data_batch_2"))
+    os.mkdir(os.path.join(folder, "data_batch_2"))
+    with pytest.raises(cifar.DataError, match=r"cannot read .*data_batch_2 \(Is a directory\)"):
+        read_cifar("cifar10", cifar10_dir)
+    os.rmdir(os.path.join(folder, "data_batch_2"))
+    write_python_cifar10(cifar10_dir)
+
+    def no_permission(path, mode="r"):  # as root, chmod 000 would not stop the read
+        if path.endswith("data_batch_4"):
+            raise PermissionError(13, "Permission denied", path)
+        return open(path, mode)
+
+    monkeypatch.setattr(cifar, "open", no_permission, raising=False)
+    with pytest.raises(cifar.DataError, match=r"cannot read .*data_batch_4 \(Permission denied\)"):
+        read_cifar("cifar10", cifar10_dir)
+
+
+def test_a_data_dir_that_is_a_file_is_an_error_line_before_any_download(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cifar, "network_reachable", lambda host: True)
+    monkeypatch.setattr(cifar.urllib.request, "urlopen", lambda url, timeout: pytest.fail("downloaded"))
+    data_dir = tmp_path / "cifar"
+    data_dir.write_text("not a folder")
+    out = str(tmp_path / "out")
+    assert train_cifar.main(tiny_args(str(data_dir), out)) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == f"error: --data_dir={data_dir} is a file, not a folder; pass the folder that holds (or is to "
+        "receive) the CIFAR data\n"
+    )
+    assert data_dir.read_text() == "not a folder" and not os.path.exists(out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -407,10 +444,17 @@ def _truncate(path):
         f.truncate(os.path.getsize(path) // 2)
 
 
+def _batch_is_a_directory(data_dir):
+    path = os.path.join(data_dir, "cifar-10-batches-py", "data_batch_5")
+    os.remove(path)
+    os.mkdir(path)
+
+
 @pytest.mark.parametrize(
     "break_data, override, message",
     [
         (lambda d: _truncate(os.path.join(d, "cifar-10-batches-py", "data_batch_3")), {}, "data_batch_3 is not a"),
+        (_batch_is_a_directory, {}, "data_batch_5 (Is a directory)"),
         (lambda d: os.remove(os.path.join(d, "cifar-10-batches-py", "test_batch")), {}, "test_batch is missing"),
         (lambda d: None, {"dataset": "cifar1000"}, "dataset='cifar1000' is not one of: cifar10, cifar100"),
         (lambda d: None, {"mars_routing": "3d"}, "mars_routing='3d' is not one of: 2d, nd"),
@@ -536,3 +580,181 @@ def test_resume_refuses_a_different_routing(cifar10_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "trained with mars_routing='2d', not 'nd'" in err and "--mars_routing=2d" in err
     assert [r["epoch"] for r in records(out)] == [1]
+
+
+def test_a_relaunch_removes_what_a_killed_save_left(cifar10_dir, tmp_path, capsys):
+    """kill -9 during a save leaves ckpt.pt.tmp.<pid>, as large as the checkpoint; the next launch removes it
+    (not one whose process is alive), as train.py does."""
+    out = str(tmp_path / "out")
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1)) == 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = os.path.join(out, f"ckpt.pt.tmp.{dead.pid}")
+    alive = os.path.join(out, f"ckpt.pt.tmp.{os.getppid()}")  # not ours: this process's own saves use that name
+    for path in (stale, alive):
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+    capsys.readouterr()
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, init_from="resume")) == 0
+    assert f"removed {stale}, left by an interrupted write\n" in capsys.readouterr().out
+    assert not os.path.exists(stale) and os.path.exists(alive)
+
+
+def test_a_resume_says_where_it_resumes_and_when_there_is_nothing_to_train(cifar10_dir, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1)) == 0
+    assert "resuming" not in capsys.readouterr().out
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, init_from="auto")) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming {ckpt} at epoch 1\n" in printed and "nothing to train" not in printed
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, init_from="resume")) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming {ckpt} at epoch 2\n" in printed
+    assert "nothing to train: the run is at epoch 2 and epochs is 2; raise --epochs to train further\n" in printed
+    assert [r["epoch"] for r in records(out)] == [1, 2]
+
+
+def _interrupted_in_epoch(epoch, monkeypatch):
+    real_batches = CifarData.train_batches
+
+    def batches(self, seed, e, batch_size):
+        for step, batch in enumerate(real_batches(self, seed, e, batch_size)):
+            if e == epoch and step == 2:
+                raise KeyboardInterrupt  # what Ctrl-C raises: two steps of the epoch done, in memory only
+            yield batch
+
+    monkeypatch.setattr(CifarData, "train_batches", batches)
+
+
+def _main_not_raising_keyboard_interrupt(args):
+    try:
+        return train_cifar.main(args)
+    except KeyboardInterrupt:  # escaping, it would stop pytest itself
+        pytest.fail("KeyboardInterrupt escaped train_cifar.main")
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_to_the_same_parameters(
+    cifar10_dir, tmp_path, monkeypatch, capsys
+):
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    assert train_cifar.main(tiny_args(cifar10_dir, whole)) == 0
+    with monkeypatch.context() as patch:
+        _interrupted_in_epoch(1, patch)
+        capsys.readouterr()
+        assert _main_not_raising_keyboard_interrupt(tiny_args(cifar10_dir, cut)) == 130
+    assert capsys.readouterr().err == (
+        "interrupted at epoch 1/3, before any checkpoint was written; rerun the same command to start again\n"
+    )
+    with monkeypatch.context() as patch:
+        _interrupted_in_epoch(2, patch)
+        assert _main_not_raising_keyboard_interrupt(tiny_args(cifar10_dir, cut)) == 130
+    ckpt = os.path.join(cut, "ckpt.pt")
+    assert capsys.readouterr().err == (
+        f"interrupted at epoch 2/3; {ckpt} holds epoch 1: resume with --init_from=resume (or auto)\n"
+    )
+    assert train_cifar.main(tiny_args(cifar10_dir, cut, init_from="resume")) == 0
+    a, b = final_state(whole), final_state(cut)
+    assert a["progress"]["iter_num"] == b["progress"]["iter_num"] == 15
+    assert all(torch.equal(value, b["model"][key]) for key, value in a["model"].items())
+
+
+def test_sigint_to_the_script_prints_no_traceback(cifar10_dir, tmp_path):
+    """A real Ctrl-C (SIGINT) to python vision/train_cifar.py, after its first epoch: one line, status 130."""
+    out = str(tmp_path / "out")
+    trainer = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "vision", "train_cifar.py"), *tiny_args(cifar10_dir, out, epochs=1000)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in trainer.stdout:
+            if line.startswith("epoch 2/1000:"):  # epoch 1's checkpoint is written by now
+                break
+        trainer.send_signal(signal.SIGINT)
+        _, err = trainer.communicate(timeout=60)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 130, err
+    assert err.startswith("interrupted at epoch ") and err.count("\n") == 1, err
+    assert f"{os.path.join(out, 'ckpt.pt')} holds epoch " in err and "--init_from=resume (or auto)" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--images=0"], "error: --images=0: it must be at least 1\n"),
+        (["--rounds=-1"], "error: --rounds=-1: it must be at least 1\n"),
+        (["--device=tpu"], "error: --device=tpu is not one of: auto, cpu, cuda, cuda:N\n"),
+        (["--device=cuda:99"], "error: --device='cuda:99' but "),
+        pytest.param(
+            ["--device=cuda"],
+            "error: --device='cuda' but CUDA is not available; use --device=cpu\n",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
+        ),
+    ],
+)
+def test_bench_loader_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert bench_loader.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_bench_loader_a_value_argparse_refuses_is_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_loader.main(["--images=many"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: argument --images: invalid int value: 'many'; see --help\n"
+
+
+def _write_idx(path, array):
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(n.to_bytes(4, "big") for n in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture
+def fashion_mnist_dir(tmp_path):
+    """Fashion-MNIST's four IDX files, 20 images each split."""
+    folder = tmp_path / "fashion"
+    folder.mkdir()
+    for prefix in ("train", "t10k"):
+        _write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", np.zeros((20, 28, 28)))
+        _write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", np.arange(20) % 10)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--epochs=0"], "error: --epochs=0: it must be at least 1\n"),
+        (["--fashion_mnist_dir=/nonexistent"], "error: no Fashion-MNIST IDX file train-images-idx3-ubyte.gz in "),
+    ],
+)
+def test_cpu_study_bad_input_is_one_line_exit_2_and_writes_nothing(fashion_mnist_dir, tmp_path, capsys, argv, message):
+    out = str(tmp_path / "study")
+    assert cpu_study.main([f"--out={out}", f"--fashion_mnist_dir={fashion_mnist_dir}", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert not os.path.exists(out)
+
+
+def test_run_cifar_sh_help_and_a_wrong_dataset(tmp_path):
+    script = os.path.join(ROOT, "scripts", "run_cifar.sh")
+    env = dict(os.environ, DRY_RUN="1", LRS="1e-3")
+    for flag in ("--help", "-h"):
+        result = subprocess.run(["bash", script, flag], env=env, capture_output=True, text=True)
+        assert result.returncode == 0 and result.stderr == "", result.stderr
+        assert "bash scripts/run_cifar.sh mars|mars-nd|adamw|muon [cifar10|cifar100]" in result.stdout
+        assert "DRY_RUN=1" in result.stdout and "#" not in result.stdout
+
+    result = subprocess.run(["bash", script, "mars", "cifar1000"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: the second argument 'cifar1000' is neither a dataset (cifar10 or cifar100)")
+    assert result.stderr.count("\n") == 1
+
+    # a config file (named from the repository root, where the runs start) is not a dataset, and is passed on
+    result = subprocess.run(["bash", script, "adamw", "pyproject.toml"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.split()[-1] == "pyproject.toml", result.stderr

@@ -18,7 +18,6 @@ The pixels are random (the cost of both pipelines does not depend on them). The 
 CPU shared with other jobs, torch's default of one thread per core can be many times slower than one.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,7 +29,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image, ImageOps  # noqa: E402
 
+from configurator import device_check  # noqa: E402
+from runtime import resolve_device  # noqa: E402
 from vision.cifar import CROP_PADDING, DATASETS, CifarData  # noqa: E402
+from vision.cli import ArgumentParser, UsageError  # noqa: E402
 
 
 def pil_crop_and_flip(image, top, left, flip):
@@ -90,15 +92,35 @@ def time_data_loader(loader, device):
     return time.perf_counter() - t0
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
+def parse_args(argv):
+    """The arguments, checked: a value no run could use is a UsageError naming it (before any work starts)."""
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--images", type=int, default=10000)
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count()), help="the reference uses 4")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     args = parser.parse_args(argv)
+    for name, least in (("images", 1), ("batch_size", 1), ("rounds", 1), ("workers", 0), ("threads", 1)):
+        if getattr(args, name) < least:
+            raise UsageError(f"--{name}={getattr(args, name)}: it must be at least {least}")
+    problem = device_check("cpu", "cuda")(args.device)
+    if problem:
+        raise UsageError(f"--device={args.device} {problem}")
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as e:  # CUDA asked for where there is none
+        raise UsageError(str(e).replace("device=", "--device=", 1)) from None
+    return args
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (args.images, 3, 32, 32), dtype=np.uint8)
@@ -129,7 +151,8 @@ def main(argv=None):
     print(f"| on-device gather (vision/cifar.py) | {device_rate:,.0f} |")
     print(f"| per-image PIL + DataLoader, {args.workers} workers | {loader_rate:,.0f} |")
     print(f"on-device / DataLoader: {device_rate / loader_rate:.1f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -194,6 +194,8 @@ class _Source:
                 f"{path} is missing: {self.folder} is incomplete; restore the file, or delete the folder and "
                 f"let the trainer download the data set again"
             ) from None
+        except OSError as e:  # a directory in its place, no read permission, an I/O error
+            raise DataError(f"cannot read {path} ({e.strerror or e}); {_REFETCH}") from None
 
     def _read_member(self, tar, name):
         member = f"{os.path.basename(self.folder)}/{name}"
@@ -226,7 +228,12 @@ def _download(spec, data_dir):
     )
     if not network_reachable(host):
         raise DataError(f"no {spec.python.folder} data in --data_dir={data_dir} and {host} is unreachable; {by_hand}")
-    os.makedirs(data_dir, exist_ok=True)
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:  # a file on the way, no write permission
+        raise DataError(
+            f"cannot create --data_dir={data_dir} ({e.strerror or e}); pass a folder it can write to"
+        ) from None
     print(f"downloading {spec.url} to {archive}")
     md5 = hashlib.md5()
     try:
@@ -251,6 +258,11 @@ def read_cifar(dataset, data_dir):
     """
     if dataset not in DATASETS:
         raise DataError(f"dataset={dataset!r} is not one of: {', '.join(DATASETS)}")
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise DataError(
+            f"--data_dir={data_dir} is a file, not a folder; pass the folder that holds (or is to receive) the "
+            f"CIFAR data"
+        )
     spec = DATASETS[dataset]
     sources = [(form, _Source(data_dir, getattr(spec, form))) for form in ("python", "binary")]
     sources.sort(key=lambda item: not item[1].extracted)  # an extracted folder first, then an archive

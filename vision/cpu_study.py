@@ -25,7 +25,6 @@ OUT/results.md (the table) and the plot (test accuracy, test loss and train loss
 --plot=assets/vision_cpu_study.png.
 """
 
-import argparse
 import gzip
 import os
 import sys
@@ -37,6 +36,7 @@ import numpy as np  # noqa: E402
 from metrics import read_records  # noqa: E402
 from vision import train_cifar  # noqa: E402
 from vision.cifar import write_binary_split  # noqa: E402
+from vision.cli import ArgumentParser, UsageError  # noqa: E402
 
 RUNS = {
     "adamw": ["--optimizer_name=adamw"],
@@ -45,15 +45,25 @@ RUNS = {
 }
 LEARNING_RATE = 3e-3
 TRAIN_PER_CLASS, TEST_PER_CLASS = 500, 200
+IDX_FILES = tuple(
+    f"{prefix}-{kind}-idx{ndim}-ubyte.gz"
+    for prefix in ("train", "t10k")
+    for kind, ndim in (("images", 3), ("labels", 1))
+)
 
 
 def read_idx(path):
     """An IDX file (the MNIST family's format): big-endian magic, dimensions, then uint8 values."""
-    with gzip.open(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+        ndim = data[3]
+        shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+        return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+    except (OSError, EOFError, IndexError, ValueError) as e:  # unreadable, not gzip, truncated
+        raise UsageError(
+            f"{path} is not a readable gzipped IDX file ({type(e).__name__}: {e}); reinstall dataset-fashion-mnist"
+        ) from None
 
 
 def balanced_subset(images, labels, per_class):
@@ -102,11 +112,10 @@ def run(name, args, data_dir, out):
     if os.path.exists(os.path.join(out_dir, "ckpt.pt")):
         done = [r for r in read_records(out_dir) if r["epoch"] == args.epochs]
         if done:
-            return
+            return 0
         argv.append("--init_from=resume")
     print(f"== {name}: python vision/train_cifar.py {' '.join(argv)}", flush=True)
-    if train_cifar.main(argv) != 0:
-        sys.exit(f"error: the {name} run failed; see its output above")
+    return train_cifar.main(argv)  # it printed its one line when it failed
 
 
 def summarize(out, epochs, plot_path):
@@ -156,24 +165,45 @@ def plot_curves(curves, path, epochs):
     print(f"wrote {path}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv):
+    """The arguments, checked before anything is written: a mistake is a UsageError naming it."""
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out-cifar-study")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--plot", help="where to write the plot (default OUT/curves.png)")
     parser.add_argument("--fashion_mnist_dir", default="/usr/share/datasets/fashion-mnist")
     args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.fashion_mnist_dir, "train-images-idx3-ubyte.gz")):
-        sys.exit(
-            f"error: no Fashion-MNIST IDX files in {args.fashion_mnist_dir}; install Debian's "
+    if args.epochs < 1:
+        raise UsageError(f"--epochs={args.epochs}: it must be at least 1")
+    missing = [name for name in IDX_FILES if not os.path.isfile(os.path.join(args.fashion_mnist_dir, name))]
+    if missing:
+        raise UsageError(
+            f"no Fashion-MNIST IDX file {missing[0]} in {args.fashion_mnist_dir}; install Debian's "
             f"dataset-fashion-mnist package or pass --fashion_mnist_dir=DIR"
         )
-    data_dir = os.path.join(args.out, "data")
-    write_data(args.fashion_mnist_dir, data_dir)
-    for name in RUNS:
-        run(name, args, data_dir, args.out)
-    summarize(args.out, args.epochs, args.plot or os.path.join(args.out, "curves.png"))
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out={args.out} is a file, not a folder; pass a folder for the study's runs")
+    return args
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        data_dir = os.path.join(args.out, "data")
+        write_data(args.fashion_mnist_dir, data_dir)
+        for name in RUNS:
+            status = run(name, args, data_dir, args.out)
+            if status:
+                return status  # 2: bad input, 130: interrupted (rerunning this command resumes the study)
+        summarize(args.out, args.epochs, args.plot or os.path.join(args.out, "curves.png"))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to continue the study where it stopped", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

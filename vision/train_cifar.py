@@ -61,7 +61,7 @@ from configurator import (  # noqa: E402
     print_help,
     wants_help,
 )
-from files import atomic_writer  # noqa: E402
+from files import atomic_writer, remove_stale_temporaries  # noqa: E402
 from mars import MARS  # noqa: E402
 from metrics import MetricsLog  # noqa: E402
 from optim import ChainedOptimizer  # noqa: E402
@@ -209,6 +209,7 @@ class Run:
     model_args: dict
     optimizer: torch.optim.Optimizer
     rng: RNGState
+    saved_epoch: int = 0  # the epoch out_dir's checkpoint holds (0: none written or resumed yet)
 
 
 # What a checkpoint holds besides model_args and config: each part's state_dict(), by name. The learning
@@ -281,6 +282,13 @@ def setup(cfg):
         for name, part in checkpoint_parts(run, progress).items():
             if name != "model":
                 part.load_state_dict(ckpt[name])
+        run.saved_epoch = progress.epoch
+    # Everything is checked: the first change to out_dir is removing what a killed save left (kill -9 during
+    # one leaves ckpt.pt.tmp.<pid>, as large as the checkpoint), as train.py does.
+    for name in remove_stale_temporaries(cfg.out_dir):
+        print(f"removed {os.path.join(cfg.out_dir, name)}, left by an interrupted write", flush=True)
+    if ckpt is not None:
+        print(f"resuming {ckpt_path} at epoch {progress.epoch}", flush=True)
     return run, progress, ckpt is not None
 
 
@@ -304,20 +312,20 @@ def train_epoch(run, epoch, progress):
         mininterval=1.0,
         disable=None,  # on a terminal only: a log file gets the per-epoch lines, not carriage returns
     )
-    for step, (images, labels) in enumerate(run.data.train_batches(cfg.seed, epoch, cfg.batch_size), 1):
-        logits = model(images)
-        loss = F.cross_entropy(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        progress.iter_num += 1
-        loss_sum += loss.detach() * len(labels)
-        correct += (logits.argmax(1) == labels).sum()
-        seen += len(labels)
-        bar.update()
-        if step % 20 == 0 and not bar.disable:  # reading the loss waits for the device: only for a bar on show
-            bar.set_postfix(loss=f"{loss_sum.item() / seen:.3f}")
-    bar.close()
+    with bar:  # closed on Ctrl-C too, so the line saying so starts on a clean line
+        for step, (images, labels) in enumerate(run.data.train_batches(cfg.seed, epoch, cfg.batch_size), 1):
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            progress.iter_num += 1
+            loss_sum += loss.detach() * len(labels)
+            correct += (logits.argmax(1) == labels).sum()
+            seen += len(labels)
+            bar.update()
+            if step % 20 == 0 and not bar.disable:  # reading the loss waits for the device: only for a bar on show
+                bar.set_postfix(loss=f"{loss_sum.item() / seen:.3f}")
     return loss_sum.item() / seen, 100.0 * correct.item() / seen
 
 
@@ -340,6 +348,7 @@ def save_checkpoint(run, progress):
     state = {name: part.state_dict() for name, part in checkpoint_parts(run, progress).items()}
     state.update(model_args=run.model_args, config=config_to_dict(run.cfg))
     checkpoint.save_checkpoint(os.path.join(run.cfg.out_dir, checkpoint.CKPT_NAME), state)
+    run.saved_epoch = progress.epoch
 
 
 def open_metrics(cfg, progress, resumed):
@@ -391,7 +400,7 @@ def fit(run, progress, metrics):
         save_checkpoint(run, progress)  # after the record: a resume cuts metrics.jsonl back to its step
 
 
-def describe(run):
+def describe(run, progress):
     cfg = run.cfg
     config = config_to_dict(cfg)
     for name, value in config.items():
@@ -400,8 +409,23 @@ def describe(run):
     n_train, n_test = len(run.data.train_labels), len(run.data.test_labels)
     print(f"{cfg.net} width {cfg.width}: {n_params / 1e6:.2f}M parameters on {run.device}")
     print(f"{cfg.dataset}: {n_train:,} training and {n_test:,} test images")
+    if progress.epoch >= cfg.epochs:
+        print(
+            f"nothing to train: the run is at epoch {progress.epoch} and epochs is {cfg.epochs}; "
+            f"raise --epochs to train further"
+        )
     with atomic_writer(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+
+
+def interrupted(run):
+    """The line for Ctrl-C during training: the epoch cut short, and the checkpoint to resume from."""
+    cfg = run.cfg
+    where = f"interrupted at epoch {min(run.saved_epoch + 1, cfg.epochs)}/{cfg.epochs}"
+    if run.saved_epoch == 0:
+        return f"{where}, before any checkpoint was written; rerun the same command to start again"
+    ckpt_path = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
+    return f"{where}; {ckpt_path} holds epoch {run.saved_epoch}: resume with --init_from=resume (or auto)"
 
 
 def main(argv=None):
@@ -416,12 +440,18 @@ def main(argv=None):
     except (ConfigError, DataError, CheckpointError, ValueError) as e:  # ValueError: wandb could not start
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while reading the data or the checkpoint: nothing was trained
+        print("interrupted before training began; rerun the same command", file=sys.stderr)
+        return 130
     try:
-        describe(run)
+        describe(run, progress)
         fit(run, progress, metrics)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line instead of a traceback; 130 = 128 + SIGINT, as a shell reports it
+        print(interrupted(run), file=sys.stderr)
+        return 130
     finally:
         metrics.close()
     return 0
