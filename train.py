@@ -904,6 +904,14 @@ def main(argv=None):
         except TrainingStopped as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, not a traceback
+            if dist_info.is_master:
+                print(
+                    f"interrupted at iter {progress.iter_num}; resume from {checkpoint.checkpoint_path(cfg.out_dir)} "
+                    "with --init_from=resume (or auto)",
+                    file=sys.stderr,
+                )
+            return 130
         except RuntimeError as e:
             if not (dist_info.ddp and "timed out" in str(e).lower()):
                 raise
