@@ -559,6 +559,7 @@ class StepResult:
     grad_norm: float  # pre-clip global norm
     skipped: bool  # non-finite loss or gradient: nothing changed
     clipped: bool
+    non_finite: str = ""  # when skipped: which norm, e.g. "look-ahead gradient norm nan" (exact MARS)
 
 
 def train_step(run, it):
@@ -592,6 +593,8 @@ def train_step(run, it):
     norm_values = torch.stack(norms).tolist()  # the per-step device sync
     grad_norm = norm_values[-1]
     skipped = not all(math.isfinite(n) for n in norm_values)
+    names = ["look-ahead gradient", "gradient"][-len(norm_values) :]
+    non_finite = ", ".join(f"{name} norm {n}" for name, n in zip(names, norm_values) if not math.isfinite(n))
     if skipped:
         if scaler.is_enabled():
             scaler.update()  # float16: an overflow lowers the loss scale, as scaler.step would
@@ -602,7 +605,7 @@ def train_step(run, it):
             optimizer.update_last_grad()
     optimizer.zero_grad(set_to_none=True)
     clipped = not skipped and cfg.grad_clip > 0 and grad_norm > cfg.grad_clip
-    return StepResult(loss=loss, grad_norm=grad_norm, skipped=skipped, clipped=clipped)
+    return StepResult(loss=loss, grad_norm=grad_norm, skipped=skipped, clipped=clipped, non_finite=non_finite)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -810,7 +813,7 @@ def record_skip(run, progress, result, time_s):
     it = progress.iter_num
     if run.dist.is_master:
         print(
-            f"iter {it}: non-finite loss or gradient norm ({result.grad_norm}); step skipped "
+            f"iter {it}: non-finite loss or {result.non_finite}; step skipped "
             f"({progress.bad_steps} in a row, {progress.skipped_steps} in the run)",
             flush=True,
         )

@@ -188,7 +188,7 @@ def test_wandb_without_a_login_logs_offline_with_one_warning(data_path, tmp_path
 
 
 @pytest.mark.parametrize("is_approx", [True, False])
-def test_non_finite_step_changes_nothing(data_path, tmp_path, monkeypatch, is_approx):
+def test_non_finite_step_changes_nothing(data_path, tmp_path, monkeypatch, capsys, is_approx):
     """NaN gradients from step 3's batch skip the update: weights and optimizer state stay as they were.
 
     Exact MARS meets step 3's batch one step early (its look-ahead gradient), so it skips steps 2 and 3;
@@ -234,6 +234,11 @@ def test_non_finite_step_changes_nothing(data_path, tmp_path, monkeypatch, is_ap
     out = str(tmp_path / "out")
     run_ok(tiny_args(data_path, out, max_iters=6, is_approx=is_approx))
     assert skipped == expected_skips
+    # the skip line (numbered after the step, as train lines are) names the norm that is not finite
+    printed = capsys.readouterr().out
+    if not is_approx:  # step 2's look-ahead pass met step 3's batch
+        assert "iter 3: non-finite loss or look-ahead gradient norm nan; step skipped" in printed
+    assert "iter 4: non-finite loss or gradient norm nan; step skipped" in printed
     records = read_metrics(out)
     skip_lines = [r for r in records if "train/loss" not in r and "val/loss" not in r]
     assert [r["iter"] for r in skip_lines] == [it + 1 for it in expected_skips]
