@@ -75,20 +75,6 @@ def assert_same_run(out_a, out_b):
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(optimizer_b["state"][index][key])), key
 
 
-def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_identical(data_path, uninterrupted, tmp_path):
-    out = str(tmp_path / "out")
-    args = tiny_args(data_path, out, **RESUME_RUN)
-    proc = launch(args, env=subprocess_env(TEST_FAIL="0:10:hang"))
-    wait_for_line(proc, "hanging before step 10")
-    proc.send_signal(signal.SIGINT)
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, output
-    assert f"interrupted at iter 10; resume from {os.path.join(out, 'ckpt.pt')}" in output
-    assert "Traceback" not in output
-    run_to_end(args + ["--init_from=resume"])
-    assert_same_run(out, uninterrupted)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(data_path, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("uninterrupted"))
@@ -113,6 +99,20 @@ def test_kill_9_during_a_save_and_mid_run_then_resume_ends_identical(data_path, 
     proc.wait()
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 12
     # 3. resumed from step 12 to the end: the same losses, weights and optimizer state as never killed
+    run_to_end(args + ["--init_from=resume"])
+    assert_same_run(out, uninterrupted)
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_identical(data_path, uninterrupted, tmp_path):
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    proc = launch(args, env=subprocess_env(TEST_FAIL="0:10:hang"))
+    wait_for_line(proc, "hanging before step 10")
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert f"interrupted at iter 10; resume from {os.path.join(out, 'ckpt.pt')}" in output
+    assert "Traceback" not in output
     run_to_end(args + ["--init_from=resume"])
     assert_same_run(out, uninterrupted)
 
