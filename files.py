@@ -48,10 +48,12 @@ def remove_stale_temporaries(directory):
         return removed
     for name in sorted(os.listdir(directory)):
         stem, sep, pid = name.rpartition(".tmp.")
-        if not (stem and sep and pid.isdigit()) or _process_alive(int(pid)):
+        path = os.path.join(directory, name)
+        # Files only: export_hf.py's temporary folder beside its export is its own to clean up.
+        if not (stem and sep and pid.isdigit()) or not os.path.isfile(path) or _process_alive(int(pid)):
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(directory, name))
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove: left as it is
+            os.remove(path)
             removed.append(name)
     return removed
 

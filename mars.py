@@ -268,7 +268,8 @@ class MARS(torch.optim.Optimizer):
 
     def _keep_finite_look_ahead(self, params):
         """Where any stored look-ahead gradient on a device is not finite, every one on that device (as a
-        GradScaler skips a whole step) falls back to the one stored before it (zero before the first)."""
+        GradScaler skips a whole step) falls back to the one stored before it; before the first, to zero,
+        which gives the next step the reference's first-step correction c = (1 + γβ1/(1-β1)) g."""
         by_device = {}
         for p in params:
             by_device.setdefault(p.device, []).append(p)
@@ -300,9 +301,10 @@ class MARS(torch.optim.Optimizer):
             for p in group["params"]:
                 state = self.state[p]
                 if p not in self._look_ahead:
-                    if "last_grad" in state and p.grad is not None:
+                    if self._last_grad_pending and "last_grad" in state and p.grad is not None:
                         # It stepped, but had no gradient in the look-ahead pass (unused there): its own
-                        # gradient, as approximate MARS, rather than a look-ahead gradient from steps ago.
+                        # gradient, as approximate MARS, rather than a look-ahead gradient from steps ago. (A
+                        # step a GradScaler skipped never ran: its gradients may be inf, and nothing moved.)
                         state["last_grad"].copy_(p.grad)
                     continue
                 if "last_grad" in state:  # swap the buffers: the old g_{t-1} is overwritten next time
@@ -353,10 +355,10 @@ class MARS(torch.optim.Optimizer):
                 (mars if self._is_mars_tensor(p, group) else adamw).append(entry)
             if not mars and not adamw:
                 continue
+            rules = [_rule(p, group["mars_type"]) for p, _ in mars]  # checked before anything changes
             # Advanced on the device: the fused kernels read their step counts from there.
             torch._foreach_add_([state["step"] for _, state in mars + adamw], 1)
             if mars:
-                rules = [_rule(p, group["mars_type"]) for p, _ in mars]
                 kernel = _kernel_mars(group)
                 kernel(
                     mars,

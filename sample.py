@@ -75,7 +75,12 @@ def checkpoint_codec(ckpt, vocab_size):
     data_dir = os.path.join(str(config.get("data_path", "")), str(config.get("dataset", "")))
     meta_path = os.path.join(data_dir, "meta.pkl")
     if config.get("dataset") and os.path.isfile(meta_path):
-        return char_codec(read_meta(meta_path))
+        meta = read_meta(meta_path)
+        if not (isinstance(meta.get("stoi"), dict) and isinstance(meta.get("itos"), (dict, list))):
+            raise ValueError(
+                f"{meta_path} has no character vocabulary ('stoi' and 'itos'); rerun the dataset's prepare.py"
+            )
+        return char_codec(meta)
     enc = get_gpt2_encoding()
     if vocab_size < enc.n_vocab:
         raise ValueError(

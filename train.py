@@ -909,11 +909,15 @@ def main(argv=None):
             return 1
         except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, not a traceback
             if dist_info.is_master:
-                print(
-                    f"interrupted at iter {progress.iter_num}; resume from {checkpoint.checkpoint_path(cfg.out_dir)} "
-                    "with --init_from=resume (or auto)",
-                    file=sys.stderr,
+                with contextlib.suppress(CheckpointError):
+                    run.writer.wait()  # a save in flight is the newest checkpoint
+                path = checkpoint.checkpoint_path(cfg.out_dir)
+                resume = (
+                    f"resume from {path} with --init_from=resume (or auto)"
+                    if os.path.isfile(path)
+                    else "no checkpoint was written yet: run the same command again to start over"
                 )
+                print(f"interrupted at iter {progress.iter_num}; {resume}", file=sys.stderr)
             return 130
         except RuntimeError as e:
             if not (dist_info.ddp and "timed out" in str(e).lower()):

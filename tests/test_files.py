@@ -1,10 +1,25 @@
 """files.py: a file appears under its final name only when it is complete."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from files import atomic_write_bytes, atomic_writer
+from files import atomic_write_bytes, atomic_writer, remove_stale_temporaries
+
+
+def test_stale_temporaries_are_files_of_dead_processes_only(tmp_path):
+    """kill -9 during a write leaves <name>.tmp.<pid>; a live process's, a folder (export_hf.py's temporary
+    export) and other names stay."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"ckpt.pt.tmp.{dead.pid}").write_bytes(b"half")
+    (tmp_path / f"ckpt.pt.tmp.{os.getpid()}").write_bytes(b"being written")
+    (tmp_path / f"hf.tmp.{dead.pid}").mkdir()
+    (tmp_path / "notes.tmp.txt").write_bytes(b"mine")
+    assert remove_stale_temporaries(tmp_path) == [f"ckpt.pt.tmp.{dead.pid}"]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"ckpt.pt.tmp.{os.getpid()}", f"hf.tmp.{dead.pid}", "notes.tmp.txt"])
 
 
 def test_interrupted_write_leaves_no_file_and_keeps_the_previous_one(tmp_path):

@@ -521,6 +521,25 @@ def test_exact_mars_parameter_without_a_look_ahead_gradient_takes_its_own():
             assert not torch.equal(opt.state[a]["last_grad"], grads[0])
 
 
+def test_exact_mars_a_skipped_step_does_not_store_its_gradient():
+    """Under a GradScaler a step with inf gradients never reaches step(); update_last_grad() still runs. A
+    tensor without a look-ahead gradient must not take that step's (inf) gradient as its g_{t-1}."""
+    a, b = torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2, 2))
+    opt = MARS([a, b], is_approx=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    scaler.scale(torch.zeros(()))  # the scaler's state starts with its first scale()
+    for t in range(4):
+        a.grad, b.grad = torch.randn(3, 2), (torch.randn(2, 2) if t == 0 else None)
+        opt.update_previous_grad(inverse_scale=1 / scaler.get_scale())  # b's look-ahead only at t = 0
+        a.grad, b.grad = torch.randn(3, 2), torch.randn(2, 2)
+        if t == 1:
+            b.grad[0, 0] = math.inf  # the scaler skips this step
+        scaler.step(opt)
+        scaler.update()
+        opt.update_last_grad()
+        assert torch.isfinite(opt.state[b]["last_grad"]).all() and torch.isfinite(b).all(), t
+
+
 @pytest.mark.parametrize("is_approx", [True, False])
 def test_copied_and_unpickled_optimizers_step(is_approx):
     """Optimizer.__getstate__ keeps only defaults, state and param_groups; the exact protocol's bookkeeping
@@ -722,10 +741,12 @@ def test_complex_parameter_raises():
 def test_mars_type_written_into_a_group_later_is_checked():
     p = torch.nn.Parameter(torch.zeros(2, 2))
     opt = MARS([p])
-    opt.param_groups[0]["mars_type"] = "mars-sgd"
     p.grad = torch.ones(2, 2)
+    opt.step()
+    opt.param_groups[0]["mars_type"] = "mars-sgd"
     with pytest.raises(ValueError, match="mars_type"):
         opt.step()
+    assert opt.state[p]["step"].item() == 1  # refused before anything changed
 
 
 def test_sparse_gradient_raises():

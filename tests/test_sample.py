@@ -110,8 +110,8 @@ def test_a_missing_checkpoint_gives_advice_for_sample_py(tmp_path, capsys):
     [
         (b"garbage", "is not a readable meta.pkl"),
         (b"", "is not a readable meta.pkl"),
-        (pickle.dumps({"vocab_size": 3}), "has no character vocabulary (vocab_size, stoi and itos)"),
-        (pickle.dumps([1, 2]), "has no character vocabulary (vocab_size, stoi and itos)"),
+        (pickle.dumps({"vocab_size": 3}), "has no character vocabulary ('stoi' and 'itos')"),
+        (pickle.dumps([1, 2]), "has no vocab_size: not a dataset's meta.pkl"),
     ],
     ids=["garbage", "empty", "no-stoi", "a-list"],
 )

@@ -364,6 +364,13 @@ def broken_meta(tmp_path):
     return dict(data_path=str(tmp_path), dataset="tiny")
 
 
+def meta_directory(tmp_path):
+    make_char_data(tmp_path, name="tiny")
+    os.remove(tmp_path / "tiny" / "meta.pkl")
+    (tmp_path / "tiny" / "meta.pkl").mkdir()
+    return dict(data_path=str(tmp_path), dataset="tiny")
+
+
 def corrupt_checkpoint(tmp_path):
     make_char_data(tmp_path, name="tiny")
     (tmp_path / "out").mkdir()
@@ -384,6 +391,7 @@ def corrupt_checkpoint(tmp_path):
         (out_of_vocab_data, "token id 200 at position 3 is >= the model's vocabulary size"),
         (lambda p: dict(init_from="resume"), "no checkpoint at"),
         (broken_meta, "meta.pkl is not a readable meta.pkl"),
+        (meta_directory, "meta.pkl is not a readable meta.pkl (IsADirectoryError)"),
         (corrupt_checkpoint, "ckpt.pt is not a readable checkpoint"),
         (mismatching_checkpoint, "was trained with n_layer=2 but the config gives n_layer=3; a resumed run cannot"),
         (foreign_checkpoint, "ckpt.pt lacks scaler, rng, progress: it was not written by this train.py"),
@@ -396,6 +404,7 @@ def corrupt_checkpoint(tmp_path):
         "token-beyond-vocab",
         "resume-without-checkpoint",
         "broken-meta",
+        "meta-directory",
         "corrupt-checkpoint",
         "shape-mismatch",
         "foreign-checkpoint",

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from train_helpers import wait_for_line
 
 import checkpoint
 from configurator import load_config
@@ -670,9 +671,7 @@ def test_sigint_to_the_script_prints_no_traceback(cifar10_dir, tmp_path):
         text=True,
     )
     try:
-        for line in trainer.stdout:
-            if line.startswith("epoch 2/1000:"):  # epoch 1's checkpoint is written by now
-                break
+        wait_for_line(trainer, "epoch 2/1000:")  # epoch 1's checkpoint is written by now
         trainer.send_signal(signal.SIGINT)
         _, err = trainer.communicate(timeout=60)
     finally:

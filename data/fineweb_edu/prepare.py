@@ -17,7 +17,6 @@ Memory: one shard buffer (2 bytes per token) plus a few MB of text in flight per
 
 import argparse
 import collections
-import glob
 import json
 import multiprocessing
 import os
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from files import remove_stale_temporaries  # noqa: E402
 from tokens import (
     EOT_TOKEN,
     HEADER_BYTES,
@@ -258,8 +258,7 @@ def prepare(source, list_files, open_file, output_dir, shard_size, num_proc):
     """Tokenize the documents of the files list_files() names, each read through open_file, into shards
     of shard_size tokens in output_dir; resumes a stopped run from its first unfinished file."""
     make_output_dir(output_dir)
-    for stale in glob.glob(os.path.join(output_dir, "*.tmp.*")):  # left by a killed run
-        os.remove(stale)
+    remove_stale_temporaries(output_dir)  # shards a killed run left half-written
     progress = load_progress(output_dir, dict(source=source, shard_size=shard_size))
     shards = progress["shards"]
     if progress["done"]:
