@@ -28,6 +28,7 @@ PRESETS = {
 
 # OpenAI's checkpoints on the Hugging Face hub, by preset.
 HF_CHECKPOINTS = {"gpt2": "small", "gpt2-medium": "medium", "gpt2-large": "large", "gpt2-xl": "xl"}
+HF_HUB_HOST = "huggingface.co"  # where from_pretrained downloads them
 
 # Peak dense bf16 tensor-core throughput (FLOP/s, FP32 accumulate, no 2:4 sparsity) by the exact name
 # torch.cuda.get_device_name reports. Datasheets that print only the "with sparsity" figure (marked *)
@@ -268,9 +269,11 @@ class GPT(nn.Module):
         return flops_per_token * tokens_per_iter / dt / peak
 
     @classmethod
-    def from_pretrained(cls, name, override_args=None):
+    def from_pretrained(cls, name, override_args=None, offline=False):
         """OpenAI's GPT-2 ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', from the Hugging Face hub)
-        or a local Hugging Face GPT-2 folder such as export_hf.py writes. override_args may set dropout."""
+        or a local Hugging Face GPT-2 folder such as export_hf.py writes. override_args may set dropout.
+        offline=True reads the local Hugging Face cache only: without it, a machine that cannot reach the hub
+        spends about half a minute in retries before it falls back to the cache or fails."""
         override_args = dict(override_args or {})
         unknown = set(override_args) - {"dropout"}
         if unknown:
@@ -281,7 +284,17 @@ class GPT(nn.Module):
                 f"{', '.join(HF_CHECKPOINTS)} or a Hugging Face GPT-2 folder"
             )
         transformers = _import_transformers()
-        return gpt_from_hf(transformers.GPT2LMHeadModel.from_pretrained(name), **override_args)
+        try:
+            hf_model = transformers.GPT2LMHeadModel.from_pretrained(name, local_files_only=offline)
+        except OSError as e:
+            if not offline:
+                raise
+            raise ValueError(
+                f"{name} is not in the local Hugging Face cache and {HF_HUB_HOST} cannot be reached; load it once "
+                f"on a machine online (the cache is ~/.cache/huggingface, or $HF_HOME), or give a local folder "
+                f"({type(e).__name__})"
+            ) from None
+        return gpt_from_hf(hf_model, **override_args)
 
 
 def peak_flops(device):

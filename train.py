@@ -56,7 +56,16 @@ from configurator import (
 )
 from files import atomic_writer, remove_stale_temporaries
 from metrics import LogWindow, MetricsLog
-from model import GPT, GPT2_VOCAB_SIZE, HF_CHECKPOINTS, PRESETS, GPTConfig, model_args_from_config, peak_flops
+from model import (
+    GPT,
+    GPT2_VOCAB_SIZE,
+    HF_CHECKPOINTS,
+    HF_HUB_HOST,
+    PRESETS,
+    GPTConfig,
+    model_args_from_config,
+    peak_flops,
+)
 from optim import build_optimizer, group_hyperparameters, is_sharded, set_lr
 from runtime import (
     SetupError,
@@ -68,7 +77,7 @@ from runtime import (
     setup_distributed,
     setup_precision,
 )
-from tokens import DataError, TokenData
+from tokens import DataError, TokenData, network_reachable
 
 # The errors a user's input or a missing file can cause: printed as one `error:` line, exit 2.
 USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError, ValueError, OSError)
@@ -273,7 +282,8 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path):
                 f"vocabulary of {vocab_size} tokens (meta.pkl); train it with --init_from=scratch, or use a GPT-2 "
                 "dataset (openwebtext, fineweb_edu)"
             )
-        model = GPT.from_pretrained(cfg.init_from, dict(dropout=cfg.dropout))
+        offline = not network_reachable(HF_HUB_HOST)  # the cache at once, instead of retries
+        model = GPT.from_pretrained(cfg.init_from, dict(dropout=cfg.dropout), offline=offline)
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
         return model, dataclasses.asdict(model.config)

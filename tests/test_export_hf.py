@@ -218,6 +218,21 @@ def test_without_transformers_the_message_says_how_to_install(monkeypatch):
         GPT.from_pretrained("gpt2")
 
 
+def test_offline_from_pretrained_reads_only_the_cache_and_says_what_to_do(monkeypatch):
+    asked = []
+
+    def not_cached(name, local_files_only=False):
+        asked.append(local_files_only)
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", not_cached)
+    with pytest.raises(ValueError, match="gpt2 is not in the local Hugging Face cache and huggingface.co cannot"):
+        GPT.from_pretrained("gpt2", offline=True)
+    with pytest.raises(OSError):  # online, the library's own error stands
+        GPT.from_pretrained("gpt2")
+    assert asked == [True, False]
+
+
 def test_from_pretrained_rejects_unknown_names_and_overrides():
     with pytest.raises(ValueError, match="'gpt3'"):
         GPT.from_pretrained("gpt3")

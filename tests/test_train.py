@@ -559,12 +559,14 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
     resume rebuilds the checkpoint's model. A tiny stand-in for GPT-2 replaces the download."""
     from tokens import write_bin
 
-    def tiny_gpt2(name, override_args):
+    def tiny_gpt2(name, override_args, offline):
+        assert offline  # the hub is unreachable (below): the cache at once, no retries
         torch.manual_seed(0)
         config = GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16, bias=True)
         return GPT(GPTConfig(**{**dataclasses.asdict(config), **override_args}))
 
     monkeypatch.setattr(train.GPT, "from_pretrained", tiny_gpt2)
+    monkeypatch.setattr(train, "network_reachable", lambda host: False)
     (tmp_path / "bpe").mkdir()
     ids = torch.randint(0, 50257, (3000,), generator=torch.Generator().manual_seed(0)).numpy()
     write_bin(tmp_path / "bpe" / "train.bin", ids)
