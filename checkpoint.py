@@ -203,6 +203,16 @@ def load_model_state(model, state_dict, path):
     model.load_state_dict(state_dict)
 
 
+def load_pretrained(name, override_args=None):
+    """GPT.from_pretrained(name) for train.py, sample.py and hellaswag.py: where the Hugging Face hub cannot
+    be reached (a compute node without internet), the local cache at once instead of retries."""
+    from model import GPT, HF_CHECKPOINTS, HF_HUB_HOST  # here, as in load_model
+    from tokens import network_reachable
+
+    offline = name in HF_CHECKPOINTS and not network_reachable(HF_HUB_HOST)
+    return GPT.from_pretrained(name, override_args, offline=offline)
+
+
 def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):
     """(GPT, checkpoint dict): the trained model in eval mode, for sample.py, hellaswag.py, export_hf.py."""
     from model import GPT, GPTConfig  # here, so checkpoint.py stays importable without model.py's cost

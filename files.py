@@ -42,7 +42,7 @@ def atomic_path(path):
 def remove_stale_temporaries(directory):
     """Remove the ``<name>.tmp.<pid>`` files in `directory` that a killed writer left (kill -9 during a
     checkpoint save leaves one as large as the checkpoint), skipping any whose process is alive here.
-    Returns the names removed."""
+    Prints a line for each and returns the names removed."""
     removed = []
     if not os.path.isdir(directory):
         return removed
@@ -55,6 +55,7 @@ def remove_stale_temporaries(directory):
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove: left as it is
             os.remove(path)
             removed.append(name)
+            print(f"removed {path}, left by an interrupted write", flush=True)
     return removed
 
 
@@ -64,7 +65,7 @@ def _process_alive(pid):
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
-        return True
+        pass
     return True
 
 

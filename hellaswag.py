@@ -22,11 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, load_model
+from checkpoint import CheckpointError, load_model, load_pretrained
 from files import atomic_writer
-from model import GPT, HF_CHECKPOINTS, HF_HUB_HOST
 from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
-from tokens import DataError, get_gpt2_encoding, network_reachable
+from tokens import DataError, get_gpt2_encoding
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
@@ -202,8 +201,7 @@ def main(argv=None):
         if args.ckpt:
             model, _ = load_model(args.ckpt, device=args.device, missing_advice=MISSING_ADVICE)
         else:
-            offline = args.init_from in HF_CHECKPOINTS and not network_reachable(HF_HUB_HOST)
-            model = GPT.from_pretrained(args.init_from, offline=offline).to(args.device)
+            model = load_pretrained(args.init_from).to(args.device)
         check_vocab(model)  # before any download: a character model cannot be scored
         path = ensure_data(args.data)
         if path is None:

@@ -13,10 +13,9 @@ import sys
 
 import torch
 
-from checkpoint import CheckpointError, load_model
-from model import GPT, HF_CHECKPOINTS, HF_HUB_HOST
+from checkpoint import CheckpointError, load_model, load_pretrained
 from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
-from tokens import DataError, get_gpt2_encoding, network_reachable, read_meta
+from tokens import DataError, get_gpt2_encoding, read_meta
 
 MISSING_ADVICE = "train a model first (python train.py ...), or pass --out_dir of a trained run"
 
@@ -110,8 +109,7 @@ def generate(args):
         model, ckpt = load_model(args.out_dir, device=args.device, missing_advice=MISSING_ADVICE)
         encode, decode = checkpoint_codec(ckpt, model.config.vocab_size)
     else:
-        offline = args.init_from in HF_CHECKPOINTS and not network_reachable(HF_HUB_HOST)
-        model = GPT.from_pretrained(args.init_from, offline=offline).to(args.device)
+        model = load_pretrained(args.init_from).to(args.device)
         encode, decode = bpe_codec()
     model.eval()
     start_ids = encode(prompt)

@@ -60,7 +60,6 @@ from model import (
     GPT,
     GPT2_VOCAB_SIZE,
     HF_CHECKPOINTS,
-    HF_HUB_HOST,
     PRESETS,
     GPTConfig,
     model_args_from_config,
@@ -77,7 +76,7 @@ from runtime import (
     setup_distributed,
     setup_precision,
 )
-from tokens import DataError, TokenData, network_reachable
+from tokens import DataError, TokenData
 
 # The errors a user's input or a missing file can cause: printed as one `error:` line, exit 2.
 USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError, ValueError, OSError)
@@ -219,9 +218,8 @@ def load_resume_checkpoint(cfg, device_type):
             f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
             f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
         )
-    for key in fixed_keys():
-        if key in unused_keys(cfg):  # e.g. mars_type in a Muon run: nothing to keep fixed
-            continue
+    unused = unused_keys(cfg)  # e.g. mars_type in a Muon run: nothing to keep fixed
+    for key in [key for key in fixed_keys() if key not in unused]:
         new = getattr(cfg, key)
         old = saved_value(ckpt["config"], key, new)
         if old != new:
@@ -282,8 +280,7 @@ def build_model(cfg, vocab_size, ckpt, ckpt_path):
                 f"vocabulary of {vocab_size} tokens (meta.pkl); train it with --init_from=scratch, or use a GPT-2 "
                 "dataset (openwebtext, fineweb_edu)"
             )
-        offline = not network_reachable(HF_HUB_HOST)  # the cache at once, instead of retries
-        model = GPT.from_pretrained(cfg.init_from, dict(dropout=cfg.dropout), offline=offline)
+        model = checkpoint.load_pretrained(cfg.init_from, dict(dropout=cfg.dropout))
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
         return model, dataclasses.asdict(model.config)
@@ -369,8 +366,7 @@ def setup(cfg, dist_info):
     model, model_args = agree(dist_info, lambda: build_model(cfg, vocab_size, ckpt, ckpt_path), USER_ERRORS)
 
     if dist_info.is_master:
-        for name in remove_stale_temporaries(cfg.out_dir):
-            print(f"removed {os.path.join(cfg.out_dir, name)}, left by an interrupted write", flush=True)
+        remove_stale_temporaries(cfg.out_dir)
         if cfg.overwrite and init_from != "resume":
             remove_previous_run(cfg)
         if ckpt is not None:

@@ -14,6 +14,7 @@ import torch
 from train_helpers import make_char_data, tiny_args
 
 import checkpoint
+import tokens
 import train
 from model import GPT, GPTConfig
 from optim import scheduled_lr
@@ -566,7 +567,7 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
         return GPT(GPTConfig(**{**dataclasses.asdict(config), **override_args}))
 
     monkeypatch.setattr(train.GPT, "from_pretrained", tiny_gpt2)
-    monkeypatch.setattr(train, "network_reachable", lambda host: False)
+    monkeypatch.setattr(tokens, "network_reachable", lambda host: False)
     (tmp_path / "bpe").mkdir()
     ids = torch.randint(0, 50257, (3000,), generator=torch.Generator().manual_seed(0)).numpy()
     write_bin(tmp_path / "bpe" / "train.bin", ids)

@@ -285,8 +285,7 @@ def setup(cfg):
         run.saved_epoch = progress.epoch
     # Everything is checked: the first change to out_dir is removing what a killed save left (kill -9 during
     # one leaves ckpt.pt.tmp.<pid>, as large as the checkpoint), as train.py does.
-    for name in remove_stale_temporaries(cfg.out_dir):
-        print(f"removed {os.path.join(cfg.out_dir, name)}, left by an interrupted write", flush=True)
+    remove_stale_temporaries(cfg.out_dir)
     if ckpt is not None:
         print(f"resuming {ckpt_path} at epoch {progress.epoch}", flush=True)
     return run, progress, ckpt is not None
