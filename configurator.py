@@ -392,10 +392,14 @@ def print_help(cls=TrainConfig, usage="python train.py [config/file.py ...] [--k
         kind = "str" if want is str else _type_name(want)
         lines.append(f"  --{name}={defaults[name]!r}  [{kind}]")
         lines.append(f"      {f.metadata.get('help', '')}")
-    out = file or sys.stdout
+    print_lines(lines, file or sys.stdout)
+
+
+def print_lines(lines, out):
+    """Print lines to `out`; a reader that has gone (`| head`) ends the output quietly, not in a traceback."""
     try:
         print("\n".join(lines), file=out, flush=True)
-    except BrokenPipeError:  # `--help | head` closed the pipe: nothing more to say, and no traceback
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
 
 
@@ -409,8 +413,7 @@ def main(argv=None):
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name, value in config_to_dict(cfg).items():
-        print(f"{name} = {value!r}")
+    print_lines([f"{name} = {value!r}" for name, value in config_to_dict(cfg).items()], sys.stdout)
     return 0
 
 

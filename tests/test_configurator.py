@@ -159,12 +159,14 @@ def test_help_lists_every_key_with_type_default_and_meaning():
     assert "[one of: mars, adamw, muon]" in run.stdout
 
 
-@pytest.mark.parametrize("script", ["train.py", "configurator.py"])
-def test_help_into_a_closed_pipe_ends_quietly(script):
-    """`python train.py --help | head`: a reader gone before the help is written is no traceback."""
+@pytest.mark.parametrize(
+    "argv", [["train.py", "--help"], ["configurator.py", "--help"], ["configurator.py", "config/quickstart.py"]]
+)
+def test_output_into_a_closed_pipe_ends_quietly(argv):
+    """`python train.py --help | head`: a reader gone before the output is written is no traceback."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the process starts: its first write meets a closed pipe
-    run = subprocess.Popen([sys.executable, script, "--help"], cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE)
+    run = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE)
     os.close(write_end)
     err = run.stderr.read().decode()
     assert run.wait() == 0 and err == "", err
