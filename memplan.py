@@ -64,11 +64,23 @@ compiled run may save less than this eager formula counts (not measured). For a 
 """
 
 import dataclasses
+import os
 
 import torch
 
-from model import GPT, GPTConfig, model_args_from_config
+import optim
+from model import (
+    GPT,
+    GPT2_VOCAB_SIZE,
+    HF_CHECKPOINTS,
+    PRESETS,
+    GPTConfig,
+    model_args_from_config,
+    model_vocab_size,
+)
 from optim import ChainedOptimizer, build_optimizer, is_sharded
+from runtime import resolve_dtype
+from tokens import DataError, TokenData
 
 GIB = 2**30
 HEADROOM = 0.10  # of the GPU's memory, kept free for what the plan does not count (see above)
@@ -94,9 +106,10 @@ def optimizer_layout(cfg, model_args):
     optimizer = build_optimizer(model, cfg, "meta")
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    for method in ("update_previous_grad", "step", "update_last_grad"):  # MARS's exact protocol, else step
-        if hasattr(optimizer, method):
-            getattr(optimizer, method)()
+    look_ahead = optim.look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's protocol included
+    if look_ahead is not None:
+        look_ahead.store()
+    optim.step(optimizer, look_ahead)
     inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
     def entry(p, state):
@@ -407,3 +420,75 @@ def advice(p):
     if p.max_micro_batch:
         options.append(f"--batch_size={p.max_micro_batch} (with gradient_accumulation_steps raised to match)")
     return " or ".join(options) if options else "more or larger GPUs"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plan of a run: train.py's at its start, and --dry_run=True's.
+
+
+def gpu_memory(cfg, device):
+    """(GiB, name) of the GPU the plan is checked against: --gpu_memory_gb, else the GPU `device` is on,
+    else (None, None)."""
+    if cfg.gpu_memory_gb:
+        return cfg.gpu_memory_gb, None
+    if torch.device(device).type != "cuda":
+        return None, None
+    return torch.cuda.get_device_properties(device).total_memory / GIB, torch.cuda.get_device_name(device)
+
+
+def plan_memory(cfg, dist_info, model_args):
+    """This run's memory plan (py) on its GPUs, for describe() to print."""
+    gb, name = gpu_memory(cfg, dist_info.device)
+    dtype = resolve_dtype(cfg.dtype, dist_info.device_type)
+    return plan(cfg, dist_info.world_size, gb, model_args=model_args, dtype=dtype, gpu_name=name)
+
+
+def planned_model_args(cfg):
+    """The model a run of cfg builds, without reading tokens: the data's vocabulary when its files are there,
+    else GPT-2's (padded); OpenAI's shape for init_from=gpt2*."""
+    if cfg.init_from in HF_CHECKPOINTS:
+        preset = PRESETS[HF_CHECKPOINTS[cfg.init_from]]
+        return {
+            **model_args_from_config(cfg, GPT2_VOCAB_SIZE),
+            **preset,
+            "bias": True,
+            "block_size": min(cfg.block_size, 1024),
+        }
+    try:
+        vocab_size = model_vocab_size(TokenData(os.path.join(cfg.data_path, cfg.dataset), "train"))
+    except DataError:
+        vocab_size = GPTConfig().vocab_size
+    return model_args_from_config(cfg, vocab_size)
+
+
+def dry_run_plan(cfg, layout=None):
+    """The memory plan --dry_run=True prints: no process group, data or GPU needed.
+
+    The world size is plan_world_size, else the launch's; the GPU is gpu_memory_gb, else the one present;
+    dtype=auto is planned as it resolves on that GPU (bfloat16 without one, as on any GPU from the A100 on).
+    layout: optimizer_layout's, to reuse across plans of one model and optimizer.
+    """
+    world_size = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    on_gpu = cfg.device not in ("cpu", "mps")  # auto: the run is planned for GPUs, present or not
+    gpu_here = on_gpu and torch.cuda.is_available()
+    dtype = resolve_dtype(cfg.dtype, "cuda") if gpu_here else cfg.dtype
+    if dtype == "auto":
+        dtype = AUTO_DTYPE if on_gpu else "float32"
+    gb, name = gpu_memory(cfg, "cuda" if gpu_here else "cpu")
+    model_args = planned_model_args(cfg)
+    return plan(cfg, world_size, gb, model_args=model_args, dtype=dtype, layout=layout, gpu_name=name)
+
+
+def dry_run(cfg):
+    """--dry_run=True: print the memory plan per GPU (rank 0 only, under torchrun) and return 0."""
+    plan = dry_run_plan(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        print("\n".join(format_plan(plan)))
+        if plan.fits is False:
+            print(f"to fit, try {advice(plan)}")
+        if cfg.gradient_accumulation_steps % plan.world_size:
+            print(
+                f"note: a run on {plan.world_size} processes is refused: gradient_accumulation_steps="
+                f"{cfg.gradient_accumulation_steps} is not a multiple of {plan.world_size}"
+            )
+    return 0

@@ -93,6 +93,12 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+def model_vocab_size(data):
+    """The vocabulary of a model trained on `data` (a tokens.TokenData): the data's own (meta.pkl) or GPT-2's,
+    padded to 50304 as the reference does."""
+    return data.vocab_size if data.meta is not None else GPTConfig.vocab_size
+
+
 def model_args_from_config(cfg, vocab_size=GPTConfig.vocab_size):
     """GPTConfig's fields from a run's configuration, which declares each of them but the vocabulary (the
     data's: GPT-2's padded one unless given)."""

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+import metrics
 from mars import MARS, lr_1d_factor
 from model import hidden_matrix_params, matrix_params, param_groups
 
@@ -150,34 +151,58 @@ class ShardedOptimizer:
 
 
 def _group_settings(cfg):
-    """The hyperparameters cfg sets in each group, in the order build_optimizer makes the groups."""
+    """The hyperparameters cfg sets in each parameter group, by the group's name (build_optimizer names them;
+    a resume pairs the checkpoint's groups with these by name)."""
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer_name == "muon":
-        return [
-            dict(lr=cfg.muon_lr, weight_decay=0.0),  # the reference's muon_weight_decay
-            dict(lr=cfg.muon_adamw_lr, betas=betas, weight_decay=cfg.weight_decay),
-        ]
+        return {
+            "muon": dict(lr=cfg.muon_lr, weight_decay=0.0),  # the reference's muon_weight_decay
+            "adamw": dict(lr=cfg.muon_adamw_lr, betas=betas, weight_decay=cfg.weight_decay),
+        }
     shared = dict(lr=cfg.learning_rate, betas=betas)
     if cfg.optimizer_name == "mars":
         shared.update(
             gamma=cfg.gamma, lr_1d=cfg.lr_1d, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d
         )
-    # model.param_groups' order: the decayed matrices, then everything else
-    return [dict(shared, weight_decay=cfg.weight_decay), dict(shared, weight_decay=0.0)]
+    return {"decay": dict(shared, weight_decay=cfg.weight_decay), "no_decay": dict(shared, weight_decay=0.0)}
+
+
+def _with_settings(name, params, settings):
+    """A parameter group as build_optimizer makes it: its name, its settings and its peak lr ('initial_lr')."""
+    return dict(params=params, name=name, **settings[name], initial_lr=settings[name]["lr"])
 
 
 def group_hyperparameters(optimizer, cfg):
-    """Write every hyperparameter cfg sets into optimizer's groups (after load_state_dict, which restores
-    the checkpoint's): lr and 'initial_lr' (the peak), weight decays, betas, MARS's gamma and 1-D
-    settings. set_lr then schedules the lr. Optimizer-internal constants (eps, Muon's momentum) stay."""
+    """Write every hyperparameter cfg sets into optimizer's groups after load_state_dict, which restores
+    the checkpoint's: lr and 'initial_lr' (the peak), weight decays, betas, MARS's gamma and 1-D settings,
+    each group by its name. set_lr then schedules the lr. Optimizer-internal constants (eps, Muon's
+    momentum) stay."""
     settings = _group_settings(cfg)
     groups = optimizer.param_groups
     if len(groups) != len(settings):
         raise ValueError(f"{cfg.optimizer_name} has {len(settings)} parameter groups, this optimizer {len(groups)}")
-    for group, setting in zip(groups, settings):
+    for group in groups:
+        setting = settings.get(group.get("name"))
+        if setting is None:
+            raise ValueError(
+                f"{cfg.optimizer_name}'s parameter groups are {', '.join(settings)}; this optimizer has a group "
+                f"named {group.get('name')!r}"
+            )
         group.update(setting, initial_lr=setting["lr"])
         if "lr_1d_factor" in group:  # MARS: the 1-D lr is lr_1d / lr times the scheduled lr (reference)
             group["lr_1d_factor"] = lr_1d_factor(setting["lr"], setting["lr_1d"])
+
+
+def load_state(optimizer, state, cfg):
+    """A checkpoint's optimizer state under this run's configuration: load_state_dict restores the moments,
+    the step counts and each group's saved settings; group_hyperparameters then writes cfg's settings on top,
+    so a resume with --learning_rate=1e-4 trains at 1e-4. Groups saved before they had names take the names
+    of this optimizer's groups in order (build_optimizer has always made them in the same order)."""
+    names = [group["name"] for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, name in zip(optimizer.param_groups, names):
+        group.setdefault("name", name)
+    group_hyperparameters(optimizer, cfg)
 
 
 def is_sharded(cfg, world_size):
@@ -206,15 +231,16 @@ def build_optimizer(model, cfg, device_type, world_size=1):
         optimizer = ChainedOptimizer(
             make(
                 torch.optim.Muon,
-                [dict(params=muon_params, **settings[0])],
+                [_with_settings("muon", muon_params, settings)],
                 momentum=0.95,
                 nesterov=True,
                 adjust_lr_fn="original",
             ),
-            make(torch.optim.AdamW, [dict(params=adamw_params, **settings[1])], fused=fused),
+            make(torch.optim.AdamW, [_with_settings("adamw", adamw_params, settings)], fused=fused),
         )
     else:
-        groups = [{**group, **setting} for group, setting in zip(param_groups(model, cfg.weight_decay), settings)]
+        decay, no_decay = (group["params"] for group in param_groups(model, cfg.weight_decay))
+        groups = [_with_settings("decay", decay, settings), _with_settings("no_decay", no_decay, settings)]
         if cfg.optimizer_name == "mars":
             optimizer = make(
                 MARS,
@@ -228,7 +254,6 @@ def build_optimizer(model, cfg, device_type, world_size=1):
             optimizer = make(torch.optim.AdamW, groups, fused=fused)
         else:
             raise ValueError(f"optimizer_name={cfg.optimizer_name!r} is not one of: mars, adamw, muon")
-    group_hyperparameters(optimizer, cfg)
     return optimizer
 
 
@@ -268,3 +293,69 @@ def set_lr(optimizer, it, cfg):
     """Every group's lr at iteration `it`: the schedule from its 'initial_lr'."""
     for group in optimizer.param_groups:
         group["lr"] = scheduled_lr(it, cfg, group["initial_lr"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# What an optimizer asks of a training step beyond backward() and step(), and what it adds to the log.
+
+
+class LookAhead:
+    """Exact MARS (is_approx=False), in the reference train_mars.py's order: before step t the loop runs a
+    backward pass on step t+1's batch at the current parameters, unscales and clips that gradient like any
+    other, and store() keeps it; after the step, after_step() makes it g_{t-1} of the next step's correction.
+    The loop then runs the step's own backward pass as usual."""
+
+    # forward and backward passes per optimizer step: the look-ahead pass, then the step's own
+    passes = 2
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def store(self):
+        self.optimizer.update_previous_grad()
+
+    def after_step(self):
+        self.optimizer.update_last_grad()
+
+
+def look_ahead(optimizer, cfg):
+    """The LookAhead the run's optimizer needs (exact MARS), or None."""
+    return LookAhead(optimizer) if cfg.optimizer_name == "mars" and not cfg.is_approx else None
+
+
+def step(optimizer, look_ahead=None, scaler=None):
+    """One update as training makes it: through the GradScaler when there is one (it skips a step whose
+    gradients hold an inf and adjusts the loss scale), then the look-ahead's after_step."""
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+    if look_ahead is not None:
+        look_ahead.after_step()
+
+
+def _norm(tensors, device):
+    return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros((), device=device)
+
+
+def state_norms(optimizer, cfg, sum_over_ranks=None):
+    """The norms of optimizer state the reference train_mars.py logs, {metrics name: 0-d float tensor on the
+    parameters' device}: for MARS the norm of m over every tensor and, for mars-adamw, that of v and their
+    ratio (Lion's and Shampoo's matrices keep no v: only the 1-D tensors' would count); {} otherwise.
+
+    sum_over_ranks: under ZeRO-1 each rank holds a share of the state; an all-reduce (sum) of a tensor, which
+    every rank must then call. Nothing here reads a number back to the host."""
+    if cfg.optimizer_name != "mars":
+        return {}
+    device = optimizer.param_groups[0]["params"][0].device
+    states = [s for s in optimizer.state.values() if "exp_avg" in s]
+    m = _norm([s["exp_avg"] for s in states], device)
+    v = _norm([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s], device)
+    if sum_over_ranks is not None:
+        m, v = sum_over_ranks(torch.stack([m, v]).float() ** 2).sqrt()
+    norms = {metrics.MOMENTUM_NORM: m.float()}
+    if cfg.mars_type == "mars-adamw":
+        norms[metrics.MOMENTUM_NORM_SQ] = v.float()
+        norms[metrics.MOMENTUM_DIV] = m.float() / (v.float().sqrt() + 1e-8)  # as the reference logs it
+    return norms

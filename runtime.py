@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 
-class SetupError(Exception):
-    """A rank cannot go on; every rank raises the same one, so they all exit together."""
+class SetupError(ValueError):
+    """The run cannot start here: a device or world size that does not fit the machine, or a setup step that
+    failed on some rank (every rank then raises the same one, so they all exit together). A ValueError, as the
+    tools after training catch it."""
 
 
 @dataclasses.dataclass
@@ -45,23 +47,23 @@ def resolve_device(device, ddp=False, local_rank=0):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(
+        raise SetupError(
             "device='mps' but MPS is not available (this torch build or machine has none); use --device=cpu"
         )
     if not device.startswith("cuda"):
         return device
     if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available; use --device=cpu")
+        raise SetupError(f"device={device!r} but CUDA is not available; use --device=cpu")
     if ddp:
         if device != "cuda":
-            raise ValueError(
+            raise SetupError(
                 f"device={device!r} under torchrun: each rank uses cuda:LOCAL_RANK; give --device=cuda and "
                 "choose the GPUs with CUDA_VISIBLE_DEVICES"
             )
         return f"cuda:{local_rank}"
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
-        raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        raise SetupError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return f"cuda:{index}"
 
 
@@ -69,7 +71,7 @@ def setup_distributed(cfg):
     """Dist for this process; joins the process group under torchrun (NCCL on CUDA, gloo on CPU)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.gradient_accumulation_steps % world_size:
-        raise ValueError(
+        raise SetupError(
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (micro-batches per step "
             f"across all ranks) is not divisible by the world size {world_size}; use a multiple "
             f"of {world_size} or a different number of processes"

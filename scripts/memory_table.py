@@ -4,7 +4,7 @@
     python scripts/memory_table.py
 
 Each cell is what `python train.py config/<run>.py --dry_run=True --plan_world_size=8 --gpu_memory_gb=<40|80>
-[--zero_stage=1] [--activation_checkpointing=True]` prints on its total line (train.dry_run_plan).
+[--zero_stage=1] [--activation_checkpointing=True]` prints on its total line (memplan.dry_run_plan).
 """
 
 import os
@@ -14,7 +14,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import memplan  # noqa: E402
-import train  # noqa: E402
 from configurator import load_config  # noqa: E402
 
 GPUS = 8
@@ -69,8 +68,8 @@ def plan_runs(runs):
             for variant, overrides in VARIANTS.items():
                 argv = [path, "--dry_run=True", f"--plan_world_size={GPUS}", f"--gpu_memory_gb={gpu_memory_gb}"]
                 cfg = load_config(argv + overrides)
-                layout = layout or memplan.optimizer_layout(cfg, train.planned_model_args(cfg))
-                plans[path, gpu_memory_gb, variant] = train.dry_run_plan(cfg, layout)
+                layout = layout or memplan.optimizer_layout(cfg, memplan.planned_model_args(cfg))
+                plans[path, gpu_memory_gb, variant] = memplan.dry_run_plan(cfg, layout)
     return plans
 
 

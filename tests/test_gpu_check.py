@@ -15,7 +15,7 @@ import torch
 from train_helpers import subprocess_env
 
 import hellaswag
-import train
+import launch
 from configurator import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +98,7 @@ def test_the_budgets_fit_in_eight_minutes():
 def test_the_synthetic_data_is_a_dataset_train_py_reads_with_gpt2_s_vocabulary(tmp_path):
     gpu_check.make_synthetic_data(str(tmp_path / "synthetic"), train_tokens=50_000, val_tokens=5_000)
     cfg = load_config([f"--data_path={tmp_path}", "--dataset=synthetic"])
-    train_data, val_data, vocab_size = train.load_data(cfg)
+    train_data, val_data, vocab_size = launch.load_data(cfg)
     assert vocab_size == 50304  # GPT-2's 50257, padded
     assert (train_data.num_tokens, val_data.num_tokens) == (50_000, 5_000)
     x, y = train_data.get_batch(seed=0, step=0, micro_step=0, batch_size=15, block_size=1024)

@@ -14,9 +14,11 @@ import torch
 from train_helpers import make_char_data, tiny_args
 
 import checkpoint
+import memplan
 import tokens
 import train
-from model import GPT, GPTConfig
+from bench.common import free_port
+from model import GPT, GPTConfig, model_args_from_config
 from optim import scheduled_lr
 from tokens import TokenData, write_shard
 
@@ -109,7 +111,7 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     cfg = train.load_config(argv)
     data = TokenData(os.path.join(data_path, "tiny"), "train")
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**train.model_args_from_config(cfg, data.vocab_size)))  # the step-0 weights
+    model = GPT(GPTConfig(**model_args_from_config(cfg, data.vocab_size)))  # the step-0 weights
     for k in range(cfg.gradient_accumulation_steps):
         x, y = data.get_batch(cfg.seed, 1, k, cfg.batch_size, cfg.block_size)
         (model(x, y)[1] / cfg.gradient_accumulation_steps).backward()
@@ -566,7 +568,7 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
         config = GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16, bias=True)
         return GPT(GPTConfig(**{**dataclasses.asdict(config), **override_args}))
 
-    monkeypatch.setattr(train.GPT, "from_pretrained", tiny_gpt2)
+    monkeypatch.setattr(GPT, "from_pretrained", tiny_gpt2)
     monkeypatch.setattr(tokens, "network_reachable", lambda host: False)
     (tmp_path / "bpe").mkdir()
     ids = torch.randint(0, 50257, (3000,), generator=torch.Generator().manual_seed(0)).numpy()
@@ -650,3 +652,61 @@ def test_resume_refuses_keys_a_run_cannot_change(data_path, tmp_path, capsys, ch
     assert captured.err.startswith("error: ") and message in captured.err and "a resumed run cannot" in captured.err
     assert captured.err.count("\n") == 1 and captured.out == ""
     assert file_bytes(out) == before
+
+
+# --- DDP's gradient buckets
+
+
+def bucket_worker(rank, port, data_path, out, report_path):
+    """Two gloo ranks through train.setup and train.train_step: after each backward pass, how many storages
+    hold the gradients (a no_sync micro-batch, then the synced one, step after step)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    cfg = train.load_config(tiny_args(data_path, out, gradient_accumulation_steps=4, max_iters=3, eval_interval=3))
+    dist_info = train.setup_distributed(cfg)
+    run, _, _ = train.setup(cfg, dist_info)
+    params = list(run.model.parameters())
+    storages = []  # per backward pass: the distinct storages of the gradients and their bytes
+
+    def count(*_):
+        grads = [p.grad for p in params]
+        ptrs = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
+        storages.append((len(ptrs), sum(ptrs.values())))
+
+    real_forward_backward = train.forward_backward
+
+    def forward_backward(run, step):
+        loss = real_forward_backward(run, step)
+        count()
+        return loss
+
+    def before_forward(*_):  # from the second micro-batch on: after the no_sync micro-batch's backward pass
+        if torch.is_grad_enabled() and params[0].grad is not None:
+            count()
+
+    run.model.register_forward_pre_hook(before_forward)
+    train.forward_backward = forward_backward
+    for it in range(3):
+        train.train_step(run, it)
+    plan = memplan.plan(cfg, 2, model_args=run.model_args)
+    report = dict(storages=storages, n_params=len(params), plan_gradient_bytes=plan.gradient_bytes)
+    torch.save(report, f"{report_path}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_gradients_stay_in_the_buckets_through_accumulation(data_path, tmp_path):
+    """gradient_as_bucket_view saves a gradient copy only while the gradients are DDP's bucket views: after
+    the no_sync micro-batch and after the synced one, in the first step and every later one, the gradients
+    live in one storage per bucket, as many bytes as the memory plan's gradient term."""
+    path = str(tmp_path / "report")
+    args = (free_port(), data_path, str(tmp_path / "out"), path)
+    torch.multiprocessing.spawn(bucket_worker, args=args, nprocs=2, join=True)
+    for rank in range(2):
+        report = torch.load(f"{path}.{rank}", weights_only=False)
+        # each of the 3 steps: after the no_sync micro-batch's backward pass and after the synced one's
+        assert len(report["storages"]) >= 6
+        assert report["n_params"] > 4
+        for n_storages, nbytes in report["storages"]:
+            assert n_storages <= 2  # DDP's first bucket is small, the rest one: never one per parameter
+            assert nbytes == report["plan_gradient_bytes"]
