@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tokens
+from data.prepare_common import write_char_corpus
 from tokens import EOT_TOKEN, DataError, TokenData, read_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -328,7 +329,7 @@ def test_openwebtext_corpus_too_small_to_split_is_one_error_line(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Bad input: one `error: ...` line and exit status 2 (tokens.run_prepare), never a traceback, and no
+# Bad input: one `error: ...` line and exit status 2 (prepare_common.run_prepare), never a traceback, and no
 # output that looks complete.
 
 
@@ -379,6 +380,23 @@ def test_shakespeare_char_failed_download_is_one_error_and_leaves_no_input_txt(t
         with pytest.raises(DataError, match="downloading https://.*input.txt failed .*pass --input PATH"):
             shakespeare.download(str(tmp_path / "input.txt"))
         assert os.listdir(tmp_path) == []
+
+
+def test_char_corpus_too_varied_or_empty_is_refused_before_writing(tmp_path):
+    symbols = [chr(0x10000 + i) for i in range(65537)]  # outside the BMP: every one a distinct character
+    with pytest.raises(DataError, match=r"65,537 distinct characters, more than the 65,536 ids"):
+        write_char_corpus(tmp_path / "out", "".join(symbols))
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(DataError, match="the text is empty"):
+        write_char_corpus(tmp_path / "out", "")
+    assert not os.path.exists(tmp_path / "out")
+    # 65,536 symbols still fit: ids 0..65535, none wrapped
+    write_char_corpus(tmp_path / "fits", "".join(symbols[:65536]))
+    data = TokenData(str(tmp_path / "fits"), "train")
+    assert data.vocab_size == 65536
+    data.check_vocab(65536)
+    train_tail = [data.meta["itos"][i] for i in np.fromfile(tmp_path / "fits" / "train.bin", dtype=np.uint16)[-3:]]
+    assert train_tail == symbols[int(0.9 * 65536) - 3 : int(0.9 * 65536)]
 
 
 def test_character_corpora_refuse_bad_arguments(tmp_path):

@@ -83,23 +83,6 @@ def test_meta_vocab(tmp_path):
         data.check_vocab(2)
 
 
-def test_char_corpus_too_varied_or_empty_is_refused_before_writing(tmp_path):
-    symbols = [chr(0x10000 + i) for i in range(65537)]  # outside the BMP: every one a distinct character
-    with pytest.raises(DataError, match=r"65,537 distinct characters, more than the 65,536 ids"):
-        tokens.write_char_corpus(tmp_path / "out", "".join(symbols))
-    assert not os.path.exists(tmp_path / "out")
-    with pytest.raises(DataError, match="the text is empty"):
-        tokens.write_char_corpus(tmp_path / "out", "")
-    assert not os.path.exists(tmp_path / "out")
-    # 65,536 symbols still fit: ids 0..65535, none wrapped
-    tokens.write_char_corpus(tmp_path / "fits", "".join(symbols[:65536]))
-    data = TokenData(str(tmp_path / "fits"), "train")
-    assert data.vocab_size == 65536
-    data.check_vocab(65536)
-    train_tail = [data.meta["itos"][i] for i in np.fromfile(tmp_path / "fits" / "train.bin", dtype=np.uint16)[-3:]]
-    assert train_tail == symbols[int(0.9 * 65536) - 3 : int(0.9 * 65536)]
-
-
 def _two_shard_dir(tmp_path):
     # Shard k holds ids k*1000 + 0..n-1, so a window crossing a shard boundary would be visible.
     write_shard(tmp_path / "fineweb_train_000001.bin", np.arange(300))
