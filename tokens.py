@@ -24,8 +24,7 @@ import numpy as np
 
 from files import atomic_write_bytes, atomic_writer
 
-EOT_TOKEN = 50256  # <|endoftext|>: delimits documents
-GPT2_VOCAB_SIZE = 50257
+EOT_TOKEN = 50256  # <|endoftext|>: delimits documents, and the last of GPT-2's ids
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
@@ -200,14 +199,6 @@ def shard_token_count(path):
     return count
 
 
-def read_shard(path):
-    """Memory-map an llm.c shard's tokens after checking its header against the file size."""
-    count = shard_token_count(path)
-    if count == 0:
-        return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
-
-
 def _headerless_token_count(path):
     size = os.path.getsize(path)
     if size % 2:
@@ -261,7 +252,7 @@ class TokenData:
         self.num_tokens = sum(self.lengths)
         meta_path = os.path.join(data_dir, "meta.pkl")
         self.meta = read_meta(meta_path) if os.path.exists(meta_path) else None
-        self.vocab_size = int(self.meta["vocab_size"]) if self.meta else GPT2_VOCAB_SIZE
+        self.vocab_size = int(self.meta["vocab_size"]) if self.meta else EOT_TOKEN + 1  # GPT-2's
         self._max_id = None  # set by check_vocab; get_batch then checks every batch
 
     def read(self, index, start, out):

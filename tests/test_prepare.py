@@ -16,7 +16,7 @@ import pytest
 
 import tokens
 from data.prepare_common import write_char_corpus
-from tokens import EOT_TOKEN, DataError, TokenData, read_shard
+from tokens import EOT_TOKEN, DataError, TokenData
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,6 +73,12 @@ def run_fineweb(files, out, shard_size=2000, num_proc=1):
     )
 
 
+def shard_tokens(out, split):
+    """The tokens of each shard of `split` in `out`, read as train.py reads them."""
+    data = TokenData(str(out), split)
+    return [data.read(i, 0, np.empty(n, dtype=np.uint16)) for i, n in enumerate(data.lengths)]
+
+
 def shard_files(out):
     return sorted((f for f in os.listdir(out) if f.endswith(".bin")), key=lambda f: f[-10:])  # by index
 
@@ -91,8 +97,9 @@ def test_fineweb_parquet_to_shards_decodes_back(tmp_path, corpus):
     names = shard_files(tmp_path / "out")
     assert names[0] == "fineweb_val_000000.bin" and names[1] == "fineweb_train_000001.bin"
     assert all(n == fineweb.shard_name(i) for i, n in enumerate(names))
-    stream = np.concatenate([read_shard(tmp_path / "out" / n) for n in names])
-    assert all(len(read_shard(tmp_path / "out" / n)) == 2000 for n in names[:-1])
+    shards = shard_tokens(tmp_path / "out", "val") + shard_tokens(tmp_path / "out", "train")
+    stream = np.concatenate(shards)
+    assert len(shards) == len(names) and all(len(shard) == 2000 for shard in shards[:-1])
     # <|endoftext|> precedes every document, in order; the documents decode back exactly.
     assert stream[0] == EOT_TOKEN and np.count_nonzero(stream == EOT_TOKEN) == len(texts)
     decoded = tokens.get_gpt2_encoding().decode(stream.tolist())

