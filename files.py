@@ -1,4 +1,4 @@
-"""Atomic file writes: a file appears under its final name only when it is complete.
+"""Atomic file writes, and the JSON-lines reader that the HellaSwag loader and the prepare scripts share.
 
 Every writer in the repository (token shards, checkpoints, downloads, metrics.jsonl's truncation) goes
 through atomic_writer, so a crash, kill -9 or full disk leaves either the previous file or none, never a
@@ -6,6 +6,7 @@ truncated one under the final name.
 """
 
 import contextlib
+import json
 import os
 
 
@@ -80,3 +81,29 @@ def fsync_directory(directory):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class JSONLineError(ValueError):
+    """Line `number` (from 1) of a JSON-lines file is not JSON: `reason` is the JSON parser's, or None when
+    the line is not even UTF-8 text. Each reader words the message its user sees from these two."""
+
+    def __init__(self, number, reason):
+        super().__init__(f"line {number}: {reason or 'not UTF-8 text'}")
+        self.number, self.reason = number, reason
+
+
+def json_lines(file):
+    """(line number from 1, JSON value) for each non-blank line of the JSON-lines file `file`, open in binary
+    mode; the first line that is not UTF-8 JSON raises JSONLineError. What a value must hold is the caller's."""
+    for number, raw in enumerate(file, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise JSONLineError(number, None) from None
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise JSONLineError(number, e.msg) from None
+        yield number, value

@@ -40,7 +40,8 @@ sys.path.insert(0, ROOT)
 import metrics  # noqa: E402
 from checkpoint import CKPT_NAME, load_checkpoint  # noqa: E402
 from files import atomic_writer  # noqa: E402
-from tokens import GPT2_VOCAB_SIZE, write_bin  # noqa: E402
+from model import GPT2_VOCAB_SIZE  # noqa: E402
+from tokens import write_bin  # noqa: E402
 
 WORKER = os.path.join(ROOT, "scripts", "gpu_check_worker.py")
 PASS, FAIL, SKIP = "pass", "fail", "skip"

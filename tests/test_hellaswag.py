@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import types
 
 import pytest
@@ -177,6 +178,13 @@ def test_bad_lines_name_the_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(ITEMS[0]) + "\n" + line + "\n")
     with pytest.raises(ValueError, match=message):
+        hellaswag.load_examples(str(path))
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(ITEMS[0]).encode() + b'\n{"ctx": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}, line 2: not UTF-8 text$"):
         hellaswag.load_examples(str(path))
 
 

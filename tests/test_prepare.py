@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import tokens
-from tokens import EOT_TOKEN, DataError, TokenData, read_shard
+from data.prepare_common import write_char_corpus
+from tokens import EOT_TOKEN, DataError, TokenData
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,6 +73,12 @@ def run_fineweb(files, out, shard_size=2000, num_proc=1):
     )
 
 
+def shard_tokens(out, split):
+    """The tokens of each shard of `split` in `out`, read as train.py reads them."""
+    data = TokenData(str(out), split)
+    return [data.read(i, 0, np.empty(n, dtype=np.uint16)) for i, n in enumerate(data.lengths)]
+
+
 def shard_files(out):
     return sorted((f for f in os.listdir(out) if f.endswith(".bin")), key=lambda f: f[-10:])  # by index
 
@@ -90,8 +97,9 @@ def test_fineweb_parquet_to_shards_decodes_back(tmp_path, corpus):
     names = shard_files(tmp_path / "out")
     assert names[0] == "fineweb_val_000000.bin" and names[1] == "fineweb_train_000001.bin"
     assert all(n == fineweb.shard_name(i) for i, n in enumerate(names))
-    stream = np.concatenate([read_shard(tmp_path / "out" / n) for n in names])
-    assert all(len(read_shard(tmp_path / "out" / n)) == 2000 for n in names[:-1])
+    shards = shard_tokens(tmp_path / "out", "val") + shard_tokens(tmp_path / "out", "train")
+    stream = np.concatenate(shards)
+    assert len(shards) == len(names) and all(len(shard) == 2000 for shard in shards[:-1])
     # <|endoftext|> precedes every document, in order; the documents decode back exactly.
     assert stream[0] == EOT_TOKEN and np.count_nonzero(stream == EOT_TOKEN) == len(texts)
     decoded = tokens.get_gpt2_encoding().decode(stream.tolist())
@@ -328,7 +336,7 @@ def test_openwebtext_corpus_too_small_to_split_is_one_error_line(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Bad input: one `error: ...` line and exit status 2 (tokens.run_prepare), never a traceback, and no
+# Bad input: one `error: ...` line and exit status 2 (prepare_common.run_prepare), never a traceback, and no
 # output that looks complete.
 
 
@@ -379,6 +387,23 @@ def test_shakespeare_char_failed_download_is_one_error_and_leaves_no_input_txt(t
         with pytest.raises(DataError, match="downloading https://.*input.txt failed .*pass --input PATH"):
             shakespeare.download(str(tmp_path / "input.txt"))
         assert os.listdir(tmp_path) == []
+
+
+def test_char_corpus_too_varied_or_empty_is_refused_before_writing(tmp_path):
+    symbols = [chr(0x10000 + i) for i in range(65537)]  # outside the BMP: every one a distinct character
+    with pytest.raises(DataError, match=r"65,537 distinct characters, more than the 65,536 ids"):
+        write_char_corpus(tmp_path / "out", "".join(symbols))
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(DataError, match="the text is empty"):
+        write_char_corpus(tmp_path / "out", "")
+    assert not os.path.exists(tmp_path / "out")
+    # 65,536 symbols still fit: ids 0..65535, none wrapped
+    write_char_corpus(tmp_path / "fits", "".join(symbols[:65536]))
+    data = TokenData(str(tmp_path / "fits"), "train")
+    assert data.vocab_size == 65536
+    data.check_vocab(65536)
+    train_tail = [data.meta["itos"][i] for i in np.fromfile(tmp_path / "fits" / "train.bin", dtype=np.uint16)[-3:]]
+    assert train_tail == symbols[int(0.9 * 65536) - 3 : int(0.9 * 65536)]
 
 
 def test_character_corpora_refuse_bad_arguments(tmp_path):

@@ -14,7 +14,13 @@ import pytest
 from metrics import ITER, VAL_LOSS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART_FILES = ["config/quickstart.py", "scripts/quickstart.sh", "data/stdlib_char/prepare.py"]
+QUICKSTART_FILES = [
+    "config/quickstart.py",
+    "scripts/quickstart.sh",
+    "data/__init__.py",
+    "data/prepare_common.py",
+    "data/stdlib_char/prepare.py",
+]
 SHORT_RUN = ["--max_iters=2", "--eval_iters=1", "--log_interval=1", "--device=cpu"]
 
 

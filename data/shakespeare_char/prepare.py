@@ -11,7 +11,9 @@ import sys
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from tokens import DataError, atomic_write_bytes, network_reachable, run_prepare, write_char_corpus  # noqa: E402
+from data.prepare_common import add_output_dir, run_prepare, write_char_corpus  # noqa: E402
+from files import atomic_write_bytes  # noqa: E402
+from tokens import DataError, network_reachable  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -32,16 +34,11 @@ def download(path):
 
 
 def main(argv=None):
-    here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", help="a local UTF-8 input.txt (default: download it beside this script)")
-    parser.add_argument(
-        "--output_dir",
-        default=here,
-        help="where train.bin, val.bin and meta.pkl go (default: data/shakespeare_char/, beside this script)",
-    )
+    add_output_dir(parser, __file__, "train.bin, val.bin and meta.pkl")
     args = parser.parse_args(argv)
-    path = args.input or os.path.join(here, "input.txt")
+    path = args.input or os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
     if args.input is None and not os.path.exists(path):
         download(path)
     if os.path.isdir(path):

@@ -14,7 +14,8 @@ import sys
 import sysconfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from tokens import DataError, run_prepare, write_char_corpus  # noqa: E402
+from data.prepare_common import add_output_dir, run_prepare, write_char_corpus  # noqa: E402
+from tokens import DataError  # noqa: E402
 
 SKIPPED_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 
@@ -44,11 +45,7 @@ def stdlib_sources(max_chars):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--output_dir",
-        default=os.path.dirname(os.path.abspath(__file__)),
-        help="where train.bin, val.bin and meta.pkl go (default: data/stdlib_char/, beside this script)",
-    )
+    add_output_dir(parser, __file__, "train.bin, val.bin and meta.pkl")
     parser.add_argument("--chars", type=int, default=5_000_000, help="corpus size in characters (default: 5000000)")
     args = parser.parse_args(argv)
     if args.chars < 1:  # [:max_chars] would cut characters off the end instead
