@@ -64,36 +64,38 @@ def ensure_data(path="", cache_dir=CACHE_DIR, url=VAL_URL, timeout_s=15):
 def load_examples(path):
     """The examples of an official HellaSwag jsonl file: dicts with 'ctx', 'endings' (4 strings), 'label'."""
     examples = []
-    with open(path, "rb") as f:
-        try:
+    try:
+        with open(path, "rb") as f:
             for lineno, item in json_lines(f):
                 examples.append(_example(f"{path}, line {lineno}", item))
-        except JSONLineError as e:
-            what = "not UTF-8 text" if e.reason is None else f"not valid JSON ({e.reason})"
-            raise ValueError(f"{path}, line {e.number}: {what}") from None
+    except JSONLineError as e:
+        what = "not UTF-8 text" if e.reason is None else f"not valid JSON ({e.reason})"
+        raise DataError(f"{path}, line {e.number}: {what}") from None
+    except OSError as e:
+        raise DataError(str(e)) from None
     if not examples:
-        raise ValueError(f"{path}: no HellaSwag examples in the file")
+        raise DataError(f"{path}: no HellaSwag examples in the file")
     return examples
 
 
 def _example(where, item):
     """An official line's example, checked: 'ctx' a string, 'endings' 4 non-empty strings, 'label' 0..3."""
     if not isinstance(item, dict):
-        raise ValueError(f"{where}: expected a JSON object")
+        raise DataError(f"{where}: expected a JSON object")
     ctx, endings, label = item.get("ctx"), item.get("endings"), item.get("label")
     if not isinstance(ctx, str):
-        raise ValueError(f"{where}: 'ctx' must be a string")
+        raise DataError(f"{where}: 'ctx' must be a string")
     if (
         not isinstance(endings, list)
         or len(endings) != NUM_ENDINGS
         or not all(isinstance(e, str) and e for e in endings)
     ):
-        raise ValueError(f"{where}: 'endings' must be a list of {NUM_ENDINGS} non-empty strings")
+        raise DataError(f"{where}: 'endings' must be a list of {NUM_ENDINGS} non-empty strings")
     # bool is an int subclass; the official files store the label as an int (older dumps: "2")
     if isinstance(label, str) and label.isdigit():
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < NUM_ENDINGS:
-        raise ValueError(f"{where}: 'label' must be an integer 0..{NUM_ENDINGS - 1}, got {label!r}")
+        raise DataError(f"{where}: 'label' must be an integer 0..{NUM_ENDINGS - 1}, got {label!r}")
     return dict(ctx=ctx, endings=endings, label=label)
 
 

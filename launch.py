@@ -25,9 +25,11 @@ import torch.distributed as dist
 import checkpoint
 import memplan
 import metrics
+import optim
 from checkpoint import CheckpointError
 from configurator import ConfigError, TrainConfig, config_to_dict, fixed_keys, unused_keys
 from files import atomic_writer, remove_stale_temporaries
+from metrics import MetricsLog
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
 from runtime import SetupError, agree, decide_on_master
 from tokens import DataError, TokenData
@@ -205,6 +207,42 @@ def build_model(cfg, vocab_size, ckpt):
     return model, model_args
 
 
+def restore(ckpt, cfg, dist_info, optimizer, scaler, rng, progress):
+    """Load a resumed run's parts from its checkpoint: the optimizer under this run's hyperparameters
+    (optim.load_state), the loss scale where float16 uses one, every rank's RNG state, the progress."""
+    optim.load_state(optimizer, ckpt["optimizer"], cfg)
+    if scaler.is_enabled() and ckpt["scaler"]:
+        scaler.load_state_dict(ckpt["scaler"])
+    rng.load_state_dict(ckpt["rng"], dist_info.world_size)
+    progress.load_state_dict(ckpt["progress"])
+
+
+def eval_windows(cfg, data, dist_info):
+    """This rank's share of the fixed evaluation windows: every world_size-th (train.evaluate all-reduces)."""
+    batches = data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size)
+    return batches[dist_info.rank :: dist_info.world_size]
+
+
+def open_metrics(cfg, dist_info, progress, resumed):
+    """The run's MetricsLog (metrics.jsonl and wandb on rank 0); a resumed run continues its records and its
+    wandb run (or the one --wandb_run_id names), whose id progress then carries."""
+    if cfg.wandb_run_id:
+        progress.wandb_run_id = cfg.wandb_run_id
+    log = agree(
+        dist_info,
+        lambda: MetricsLog(
+            cfg,
+            dist_info.is_master,
+            resume_iter=progress.iter_num if resumed else None,
+            wandb_run_id=progress.wandb_run_id,
+            config=config_to_dict(cfg),
+        ),
+        USER_ERRORS,
+    )
+    progress.wandb_run_id = log.wandb_run_id
+    return log
+
+
 def setup_hellaswag(cfg, train_data, dist_info):
     """HellaSwag examples when hellaswag_interval asks for them and they can be scored, else None.
 
@@ -287,3 +325,23 @@ def describe(run, progress):
         )
     with atomic_writer(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+
+
+def resume_advice(cfg):
+    """What continues a run that stopped: its checkpoint, or starting over when it has none yet."""
+    path = checkpoint.checkpoint_path(cfg.out_dir)
+    if os.path.isfile(path):
+        return f"resume from {path} with --init_from=resume (or auto)"
+    return "no checkpoint was written yet: run the same command again to start over"
+
+
+def checkpoint_copies(cfg, it, is_best):
+    """The paths ckpt.pt is copied to after the evaluation at iteration `it`: best.pt when the validation loss
+    is the run's best (save_best), and ckpt_<it>.pt every keep_every_n_evals evaluations."""
+    copies = []
+    if is_best and cfg.save_best:
+        copies.append(os.path.join(cfg.out_dir, checkpoint.BEST_NAME))
+    evals = it // cfg.eval_interval
+    if cfg.keep_every_n_evals and it > 0 and it % cfg.eval_interval == 0 and evals % cfg.keep_every_n_evals == 0:
+        copies.append(os.path.join(cfg.out_dir, f"ckpt_{it:07d}.pt"))
+    return copies

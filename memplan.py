@@ -479,6 +479,15 @@ def dry_run_plan(cfg, layout=None):
     return plan(cfg, world_size, gb, model_args=model_args, dtype=dtype, layout=layout, gpu_name=name)
 
 
+def measured_peak(plan, steps):
+    """A CUDA run's line after its first `steps` steps: the peak memory rank 0 measured beside the plan's."""
+    return (
+        f"memory: rank 0 peaked at {torch.cuda.max_memory_allocated() / GIB:.2f} GiB allocated "
+        f"({torch.cuda.max_memory_reserved() / GIB:.2f} GiB reserved) in the first {steps} steps; "
+        f"the plan: {plan.total_bytes / GIB:.2f} GiB"
+    )
+
+
 def dry_run(cfg):
     """--dry_run=True: print the memory plan per GPU (rank 0 only, under torchrun) and return 0."""
     plan = dry_run_plan(cfg)

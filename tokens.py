@@ -48,8 +48,8 @@ _FULL_SCAN_LIMIT = 1 << 30
 _MAX_OPEN_FILES = 128
 
 
-class DataError(Exception):
-    """A problem with the token data; the message is the one line the user sees."""
+class DataError(ValueError):
+    """A problem with the data (tokens, HellaSwag examples); the message is the one line the user sees."""
 
 
 def network_reachable(host, port=443, timeout=3.0):

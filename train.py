@@ -128,36 +128,16 @@ def setup(cfg, dist_info):
     rng = RNGState(dist_info.rank, launch.gather_rng(dist_info))
     progress = Progress()
     if ckpt is not None:
-        optim.load_state(optimizer, ckpt["optimizer"], cfg)
-        if scaler.is_enabled() and ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
-        rng.load_state_dict(ckpt["rng"], dist_info.world_size)
-        progress.load_state_dict(ckpt["progress"])
-    if cfg.wandb_run_id:
-        progress.wandb_run_id = cfg.wandb_run_id
+        launch.restore(ckpt, cfg, dist_info, optimizer=optimizer, scaler=scaler, rng=rng, progress=progress)
     resumed = ckpt is not None
     ckpt = None  # with mmap, this unmaps the file: everything is in the model and optimizer now
 
     eval_model = torch.compile(model) if launch.resolve_compile(cfg, dist_info.device_type) else model
     train_model = DDP_wrapped(eval_model, dist_info) if dist_info.ddp else eval_model
 
-    def my_share(batches):  # every rank scores every world_size-th window; evaluate() all-reduces
-        return batches[dist_info.rank :: dist_info.world_size]
-
-    val_batches = my_share(val_data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size))
-    train_batches = my_share(train_data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size))
-    log = agree(
-        dist_info,
-        lambda: MetricsLog(
-            cfg,
-            dist_info.is_master,
-            resume_iter=progress.iter_num if resumed else None,
-            wandb_run_id=progress.wandb_run_id,
-            config=config_to_dict(cfg),
-        ),
-        USER_ERRORS,
-    )
-    progress.wandb_run_id = log.wandb_run_id
+    val_batches = launch.eval_windows(cfg, val_data, dist_info)
+    train_batches = launch.eval_windows(cfg, train_data, dist_info)
+    log = launch.open_metrics(cfg, dist_info, progress, resumed)
     run = Run(
         cfg=cfg,
         dist=dist_info,
@@ -355,17 +335,7 @@ def save_checkpoints(run, progress, is_best):
     if not run.dist.is_master:
         return
     state.update(model_args=run.model_args, config=config_to_dict(cfg))
-    it = progress.iter_num
-    copies = []
-    if is_best and cfg.save_best:
-        copies.append(os.path.join(cfg.out_dir, checkpoint.BEST_NAME))
-    if (
-        cfg.keep_every_n_evals
-        and it > 0
-        and it % cfg.eval_interval == 0
-        and (it // cfg.eval_interval) % cfg.keep_every_n_evals == 0
-    ):
-        copies.append(os.path.join(cfg.out_dir, f"ckpt_{it:07d}.pt"))
+    copies = launch.checkpoint_copies(cfg, progress.iter_num, is_best)
     run.writer.save(os.path.join(cfg.out_dir, checkpoint.CKPT_NAME), state, copies)
 
 
@@ -504,12 +474,7 @@ def step_and_log(run, progress, window, time_s, first=False):
         log_train(run, progress, window, result, time_s())
         window.restart()
     if progress.iter_num == MEMORY_REPORT_STEP and run.memory_plan and run.dist.device_type == "cuda":
-        print(
-            f"memory: rank 0 peaked at {torch.cuda.max_memory_allocated() / memplan.GIB:.2f} GiB allocated "
-            f"({torch.cuda.max_memory_reserved() / memplan.GIB:.2f} GiB reserved) in the first "
-            f"{MEMORY_REPORT_STEP} steps; the plan: {run.memory_plan.total_bytes / memplan.GIB:.2f} GiB",
-            flush=True,
-        )
+        print(memplan.measured_peak(run.memory_plan, MEMORY_REPORT_STEP), flush=True)
 
 
 def record_skip(run, progress, result, time_s):
@@ -590,32 +555,20 @@ def exit_status(e, cfg, dist_info, run, progress):
         return 1
     if isinstance(e, KeyboardInterrupt):  # Ctrl-C (torchrun passes it to every rank): one line, not a traceback
         if dist_info is None or dist_info.is_master:
-            print(interrupted(run, progress), file=sys.stderr)
+            if run is not None:
+                with contextlib.suppress(CheckpointError):
+                    run.writer.wait()  # a save in flight is the newest checkpoint
+            where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
+            print(f"interrupted {where}; {launch.resume_advice(cfg)}", file=sys.stderr)
         return 130
     if is_collective_timeout(e, dist_info):
         print(
             f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
-            f"(another rank died or hangs); resume from {checkpoint.checkpoint_path(cfg.out_dir)} with "
-            "--init_from=resume",
+            f"(another rank died or hangs); {launch.resume_advice(cfg)}",
             file=sys.stderr,
         )
         return TIMED_OUT
     return None
-
-
-def interrupted(run, progress):
-    """Ctrl-C's line: where the run stopped and what resumes it (a save in flight is the newest checkpoint)."""
-    if run is None:
-        return "interrupted before the first step; nothing was trained"
-    with contextlib.suppress(CheckpointError):
-        run.writer.wait()
-    path = checkpoint.checkpoint_path(run.cfg.out_dir)
-    resume = (
-        f"resume from {path} with --init_from=resume (or auto)"
-        if os.path.isfile(path)
-        else "no checkpoint was written yet: run the same command again to start over"
-    )
-    return f"interrupted at iter {progress.iter_num}; {resume}"
 
 
 if __name__ == "__main__":

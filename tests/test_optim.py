@@ -329,3 +329,22 @@ def test_every_shipped_config_builds_its_optimizer():
         cfg = load_config([path])
         opt = build_optimizer(tiny_model(), cfg, "cpu")
         assert {g["initial_lr"] for g in opt.param_groups} <= {cfg.learning_rate, cfg.muon_lr, cfg.muon_adamw_lr}
+
+
+@pytest.mark.parametrize("optimizer", ["mars", "adamw", "muon"])
+def test_group_hyperparameters_pair_groups_by_name_not_position(optimizer):
+    """A checkpoint whose groups come in another order still gets each group's own settings."""
+    cfg = paper_config("small", optimizer)
+    expected = hyperparameters(build_optimizer(tiny_model(), cfg, "cpu"))
+    opt = build_optimizer(tiny_model(), cfg, "cpu")
+    groups = opt.param_groups
+    reordered = list(reversed(groups))
+    if isinstance(opt, ChainedOptimizer):
+        swapped = [{k: group[k] for k in ("lr", "initial_lr", "weight_decay")} for group in reordered]
+        for inner, settings in zip(opt.optimizers, swapped):  # each inner optimizer gets the other's numbers
+            inner.param_groups[0].update(settings)
+    else:
+        opt.param_groups[:] = reordered
+    group_hyperparameters(opt, cfg)
+    by_name = {g["name"]: g for g in hyperparameters(opt)}
+    assert by_name == {g["name"]: g for g in expected}

@@ -710,3 +710,15 @@ def test_ddp_gradients_stay_in_the_buckets_through_accumulation(data_path, tmp_p
         for n_storages, nbytes in report["storages"]:
             assert n_storages <= 2  # DDP's first bucket is small, the rest one: never one per parameter
             assert nbytes == report["plan_gradient_bytes"]
+
+
+def test_an_error_that_is_not_the_repositorys_keeps_its_traceback(data_path, tmp_path, monkeypatch):
+    """A ValueError or OSError from a researcher's own change is a bug to see whole, not an `error:` line."""
+    import launch
+
+    def broken_build_model(cfg, vocab_size, ckpt):
+        raise ValueError("a bug in my model change")
+
+    monkeypatch.setattr(launch, "build_model", broken_build_model)
+    with pytest.raises(ValueError, match="a bug in my model change"):
+        train.main(tiny_args(data_path, str(tmp_path / "out")))
