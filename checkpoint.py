@@ -21,6 +21,7 @@ import pickle
 import random
 import shutil
 import threading
+import weakref
 import zipfile
 
 import numpy as np
@@ -87,15 +88,60 @@ class DataclassState:
             setattr(self, f.name, state[f.name])
 
 
+_handed_over = weakref.WeakValueDictionary()  # id -> CPU tensor that hand_over gave to the next cpu_copy
+
+
+def hand_over(state):
+    """Give the CPU tensors of `state`, private copies their maker keeps no reference to (the ZeRO-1
+    optimizer's gathered state), to the next cpu_copy that meets them: it takes them as they are instead of
+    copying them again. Returns `state`. Each tensor is handed over once, so a tensor that later becomes
+    live (loaded into an optimizer, say) is copied like any other at the next save."""
+    for tensor in tensors_of(state):
+        if tensor.device.type == "cpu":
+            _handed_over[id(tensor)] = tensor
+    return state
+
+
+def tensors_of(value):
+    """Every tensor in a state tree (dicts, lists and tuples), depth first."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_of(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_of(v)
+
+
 def cpu_copy(value):
     """A deep copy of a state tree with every tensor copied to the CPU: what the background write
-    serialises while training goes on changing the live tensors (and the live lr values)."""
+    serialises while training goes on changing the live tensors (and the live lr values).
+
+    Tensors that share storage share it in the copy too, as torch.save keeps them: the tied token embedding
+    and output head are one matrix in the checkpoint, not two. Each storage is copied once and whole (what
+    torch.save writes of it anyway). The storage of a CPU tensor given to hand_over is taken as it is.
+    """
+    return _cpu_copy(value, {})
+
+
+def _cpu_copy(value, storages):
+    """cpu_copy with `storages`: (device, address) of each storage met so far -> its CPU copy."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        handed_over = _handed_over.pop(id(value), None) is value
+        storage = value.untyped_storage()
+        key = (value.device, storage.data_ptr())
+        if key not in storages:
+            if handed_over:
+                storages[key] = storage
+            else:
+                storages[key] = storage.clone() if value.device.type == "cpu" else storage.cpu()
+        copy = torch.empty(0, dtype=value.dtype)
+        return copy.set_(storages[key], value.storage_offset(), value.size(), value.stride())
     if isinstance(value, dict):
-        return {k: cpu_copy(v) for k, v in value.items()}
+        return {k: _cpu_copy(v, storages) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(cpu_copy(v) for v in value)
+        return type(value)(_cpu_copy(v, storages) for v in value)
     return value
 
 
