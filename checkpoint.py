@@ -93,25 +93,31 @@ _handed_over = weakref.WeakValueDictionary()  # id -> CPU tensor that hand_over 
 
 def hand_over(state):
     """Give the CPU tensors of `state`, private copies their maker keeps no reference to (the ZeRO-1
-    optimizer's gathered state), to the next cpu_copy that meets them: it takes them as they are instead of
-    copying them again. Returns `state`. Each tensor is handed over once, so a tensor that later becomes
-    live (loaded into an optimizer, say) is copied like any other at the next save."""
+    optimizer's gathered state), to the next cpu_copy that meets them: it takes their storage as it is
+    instead of copying it again. Returns `state`. Each tensor is handed over once, so a tensor that later
+    becomes live (loaded into an optimizer, say) is copied like any other at the next save."""
     for tensor in tensors_of(state):
         if tensor.device.type == "cpu":
             _handed_over[id(tensor)] = tensor
     return state
 
 
-def tensors_of(value):
-    """Every tensor in a state tree (dicts, lists and tuples), depth first."""
+def map_tensors(value, fn):
+    """A state tree (dicts, lists and tuples) with fn(tensor) in place of each tensor, depth first."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from tensors_of(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensors_of(v)
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+def tensors_of(value):
+    """Every tensor of a state tree, in map_tensors' order."""
+    found = []
+    map_tensors(value, found.append)
+    return found
 
 
 def cpu_copy(value):
@@ -122,27 +128,21 @@ def cpu_copy(value):
     and output head are one matrix in the checkpoint, not two. Each storage is copied once and whole (what
     torch.save writes of it anyway). The storage of a CPU tensor given to hand_over is taken as it is.
     """
-    return _cpu_copy(value, {})
+    storages = {}  # (device, address) of each storage met so far -> its CPU copy
 
-
-def _cpu_copy(value, storages):
-    """cpu_copy with `storages`: (device, address) of each storage met so far -> its CPU copy."""
-    if isinstance(value, torch.Tensor):
-        handed_over = _handed_over.pop(id(value), None) is value
-        storage = value.untyped_storage()
-        key = (value.device, storage.data_ptr())
+    def copy(tensor):
+        handed_over = _handed_over.pop(id(tensor), None) is tensor
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
         if key not in storages:
             if handed_over:
                 storages[key] = storage
             else:
-                storages[key] = storage.clone() if value.device.type == "cpu" else storage.cpu()
-        copy = torch.empty(0, dtype=value.dtype)
-        return copy.set_(storages[key], value.storage_offset(), value.size(), value.stride())
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v, storages) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v, storages) for v in value)
-    return value
+                storages[key] = storage.clone() if tensor.device.type == "cpu" else storage.cpu()
+        view = torch.empty(0, dtype=tensor.dtype)
+        return view.set_(storages[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    return map_tensors(value, copy)
 
 
 class CheckpointWriter:

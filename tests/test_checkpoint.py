@@ -149,6 +149,18 @@ def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer
     assert all(torch.equal(a, b) for a, b in zip(tensors(live), tensors(copy)))
 
 
+def test_a_handed_over_state_is_taken_once_as_it_is_and_copied_after():
+    """The ZeRO-1 optimizer's gathered state is a private host copy: the save takes it without a second copy.
+    A live CPU tensor is copied, and so is a handed-over one at the next save (it may be live by then)."""
+    gathered, live = torch.randn(8), torch.randn(8)
+    state = {"optimizer": checkpoint.hand_over({"m": gathered}), "model": {"w": live}}
+    first, second = checkpoint.cpu_copy(state), checkpoint.cpu_copy(state)
+    assert first["optimizer"]["m"].data_ptr() == gathered.data_ptr()
+    assert second["optimizer"]["m"].data_ptr() != gathered.data_ptr()
+    assert first["model"]["w"].data_ptr() != live.data_ptr()
+    assert torch.equal(second["optimizer"]["m"], gathered) and torch.equal(first["model"]["w"], live)
+
+
 def test_writer_reports_a_failed_write_at_the_next_wait(tmp_path, monkeypatch):
     def disk_full(obj, f):
         raise OSError(28, "No space left on device")
