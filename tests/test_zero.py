@@ -181,13 +181,15 @@ def worker(rank, port, report_path):
                 (p.detach().clone(), q.detach().clone())
                 for p, q in zip(model.parameters(), models[original].parameters())
             ]
+        planned = memplan.plan(cfg, WORLD_SIZE, model_args=MODEL)
         report[name] = dict(
             initial=initial,
             params=params,
             continued=continued,
             held_bytes=state_bytes(optimizers["sharded"]),
             unsharded_bytes=state_bytes(optimizers["ddp"]),
-            planned_bytes=memplan.plan(cfg, WORLD_SIZE, model_args=MODEL).rank_state_bytes[rank],
+            planned_bytes=planned.rank_state_bytes[rank],
+            planned_save_bytes=planned.save_bytes,
             sharded_state=sharded_state,
             unsharded_state=unsharded_state,
             gathering=gathered,
@@ -242,12 +244,15 @@ def test_the_sharded_checkpoint_is_the_unsharded_format(reports, name):
 def test_rank_0_gathers_the_state_one_tensor_at_a_time_into_one_host_copy(reports, name):
     """Each state tensor of the other rank's share is one message of its own size (never a whole share), rank
     0 gets host tensors apart from its live state, and the checkpoint writer's cpu_copy keeps them as they
-    are instead of copying them a second time."""
+    are instead of copying them a second time. (The CPU build cannot pin memory, so a pinned copy would not
+    show here; the code makes none: it copies with .to("cpu"), which is synchronous and pageable.)"""
     rank_0, rank_1 = reports[0][name]["gathering"], reports[1][name]["gathering"]
     assert rank_1["messages"] == [("isend", n) for n in rank_1["share_bytes"]]
     assert rank_0["messages"] == [("irecv", n) for n in rank_1["share_bytes"]]
     assert rank_0["devices"] == {"cpu"} and rank_0["apart_from_the_live_state"]
     assert rank_0["kept_by_cpu_copy"] and all(rank_0["kept_by_cpu_copy"])
+    # over NCCL each message is a buffer on rank 0's GPU: the largest is what the memory plan adds for a save
+    assert max(n for _, n in rank_0["messages"]) == reports[0][name]["planned_save_bytes"]
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
