@@ -21,6 +21,7 @@ import pickle
 import random
 import shutil
 import threading
+import weakref
 import zipfile
 
 import numpy as np
@@ -87,16 +88,61 @@ class DataclassState:
             setattr(self, f.name, state[f.name])
 
 
+_handed_over = weakref.WeakValueDictionary()  # id -> CPU tensor that hand_over gave to the next cpu_copy
+
+
+def hand_over(state):
+    """Give the CPU tensors of `state`, private copies their maker keeps no reference to (the ZeRO-1
+    optimizer's gathered state), to the next cpu_copy that meets them: it takes their storage as it is
+    instead of copying it again. Returns `state`. Each tensor is handed over once, so a tensor that later
+    becomes live (loaded into an optimizer, say) is copied like any other at the next save."""
+    for tensor in tensors_of(state):
+        if tensor.device.type == "cpu":
+            _handed_over[id(tensor)] = tensor
+    return state
+
+
+def map_tensors(value, fn):
+    """A state tree (dicts, lists and tuples) with fn(tensor) in place of each tensor, depth first."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+def tensors_of(value):
+    """Every tensor of a state tree, in map_tensors' order."""
+    found = []
+    map_tensors(value, found.append)
+    return found
+
+
 def cpu_copy(value):
     """A deep copy of a state tree with every tensor copied to the CPU: what the background write
-    serialises while training goes on changing the live tensors (and the live lr values)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(cpu_copy(v) for v in value)
-    return value
+    serialises while training goes on changing the live tensors (and the live lr values).
+
+    Tensors that share storage share it in the copy too, as torch.save keeps them: the tied token embedding
+    and output head are one matrix in the checkpoint, not two. Each storage is copied once and whole (what
+    torch.save writes of it anyway). The storage of a CPU tensor given to hand_over is taken as it is.
+    """
+    storages = {}  # (device, address) of each storage met so far -> its CPU copy
+
+    def copy(tensor):
+        handed_over = _handed_over.pop(id(tensor), None) is tensor
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if key not in storages:
+            if handed_over:
+                storages[key] = storage
+            else:
+                storages[key] = storage.clone() if tensor.device.type == "cpu" else storage.cpu()
+        view = torch.empty(0, dtype=tensor.dtype)
+        return view.set_(storages[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    return map_tensors(value, copy)
 
 
 class CheckpointWriter:

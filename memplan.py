@@ -47,9 +47,11 @@ inputs and 12V per token), the recomputation of a block (the block inputs, that 
 weight copies, the gradient buffers), and the end of the backward pass.
 
 Outside the forward and backward pass: exact MARS (is_approx=False) allocates one buffer the size of its
-MARS tensors' gradients during the step, and a checkpoint under ZeRO-1 moves each rank's state through the
-GPU as bytes (up to twice the fullest rank's state at once). The total is parameters + gradients + state +
-the largest moment of all.
+MARS tensors' gradients during the step, and a checkpoint save under ZeRO-1 gathers the state on rank 0
+tensor by tensor: over NCCL each tensor of another rank's share passes through a buffer of its size on
+rank 0's GPU, over gloo through host memory only. The largest tensor, the token embedding, is rank 0's own
+(copied straight to the host), so for GPT-2 XL that buffer is one MLP matrix's moment, 0.04 GiB. The total
+is parameters + gradients + state + the largest moment of all.
 
 The fit: a plan fits when its total is at most 90% of the GPU's memory. The other 10% is for what the plan
 does not count: the CUDA context, NCCL's buffers, cuBLAS workspaces and the caching allocator's
@@ -90,7 +92,8 @@ AUTO_DTYPE = "bfloat16"  # dtype=auto on any GPU from the A100 on
 @dataclasses.dataclass(frozen=True)
 class OptimizerLayout:
     """The run's optimizer as the plan needs it: for each torch optimizer inside (Muon's pair has two), its
-    parameter groups, each a list of (elements, state bytes, step-buffer bytes) per parameter, in order."""
+    parameter groups, each a list of (elements, state bytes, step-buffer bytes, largest state tensor's bytes)
+    per parameter, in order."""
 
     optimizers: tuple
 
@@ -119,7 +122,8 @@ def optimizer_layout(cfg, model_args):
         last_grad = state.get("last_grad")
         own_buffer = last_grad is not None and ("previous_grad" in state or last_grad.dtype != p.dtype)
         step_buffer = p.numel() * p.element_size() if own_buffer else 0
-        return p.numel(), sum(t.numel() * t.element_size() for t in tensors), step_buffer
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        return p.numel(), sum(sizes), step_buffer, max(sizes, default=0)
 
     return OptimizerLayout(
         tuple(tuple(tuple(entry(p, opt.state[p]) for p in g["params"]) for g in opt.param_groups) for opt in inner)
@@ -248,6 +252,7 @@ class MemoryPlan:
     gpu_memory_bytes: int | None
     gpu_name: str | None
     max_micro_batch: int | None  # the largest batch_size that fits (0: not even 1), None without a GPU size
+    save_bytes: int = 0  # what a checkpoint save adds to rank 0's GPU between steps: its "checkpoint save" moment
     notes: tuple = ()
 
     @property
@@ -292,7 +297,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
     activations = activations_for(model_args, dtype)
     sharded = is_sharded(cfg, world_size)
     parameters = layout.parameters
-    parameter_bytes = sum(n for n, _, _ in parameters) * 4  # float32 weights, and gradients alike
+    parameter_bytes = sum(n for n, _, _, _ in parameters) * 4  # float32 weights, and gradients alike
     if sharded:
         shares = [[] for _ in range(world_size)]
         for groups in layout.optimizers:  # Muon's pair: one ZeroRedundancyOptimizer each
@@ -300,17 +305,21 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
                 shares[rank] += entries
     else:
         shares = [parameters]
-    rank_state_bytes = tuple(sum(s for _, s, _ in share) for share in shares)
+    rank_state_bytes = tuple(sum(s for _, s, _, _ in share) for share in shares)
     state_bytes = max(rank_state_bytes)
     fullest = shares[rank_state_bytes.index(state_bytes)]
+    # A save gathers the state on rank 0 tensor by tensor (optim.ShardedOptimizer.state_dict); over NCCL each
+    # tensor of another rank's share passes through a buffer of its size on rank 0's GPU, over gloo none does.
+    staged = [largest for share in shares[1:] for _, _, _, largest in share] if cfg.backend != "gloo" else []
+    save_bytes = max(staged, default=0)
 
     def peak(micro_batch):
         """(moment, {part: bytes}): the largest moment of a step beyond parameters, gradients and state."""
         moments = dict(
             [activations.peak(micro_batch * cfg.block_size, cfg.activation_checkpointing)],
             **{
-                "optimizer step": dict(step_buffer=sum(b for _, _, b in fullest)),
-                "checkpoint save": dict(state_transfer=2 * state_bytes if sharded else 0),
+                "optimizer step": dict(step_buffer=sum(b for _, _, b, _ in fullest)),
+                "checkpoint save": dict(state_transfer=save_bytes),
             },
         )
         return max(moments.items(), key=lambda item: sum(item[1].values()))  # the first on a tie
@@ -326,7 +335,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
     moment, parts = peak(cfg.batch_size)
     return MemoryPlan(
         description=describe_optimizer(cfg),
-        n_params=sum(n for n, _, _ in parameters),
+        n_params=sum(n for n, _, _, _ in parameters),
         world_size=world_size,
         sharded=sharded,
         micro_batch=cfg.batch_size,
@@ -341,6 +350,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_name=gpu_name,
         max_micro_batch=max_micro_batch,
+        save_bytes=save_bytes,
         notes=notes,
     )
 
@@ -394,6 +404,11 @@ def format_plan(p):
     for i, (name, value) in enumerate(peak):
         lines.append(
             f"  {PART_NAMES[name]:<16} {gib(value):>11}" + (f"  (peak: the {p.peak_moment})" if i == 0 else "")
+        )
+    if p.sharded and p.peak_moment != "checkpoint save":  # else it is the peak, listed above
+        lines.append(
+            f"  {'checkpoint save':<16} {gib(p.save_bytes):>11}  (on rank 0 between steps, within the total: "
+            "the largest state tensor it gathers from another rank through its GPU)"
         )
     total = f"  total            {gib(p.total_bytes):>11}"
     if p.gpu_memory_bytes is None:

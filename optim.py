@@ -18,9 +18,12 @@ ShardedOptimizer, and each DDP rank keeps the state of about 1/world_size of the
 """
 
 import math
+from functools import partial
 
 import torch
+import torch.distributed as dist
 
+import checkpoint
 import metrics
 from mars import MARS, lr_1d_factor
 from model import hidden_matrix_params, matrix_params, param_groups
@@ -115,16 +118,35 @@ class ShardedOptimizer:
         self.zero.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        self.zero.consolidate_state_dict(to=0)
-        if self.zero.rank != 0:
+        """Collective: on rank 0 every rank's share in the unsharded format, on the other ranks None.
+
+        Each state tensor reaches rank 0's host once, one tensor at a time: over gloo straight into its host
+        tensor; over NCCL from its owner's device into a buffer of its size on rank 0's device, then to the
+        host. A save therefore adds at most the largest state tensor to rank 0's GPU (memplan's "checkpoint
+        save") and one copy of the state to its host. (torch's consolidate_state_dict moves each rank's whole
+        share through the GPU as serialized bytes and keeps two host copies of it, one pinned.)
+        """
+        zero, group = self.zero, self.zero.process_group
+        local = self.local.state_dict()
+        root = dist.get_global_rank(group, 0)
+        layouts = [None] * zero.world_size if zero.rank == 0 else None  # each rank's state, its tensors on meta
+        dist.gather_object(checkpoint.map_tensors(local, lambda t: t.to("meta")), layouts, dst=root, group=group)
+        # gloo moves host tensors, NCCL only device tensors
+        device = torch.device("cpu") if "gloo" in dist.get_backend(group) else self.param_groups[0]["params"][0].device
+        if zero.rank != 0:
+            for tensor in checkpoint.tensors_of(local):
+                transfer(dist.isend, tensor.detach().to(device).contiguous(), root, group)
             return None
-        if self.param_groups[0]["params"][0].is_cuda:
-            # consolidate_state_dict copies each rank's state to the CPU with non_blocking=True: wait for the
-            # copies before anyone reads them
-            torch.cuda.synchronize()
-        state = self.zero.state_dict()
-        self.zero._all_state_dicts = []  # the gathered copy is the caller's now: free it here
-        return state
+        gathered = [checkpoint.map_tensors(local, lambda t: t.detach().to("cpu", copy=True))]
+        for rank in range(1, zero.world_size):
+            source = dist.get_global_rank(group, rank)
+            gathered.append(
+                checkpoint.map_tensors(layouts[rank], partial(received, source=source, group=group, device=device))
+            )
+        zero._all_state_dicts = gathered  # what consolidate_state_dict leaves there, for state_dict() to merge
+        state = zero.state_dict()
+        zero._all_state_dicts = []
+        return checkpoint.hand_over(state)  # private host copies: the checkpoint writer need not copy them again
 
     def load_state_dict(self, state_dict):
         saved_groups = state_dict["param_groups"]
@@ -148,6 +170,21 @@ class ShardedOptimizer:
 
     def update_last_grad(self):
         self.local.update_last_grad()
+
+
+def transfer(op, tensor, peer, group):
+    """One isend or irecv of `tensor` with global rank `peer`, finished. Through batch_isend_irecv, which on
+    NCCL uses the group's communicator; a plain send or recv would open a new one for each pair of ranks."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]):
+        work.wait()
+
+
+def received(like, source, group, device):
+    """A host tensor shaped like the meta tensor `like`, received from global rank `source` into a buffer on
+    `device` (the buffer itself when that is the CPU)."""
+    buffer = torch.empty(like.shape, dtype=like.dtype, device=device)
+    transfer(dist.irecv, buffer, source, group)
+    return buffer.to("cpu")
 
 
 def _group_settings(cfg):

@@ -1,5 +1,6 @@
 """checkpoint.py: atomic and background saves, safe and memory-mapped loads, the RNG part."""
 
+import dataclasses
 import os
 import random
 import threading
@@ -72,6 +73,92 @@ def test_writer_saves_the_state_as_it_was_when_save_was_called(tmp_path, monkeyp
     for saved in (checkpoint.load_checkpoint(path), checkpoint.load_checkpoint(best)):
         assert torch.equal(saved["model"]["w"], torch.ones(4))
         assert saved["optimizer"]["param_groups"][0]["lr"] == 0.1
+
+
+def tensors(state):
+    """Every tensor of a state tree, depth first."""
+    if torch.is_tensor(state):
+        return [state]
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else []
+    return [t for v in values for t in tensors(v)]
+
+
+def tied_gpt(seed=0):
+    """A 1-layer GPT whose tied embedding (1024 x 32) is most of its bytes."""
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=1024))
+
+
+def test_writer_saves_the_tied_embedding_and_output_head_once_and_loads_them_tied(tmp_path):
+    model = tied_gpt()
+    sd = model.state_dict()
+    wte, head = sd["transformer.wte.weight"], sd["lm_head.weight"]
+    assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()  # one matrix in the model
+    tied_bytes = wte.numel() * wte.element_size()
+    path = str(tmp_path / "ckpt.pt")
+    writer = checkpoint.CheckpointWriter()
+    writer.save(path, {"model": sd, "model_args": dataclasses.asdict(model.config)})
+    writer.wait()
+    unique_bytes = sum(t.numel() * t.element_size() for t in model.parameters())  # the tie counted once
+    assert unique_bytes < os.path.getsize(path) < unique_bytes + tied_bytes / 4
+    saved = checkpoint.load_checkpoint(path)["model"]
+    assert (
+        saved["transformer.wte.weight"].untyped_storage().data_ptr()
+        == saved["lm_head.weight"].untyped_storage().data_ptr()
+    )
+    loaded, _ = checkpoint.load_model(path)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert torch.equal(loaded.lm_head.weight, head)
+
+
+def test_a_checkpoint_with_two_copies_of_the_tied_matrix_still_loads_tied(tmp_path):
+    """Checkpoints written before the copy kept the tie hold the embedding and the head as two equal tensors."""
+    model = tied_gpt()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}  # every entry its own storage, as they were
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, {"model": sd, "model_args": dataclasses.asdict(model.config)})
+    loaded, _ = checkpoint.load_model(path)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize("optimizer_name", ["mars", "adamw", "muon"])
+def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer_name):
+    """The model's tie is kept; the optimizer's state (which never aliases a parameter) stays apart."""
+    from configurator import TrainConfig
+    from optim import build_optimizer
+
+    model = tied_gpt()
+    cfg = dataclasses.replace(TrainConfig(), optimizer_name=optimizer_name, n_layer=1, n_head=2, n_embd=32)
+    optimizer = build_optimizer(model, cfg, "cpu")
+    x = torch.randint(0, 1024, (2, 16))
+    model(x, x)[1].backward()
+    optimizer.step()
+    live = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    copy = checkpoint.cpu_copy(live)
+
+    def storages(state):
+        return [t.untyped_storage().data_ptr() for t in tensors(state) if t.numel()]
+
+    live_storages, copied_storages = storages(live), storages(copy)
+    assert len(set(live_storages)) == len(live_storages) - 1  # the tie, and nothing else
+    assert [live_storages.index(s) for s in live_storages] == [copied_storages.index(s) for s in copied_storages]
+    assert not set(live_storages) & set(copied_storages)  # a copy: training goes on changing the live tensors
+    assert all(torch.equal(a, b) for a, b in zip(tensors(live), tensors(copy)))
+
+
+def test_a_handed_over_state_is_taken_once_as_it_is_and_copied_after():
+    """The ZeRO-1 optimizer's gathered state is a private host copy: the save takes it without a second copy.
+    A live CPU tensor is copied, and so is a handed-over one at the next save (it may be live by then)."""
+    gathered, live = torch.randn(8), torch.randn(8)
+    state = {"optimizer": checkpoint.hand_over({"m": gathered}), "model": {"w": live}}
+    first, second = checkpoint.cpu_copy(state), checkpoint.cpu_copy(state)
+    assert first["optimizer"]["m"].data_ptr() == gathered.data_ptr()
+    assert second["optimizer"]["m"].data_ptr() != gathered.data_ptr()
+    assert first["model"]["w"].data_ptr() != live.data_ptr()
+    assert torch.equal(second["optimizer"]["m"], gathered) and torch.equal(first["model"]["w"], live)
 
 
 def test_writer_reports_a_failed_write_at_the_next_wait(tmp_path, monkeypatch):

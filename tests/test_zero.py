@@ -18,9 +18,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memplan
 from bench.common import free_port
+from checkpoint import cpu_copy
 from configurator import TrainConfig
 from model import GPT, GPTConfig
-from optim import build_optimizer
+from optim import ChainedOptimizer, build_optimizer
 
 pytestmark = pytest.mark.slow
 
@@ -100,6 +101,42 @@ def saved_and_loaded(state):
     return torch.load(buffer, weights_only=True)
 
 
+def tensors(state):
+    """Every tensor of a state tree, depth first."""
+    if torch.is_tensor(state):
+        return [state]
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else []
+    return [t for v in values for t in tensors(v)]
+
+
+def gathering(optimizer):
+    """What one more state_dict() of the sharded `optimizer` sends and receives point to point, this rank's
+    share of the state, and on rank 0 where the gathered tensors live and whether cpu_copy copies them."""
+    messages, real = [], dist.batch_isend_irecv
+
+    def recording(ops):
+        messages.extend((op.op.__name__, op.tensor.numel() * op.tensor.element_size()) for op in ops)
+        return real(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        state = optimizer.state_dict()
+    finally:
+        dist.batch_isend_irecv = real
+    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    share = [t for opt in inner for t in tensors(opt.local.state_dict())]
+    report = dict(messages=messages, share_bytes=[t.numel() * t.element_size() for t in share])
+    if dist.get_rank() == 0:
+        gathered = tensors(state)
+        live = {t.untyped_storage().data_ptr() for t in share}
+        report.update(
+            devices={t.device.type for t in gathered},
+            apart_from_the_live_state=not live & {t.untyped_storage().data_ptr() for t in gathered},
+            kept_by_cpu_copy=[a.data_ptr() == b.data_ptr() for a, b in zip(gathered, tensors(cpu_copy(state)))],
+        )
+    return report
+
+
 def worker(rank, port, report_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -124,6 +161,7 @@ def worker(rank, port, report_path):
         # as checkpoints hold them (the live state dicts share tensors with the optimizers, which train on)
         sharded_state = saved_and_loaded(optimizers["sharded"].state_dict())  # collective: rank 0's is all
         unsharded_state = saved_and_loaded(optimizers["ddp"].state_dict())
+        gathered = gathering(optimizers["sharded"])
 
         # Checkpoint and resume both ways: a sharded optimizer from the unsharded state, an unsharded one from
         # the sharded state (rank 0's, as a checkpoint holds it); each continues as the original does.
@@ -143,15 +181,18 @@ def worker(rank, port, report_path):
                 (p.detach().clone(), q.detach().clone())
                 for p, q in zip(model.parameters(), models[original].parameters())
             ]
+        planned = memplan.plan(cfg, WORLD_SIZE, model_args=MODEL)
         report[name] = dict(
             initial=initial,
             params=params,
             continued=continued,
             held_bytes=state_bytes(optimizers["sharded"]),
             unsharded_bytes=state_bytes(optimizers["ddp"]),
-            planned_bytes=memplan.plan(cfg, WORLD_SIZE, model_args=MODEL).rank_state_bytes[rank],
+            planned_bytes=planned.rank_state_bytes[rank],
+            planned_save_bytes=planned.save_bytes,
             sharded_state=sharded_state,
             unsharded_state=unsharded_state,
+            gathering=gathered,
         )
     torch.save(report, f"{report_path}.{rank}")
     dist.destroy_process_group()
@@ -197,6 +238,21 @@ def test_the_sharded_checkpoint_is_the_unsharded_format(reports, name):
     sharded, unsharded = reports[0][name]["sharded_state"], reports[0][name]["unsharded_state"]
     assert_same_structure(sharded, unsharded)
     assert reports[1][name]["sharded_state"] in (None, {"optimizers": [None, None]})  # gathered on rank 0 only
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_rank_0_gathers_the_state_one_tensor_at_a_time_into_one_host_copy(reports, name):
+    """Each state tensor of the other rank's share is one message of its own size (never a whole share), rank
+    0 gets host tensors apart from its live state, and the checkpoint writer's cpu_copy keeps them as they
+    are instead of copying them a second time. (The CPU build cannot pin memory, so a pinned copy would not
+    show here; the code makes none: it copies with .to("cpu"), which is synchronous and pageable.)"""
+    rank_0, rank_1 = reports[0][name]["gathering"], reports[1][name]["gathering"]
+    assert rank_1["messages"] == [("isend", n) for n in rank_1["share_bytes"]]
+    assert rank_0["messages"] == [("irecv", n) for n in rank_1["share_bytes"]]
+    assert rank_0["devices"] == {"cpu"} and rank_0["apart_from_the_live_state"]
+    assert rank_0["kept_by_cpu_copy"] and all(rank_0["kept_by_cpu_copy"])
+    # over NCCL each message is a buffer on rank 0's GPU: the largest is what the memory plan adds for a save
+    assert max(n for _, n in rank_0["messages"]) == reports[0][name]["planned_save_bytes"]
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
