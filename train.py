@@ -558,8 +558,11 @@ def exit_status(e, cfg, dist_info, run, progress):
             if run is not None:
                 with contextlib.suppress(CheckpointError):
                     run.writer.wait()  # a save in flight is the newest checkpoint
-            where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
-            print(f"interrupted {where}; {launch.resume_advice(cfg)}", file=sys.stderr)
+            if cfg is None:  # while reading the configuration
+                print("interrupted before the run started", file=sys.stderr)
+            else:
+                where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
+                print(f"interrupted {where}; {launch.resume_advice(cfg)}", file=sys.stderr)
         return 130
     if is_collective_timeout(e, dist_info):
         print(
