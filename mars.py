@@ -1,4 +1,5 @@
-"""MARS: Make vAriance Reduction Shine (Yuan et al. 2024, arXiv:2411.10438) as a torch optimizer.
+"""MARS: Make vAriance Reduction Shine (Yuan et al. 2024, arXiv:2411.10438) as a torch optimizer, with the
+authors' matrix-level instance MARS-M (Liu et al. 2025, arXiv:2510.21800).
 
 Self-contained: imports nothing from this repository, so the file can be copied into any project.
 
@@ -23,10 +24,13 @@ import math
 
 import torch
 
-MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo")
+MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo", "mars-m")
 # Which tensors take the MARS rule when optimize_1d=False: "2d" exactly the 2-D ones (the paper's code;
-# convolution kernels and other N-D tensors get the AdamW rule), "nd" every tensor with 2 or more dims.
-ROUTINGS = ("2d", "nd")
+# convolution kernels and other N-D tensors get the AdamW rule), "nd" every tensor with 2 or more dims,
+# "none" no tensor (a group of embeddings and head that trains with the AdamW part, as MARS-M's code does).
+ROUTINGS = ("2d", "nd", "none")
+# The rules whose direction is Newton-Schulz of m: mars-shampoo's and mars-m's (_orthogonal_direction).
+_NEWTON_SCHULZ_RULES = ("newton-schulz", "newton-schulz-rms")
 
 # Quintic Newton-Schulz coefficients (a, b, c) of the paper's MARS-Shampoo (the same as Muon's).
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -65,7 +69,7 @@ def newton_schulz(G, steps=5, eps=1e-7, dtype=None):
 
 
 class MARS(torch.optim.Optimizer):
-    r"""MARS (Algorithm 1 of arXiv:2411.10438) with the AdamW, Lion and Shampoo instances.
+    r"""MARS (Algorithm 1 of arXiv:2411.10438) with the AdamW, Lion and Shampoo instances, and MARS-M.
 
     For a parameter tensor x with gradient g_t at step t (from 1) and the group's current lr η_t:
 
@@ -82,12 +86,23 @@ class MARS(torch.optim.Optimizer):
         \text{mars-lion:}\; u_t &= \operatorname{sign}(m_t) \\
         \text{mars-shampoo (2-D):}\; u_t &= \mathrm{NS}\big(m_t / (1-\beta_1)\big)
             \sqrt{\max(1, \text{rows}/\text{cols})} \quad (\text{other tensors: the mars-adamw } u_t) \\
+        \text{mars-m (2-D):}\; u_t &= 0.2 \sqrt{\max(\text{rows}, \text{cols})}\; \mathrm{NS}(m_t)
+            \quad (\text{other tensors: the mars-adamw } u_t) \\
         x &\leftarrow x - \eta_t (u_t + \lambda x)
 
     Other tensors (with ``optimize_1d=False``): AdamW on the raw gradient with ``betas_1d``,
     ``eps``, weight decay ``weight_decay_1d`` and lr η_t · lr_1d / lr, where lr and lr_1d are the group's
     values at construction (kept in the group as ``lr_1d_factor``), so lr_1d follows the schedule's shape.
-    ``amsgrad`` applies to these tensors too, as in the paper's code.
+    ``amsgrad`` applies to these tensors too, as in the paper's code. Their AdamW adds eps to the
+    bias-corrected sqrt(v̂), as torch.optim.AdamW; ``eps_1d_uncorrected=True`` adds it to sqrt(v) before
+    the correction, as MARS-M's reference code: m̂ / (sqrt(v̂) + eps / sqrt(1-β2^t)).
+
+    MARS-M (``mars_type="mars-m"``), as its reference code (MARS_M/optimizers/mars_m.py): Newton-Schulz
+    normalises m itself (any factor of m cancels, so m is not bias-corrected) with its own normaliser 1e-7,
+    and the factor 0.2 sqrt(max(rows, cols)) gives the update the RMS of an AdamW update (Liu et al. 2025,
+    "Muon is Scalable for LLM Training"), so lr and weight decay are on AdamW's scale. Its reference trains
+    the embeddings, the head and every 1-D tensor with the AdamW part at the same lr and weight decay:
+    put those in a group with ``routing="none"``, lr_1d=lr and weight_decay_1d=weight_decay.
 
     g_{t-1} is the previous step's gradient (approximate MARS, ``is_approx=True``), or ∇f(x_{t-1}, ξ_t)
     supplied by the loop (exact MARS): after a backward pass on the NEXT batch at the current parameters
@@ -98,9 +113,10 @@ class MARS(torch.optim.Optimizer):
     sees the gradient before scaler.step() unscales it (and a non-finite one is not kept). A tensor with a
     gradient in step() but none in the look-ahead pass takes its own gradient as g_{t-1}.
 
-    Difference from the paper's reference code: there ``last_grad`` starts at zero, so its first step
-    uses c_1 = (1 + γβ1/(1-β1)) g_1. Here the correction is zero at t = 1 (c_1 = g_1), as Algorithm 1's
-    x_0 = x_1 implies. Once ‖c_1‖ > 1 the clip makes the two identical.
+    Difference from the paper's reference code (MARS's and MARS-M's): there ``last_grad`` starts at zero, so
+    its first step uses c_1 = (1 + γβ1/(1-β1)) g_1. Here the correction is zero at t = 1 (c_1 = g_1), as
+    x_1 = x_0 in Algorithm 1 (MARS) and Algorithm 2 (MARS-M) implies. Once ‖g_1‖ >= 1 the clip makes the
+    two identical.
 
     State per tensor: 'step' (a float32 0-d tensor on the parameter's device, advanced on the device, so
     no step reads a number back from it), 'exp_avg' (m), 'exp_avg_sq' (v, where the rule uses it),
@@ -117,18 +133,22 @@ class MARS(torch.optim.Optimizer):
         lr: learning rate η of MARS-handled tensors (default 3e-3); a number or a 0-d tensor (a schedule
             may write either into group['lr']; a tensor stays on the device).
         betas: (β1, β2) for m and v (default (0.95, 0.99)).
-        eps: added to the AdamW denominator; also Newton-Schulz's normaliser; must be > 0 (default 1e-8).
+        eps: added to the AdamW denominator; also mars-shampoo's Newton-Schulz normaliser (mars-m's is 1e-7,
+            its reference's); must be > 0 (default 1e-8).
         weight_decay: decoupled weight decay λ of MARS-handled tensors (default 0).
         amsgrad: use the running maximum of v in the denominator (default False).
         gamma: γ, the strength of the variance-reduction correction (default 0.025).
         is_approx: True uses the previous step's gradient as g_{t-1}; False expects the exact protocol.
-        mars_type: "mars-adamw", "mars-lion" or "mars-shampoo".
+        mars_type: "mars-adamw", "mars-lion", "mars-shampoo" or "mars-m".
         optimize_1d: apply MARS to every tensor (default False: only those `routing` names; the rest AdamW).
         routing: "2d" (default, as the paper's code): exactly the 2-D tensors take MARS, so a convolution's
-            4-D kernel gets AdamW; "nd": every tensor with 2 or more dimensions takes MARS.
+            4-D kernel gets AdamW; "nd": every tensor with 2 or more dimensions takes MARS; "none": every
+            tensor of the group takes the AdamW part (with optimize_1d=False).
         lr_1d: AdamW lr of the other tensors at construction (default 3e-3).
         betas_1d: AdamW betas of the other tensors (default (0.9, 0.95)).
         weight_decay_1d: AdamW weight decay of the other tensors (default 0.1).
+        eps_1d_uncorrected: the other tensors' AdamW adds eps to sqrt(v) before the bias correction, as
+            MARS-M's reference code (default False: to sqrt(v̂), as torch.optim.AdamW and its fused kernel).
         last_grad_dtype: dtype of the stored previous gradient g_{t-1} (None: the parameter's). bfloat16
             halves its memory; the update itself still computes in the parameter's precision.
         foreach: None or True use the multi-tensor path; False the single-tensor reference.
@@ -153,6 +173,7 @@ class MARS(torch.optim.Optimizer):
         lr_1d=3e-3,
         betas_1d=(0.9, 0.95),
         weight_decay_1d=0.1,
+        eps_1d_uncorrected=False,
         last_grad_dtype=None,
         foreach=None,
         fused=None,
@@ -171,6 +192,7 @@ class MARS(torch.optim.Optimizer):
             lr_1d=lr_1d,
             betas_1d=betas_1d,
             weight_decay_1d=weight_decay_1d,
+            eps_1d_uncorrected=eps_1d_uncorrected,
             last_grad_dtype=last_grad_dtype,
             foreach=foreach,
             fused=fused,
@@ -223,6 +245,8 @@ class MARS(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group, path in zip(self.param_groups, paths):
             group.update(path)
+            for key, value in self.defaults.items():  # a checkpoint written before the key existed
+                group.setdefault(key, value)
         # Optimizer.load_state_dict casts every floating-point state tensor to its parameter's dtype and
         # leaves 'step' where it was saved; MARS keeps some tensors in another dtype (float32 v of float16
         # parameters, last_grad_dtype) and every step on its parameter's device.
@@ -237,7 +261,8 @@ class MARS(torch.optim.Optimizer):
 
     @staticmethod
     def _is_mars_tensor(p, group):
-        return group["optimize_1d"] or p.ndim == 2 or (group["routing"] == "nd" and p.ndim > 2)
+        routing = group["routing"]
+        return group["optimize_1d"] or (routing != "none" and (p.ndim == 2 or (routing == "nd" and p.ndim > 2)))
 
     @torch.no_grad()
     def update_previous_grad(self, inverse_scale=None):
@@ -381,6 +406,7 @@ class MARS(torch.optim.Optimizer):
                     beta2=group["betas_1d"][1],
                     weight_decay=group["weight_decay_1d"],
                     eps=group["eps"],
+                    eps_uncorrected=group["eps_1d_uncorrected"],
                 )
         return loss
 
@@ -411,7 +437,7 @@ def _validate(hp):
         if not (is_number or is_scalar_tensor) or not 0.0 <= float(value) < math.inf:
             allowed = "a finite number >= 0" + (" or a 0-d floating tensor" if name == "lr" else "")
             raise ValueError(f"invalid {name}: {value!r} (must be {allowed})")
-    for name in ("amsgrad", "is_approx", "optimize_1d"):
+    for name in ("amsgrad", "is_approx", "optimize_1d", "eps_1d_uncorrected"):
         if not isinstance(hp[name], bool):
             raise ValueError(f"invalid {name}: {hp[name]!r} (must be True or False)")
     for name in ("betas", "betas_1d"):
@@ -426,6 +452,11 @@ def _validate(hp):
         raise ValueError(f"invalid mars_type: {hp['mars_type']!r} (allowed: {', '.join(MARS_TYPES)})")
     if hp["routing"] not in ROUTINGS:
         raise ValueError(f"invalid routing: {hp['routing']!r} (allowed: {', '.join(ROUTINGS)})")
+    if hp["routing"] == "none" and hp["optimize_1d"]:
+        raise ValueError(
+            'invalid routing="none" with optimize_1d=True: optimize_1d gives every tensor the MARS rule, '
+            '"none" gives none of them; set one of the two'
+        )
     dtype = hp["last_grad_dtype"]
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"invalid last_grad_dtype: {dtype!r} (must be None or a floating torch.dtype)")
@@ -444,11 +475,14 @@ def _check_dense(grad):
 
 
 def _rule(p, mars_type):
-    """The update direction a MARS-handled tensor takes: "adamw", "lion" or "newton-schulz"."""
+    """The update direction a MARS-handled tensor takes: "adamw", "lion", "newton-schulz" (mars-shampoo's)
+    or "newton-schulz-rms" (mars-m's)."""
     if mars_type == "mars-lion":
         return "lion"
     if mars_type == "mars-shampoo":
         return "newton-schulz" if p.ndim == 2 else "adamw"  # the tensors Newton-Schulz cannot take: AdamW's
+    if mars_type == "mars-m":
+        return "newton-schulz-rms" if p.ndim == 2 else "adamw"
     if mars_type == "mars-adamw":
         return "adamw"
     # A group's value written after construction (the constructor validates it).
@@ -507,7 +541,7 @@ def _single_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, 
         )
 
 
-def _single_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay):
+def _single_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay, eps_uncorrected):
     for p, state in entries:
         device_lr = _lr_on(lr, p.device)
         step_size, bias_correction2_rsqrt = _adam_scalars([state["step"]], device_lr, beta1, beta2, p.dtype)
@@ -524,6 +558,7 @@ def _single_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay):
             beta2=beta2,
             eps=eps,
             weight_decay=weight_decay,
+            eps_uncorrected=eps_uncorrected,
         )
 
 
@@ -579,28 +614,31 @@ def _mars_tensor_step(
         )
     else:
         m.lerp_(c, 1 - beta1)  # m_t = β1 m_{t-1} + (1 - β1) c̃_t
-        if rule == "lion":
-            u = m.sign()
-        else:
-            u = newton_schulz(m / (1 - beta1), eps=eps) * math.sqrt(max(1.0, p.size(0) / p.size(1)))
+        u = m.sign() if rule == "lion" else _orthogonal_direction(m, rule, beta1=beta1, eps=eps)
         p.sub_(lr * (u + weight_decay * p))
     if keep_grad:
         g_prev.copy_(g)
 
 
-def _adamw_tensor_step(p, x, m, v, v_max, lr, step_size, bias_correction2_rsqrt, *, beta1, beta2, eps, weight_decay):
+def _adamw_tensor_step(
+    p, x, m, v, v_max, lr, step_size, bias_correction2_rsqrt, *, beta1, beta2, eps, weight_decay, eps_uncorrected=False
+):
     """AdamW on input x (c̃ for MARS tensors, g for the others); v_max is None without amsgrad.
 
     m_t = β1 m + (1-β1) x, v_t = β2 v + (1-β2) x², p ← p - lr (m̂ / (sqrt(v̂) + eps) + λ p) with
     m̂ = m / (1-β1^t), v̂ = v / (1-β2^t): the update of torch.optim.AdamW, which is why its fused kernel can
     take it. As there, the bias corrections come folded into two scalars (_adam_scalars), so each element
-    costs one sqrt and one division.
+    costs one sqrt and one division. eps_uncorrected: (sqrt(v) + eps) / sqrt(1-β2^t) in the denominator,
+    MARS-M's reference AdamW.
     """
     m.lerp_(x.to(m.dtype), 1 - beta1)
     v.mul_(beta2).addcmul_(x, x, value=1 - beta2)
     if v_max is not None:
         v = v_max.copy_(torch.maximum(v_max, v))
-    denom = v.sqrt() * bias_correction2_rsqrt + eps  # sqrt(v̂) + eps
+    if eps_uncorrected:
+        denom = (v.sqrt() + eps) * bias_correction2_rsqrt
+    else:
+        denom = v.sqrt() * bias_correction2_rsqrt + eps  # sqrt(v̂) + eps
     p.sub_(lr * weight_decay * p + step_size * m / denom)
 
 
@@ -637,7 +675,7 @@ def _multi_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, g
         torch._foreach_clamp_min_(norms, 1.0)
         torch._foreach_div_(c, norms)  # clip to Frobenius norm <= 1
 
-        for rule in ("lion", "newton-schulz", "adamw"):
+        for rule in ("lion", *_NEWTON_SCHULZ_RULES, "adamw"):
             picked = [i for i, r in enumerate(bucket_rules) if r == rule]
             if not picked:
                 continue
@@ -653,17 +691,17 @@ def _multi_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, g
                 torch._foreach_sign_(sub_c)
                 _foreach_apply_update([p for p, _ in sub], sub_c, device_lr, weight_decay)
             else:
-                _newton_schulz_update(sub, device_lr, beta1=beta1, eps=eps, weight_decay=weight_decay)
+                _newton_schulz_update(sub, device_lr, rule, beta1=beta1, eps=eps, weight_decay=weight_decay)
         if is_approx:
             torch._foreach_copy_(last_grads, grads)
 
 
-def _multi_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay):
+def _multi_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay, eps_uncorrected):
     for bucket, _ in _by_device_and_dtype(entries):
         grads = [p.grad for p, _ in bucket]
-        _foreach_adamw(
-            bucket, grads, _lr_on(lr, bucket[0][0].device), beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
-        )
+        device_lr = _lr_on(lr, bucket[0][0].device)
+        hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, eps_uncorrected=eps_uncorrected)
+        _foreach_adamw(bucket, grads, device_lr, **hyper)
 
 
 def _by_device_and_dtype(entries, rules=None):
@@ -691,15 +729,28 @@ def _foreach_apply_update(params, updates, lr, weight_decay):
         torch._foreach_add_(params, updates, alpha=-lr)
 
 
-def _newton_schulz_update(entries, lr, *, beta1, eps, weight_decay):
-    """The mars-shampoo rule on 2-D tensors (m already updated), one batched Newton-Schulz per shape."""
+def _newton_schulz_update(entries, lr, rule, *, beta1, eps, weight_decay):
+    """A Newton-Schulz rule on 2-D tensors (m already updated), one batched Newton-Schulz per shape."""
     by_shape = {}
     for entry in entries:
         by_shape.setdefault(tuple(entry[0].shape), []).append(entry)
-    for (rows, cols), same_shape in by_shape.items():
-        momenta = torch.stack([state["exp_avg"] for _, state in same_shape]).div_(1 - beta1)
-        u = newton_schulz(momenta, eps=eps).mul_(math.sqrt(max(1.0, rows / cols)))
+    for same_shape in by_shape.values():
+        momenta = torch.stack([state["exp_avg"] for _, state in same_shape])
+        u = _orthogonal_direction(momenta, rule, beta1=beta1, eps=eps)
         _foreach_apply_update([p for p, _ in same_shape], list(u.unbind(0)), lr, weight_decay)
+
+
+def _orthogonal_direction(m, rule, *, beta1, eps):
+    """u_t of a Newton-Schulz rule for matrix m, or for a stack of same-shape matrices (leading dimension).
+
+    newton-schulz (mars-shampoo): NS(m / (1-β1)) sqrt(max(1, rows/cols)), normaliser eps.
+    newton-schulz-rms (mars-m): 0.2 sqrt(max(rows, cols)) NS(m), normaliser 1e-7, as MARS-M's reference code;
+    NS divides m by its norm, so m needs no bias correction, and the factor gives the update AdamW's RMS.
+    """
+    rows, cols = m.shape[-2:]
+    if rule == "newton-schulz":
+        return newton_schulz(m / (1 - beta1), eps=eps) * math.sqrt(max(1.0, rows / cols))
+    return newton_schulz(m) * (0.2 * math.sqrt(max(rows, cols)))
 
 
 # Devices whose torch build has the fused AdamW kernel (torch.optim.AdamW(fused=True)'s).
@@ -728,9 +779,10 @@ def _is_dense(t):
     return t.permute(order).is_contiguous()
 
 
-def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay):
-    """AdamW on inputs xs: torch's fused kernel on the tensors it can take, the reference on the rest."""
-    takes = [_fused_adamw_can_take(p, x, state) for (p, state), x in zip(entries, xs)]
+def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay, eps_uncorrected=False):
+    """AdamW on inputs xs: torch's fused kernel on the tensors it can take, the reference on the rest (all of
+    them with eps_uncorrected, which the kernel cannot compute)."""
+    takes = [not eps_uncorrected and _fused_adamw_can_take(p, x, state) for (p, state), x in zip(entries, xs)]
     fused = [(entry, x) for entry, x, ok in zip(entries, xs, takes) if ok]
     if fused:
         states = [state for (_, state), _ in fused]
@@ -767,6 +819,7 @@ def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay):
                 beta2=beta2,
                 eps=eps,
                 weight_decay=weight_decay,
+                eps_uncorrected=eps_uncorrected,
             )
 
 
@@ -807,11 +860,10 @@ def _simdlen(p, g_prev):
 
 def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, is_approx):
     hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, gamma=gamma)
-    newton_schulz_entries = [entry for entry, rule in zip(entries, rules) if rule == "newton-schulz"]
-    if newton_schulz_entries:
-        rules_ns = ["newton-schulz"] * len(newton_schulz_entries)
-        _multi_tensor_mars(newton_schulz_entries, rules_ns, lr=lr, is_approx=is_approx, **hyper)
-    compiled = [(entry, rule) for entry, rule in zip(entries, rules) if rule != "newton-schulz"]
+    newton_schulz = [(entry, rule) for entry, rule in zip(entries, rules) if rule in _NEWTON_SCHULZ_RULES]
+    if newton_schulz:  # not compiled: the multi-tensor path batches Newton-Schulz
+        _multi_tensor_mars(*map(list, zip(*newton_schulz)), lr=lr, is_approx=is_approx, **hyper)
+    compiled = [(entry, rule) for entry, rule in zip(entries, rules) if rule not in _NEWTON_SCHULZ_RULES]
     if not compiled:
         return
     limits = dict(recompile_limit=_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)

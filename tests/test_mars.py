@@ -66,6 +66,8 @@ def spec_step(x, g, g_prev, st, t, lr, hp):
             u = spec_newton_schulz(st["m"] / (1 - beta1), hp["eps"], torch.float64) * math.sqrt(
                 max(1, x.shape[0] / x.shape[1])
             )
+        elif hp["mars_type"] == "mars-m" and x.dim() == 2:  # tests/test_mars_m.py: against its reference code
+            u = spec_newton_schulz(st["m"], 1e-7, torch.float64) * 0.2 * math.sqrt(max(x.shape))
         else:
             u = spec_adam(st, c, beta1, beta2, t, hp)
         return x - lr * (u + hp["weight_decay"] * x)
@@ -856,7 +858,9 @@ def test_bfloat16_parameters_keep_bfloat16_state(mars_type, path):
             assert key == "step" or value.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("mars_type,per_tensor", [("mars-adamw", 3), ("mars-lion", 2), ("mars-shampoo", 2)])
+@pytest.mark.parametrize(
+    "mars_type,per_tensor", [("mars-adamw", 3), ("mars-lion", 2), ("mars-shampoo", 2), ("mars-m", 2)]
+)
 def test_state_holds_what_the_rule_needs(mars_type, per_tensor):
     params = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(3))]
     for p in params:
