@@ -332,7 +332,9 @@ def resume_advice(cfg):
     path = checkpoint.checkpoint_path(cfg.out_dir)
     if os.path.isfile(path):
         return f"resume from {path} with --init_from=resume (or auto)"
-    return "no checkpoint was written yet: run the same command again to start over"
+    if cfg.init_from == "auto" or cfg.overwrite:  # a relaunch starts over by itself
+        return "no checkpoint was written yet: run the same command again to start over"
+    return "no checkpoint was written yet: start over with --overwrite=True (or --init_from=auto)"
 
 
 def checkpoint_copies(cfg, it, is_best):
