@@ -370,7 +370,9 @@ MUON_KEYS = ("muon_lr", "muon_adamw_lr", "muon_matrices")
 
 def unused_keys(cfg):
     """The TrainConfig keys cfg's optimizer does not read (Muon's AdamW part takes muon_adamw_lr, not
-    learning_rate)."""
+    learning_rate); another config class answers with its own unused_keys()."""
+    if hasattr(cfg, "unused_keys"):
+        return cfg.unused_keys()
     return {
         "mars": set(MUON_KEYS),
         "adamw": set(MARS_KEYS + MUON_KEYS),

@@ -40,6 +40,10 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError)
 # The parts of a run a checkpoint holds, by name (train.checkpoint_parts maps them to the run's objects).
 CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress")
 
+# The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
+# unless told to.
+RUN_FILE_NAMES = (checkpoint.CKPT_NAME, checkpoint.BEST_NAME, metrics.FILE_NAME)
+
 
 def load_data(cfg):
     data_dir = os.path.join(cfg.data_path, cfg.dataset)
@@ -50,24 +54,23 @@ def load_data(cfg):
     return train_data, val_data, vocab_size
 
 
-def run_files(out_dir):
-    """The files in out_dir that belong to a run: its checkpoints and its metrics."""
-    names = [checkpoint.CKPT_NAME, checkpoint.BEST_NAME, metrics.FILE_NAME]
+def run_files(out_dir, names=RUN_FILE_NAMES):
+    """The files in out_dir that belong to a run: its checkpoints and its metrics (those of `names` there are)."""
     found = [os.path.join(out_dir, n) for n in names if os.path.isfile(os.path.join(out_dir, n))]
     return found + sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
 
 
-def resolve_init_from(cfg):
+def resolve_init_from(cfg, names=RUN_FILE_NAMES):
     """init_from as this launch means it: 'auto' becomes 'resume' when out_dir holds ckpt.pt, else 'scratch'.
 
-    A fresh start (anything but resume) into an out_dir that holds a run is refused unless overwrite is
-    set: a relaunch that forgot --init_from=resume must not erase days of training.
+    A fresh start (anything but resume) into an out_dir that holds a run (run_files with `names`) is refused
+    unless overwrite is set: a relaunch that forgot --init_from=resume must not erase days of training.
     """
     has_checkpoint = os.path.isfile(os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
     init_from = cfg.init_from
     if init_from == "auto":
         init_from = "resume" if has_checkpoint else "scratch"
-    previous = run_files(cfg.out_dir)
+    previous = run_files(cfg.out_dir, names)
     if cfg.init_from == "auto" and not has_checkpoint:
         previous = []  # a run killed before its first checkpoint: nothing to keep
     if init_from != "resume" and previous and not cfg.overwrite:
@@ -99,15 +102,16 @@ def resolve_run(cfg, dist_info):
     return cfg, ckpt
 
 
-def prepare_out_dir(cfg, ckpt):
+def prepare_out_dir(cfg, ckpt, at=None):
     """Rank 0, once every check has passed: what a killed save left goes, --overwrite=True removes the old
-    run, and a resume says where it continues and what its configuration changes."""
+    run, and a resume says where it continues (`at`; by default the checkpoint's iteration) and what its
+    configuration changes."""
     remove_stale_temporaries(cfg.out_dir)
     if cfg.overwrite and cfg.init_from != "resume":
         remove_previous_run(cfg)
     if ckpt is not None:
-        path, it = checkpoint.checkpoint_path(cfg.out_dir), ckpt["progress"]["iter_num"]
-        print(f"resuming {path} at iter {it:,}", flush=True)
+        at = at or f"iter {ckpt['progress']['iter_num']:,}"
+        print(f"resuming {checkpoint.checkpoint_path(cfg.out_dir)} at {at}", flush=True)
         for line in config_changes(ckpt["config"], cfg):
             print(line, flush=True)
 
@@ -122,16 +126,28 @@ def load_resume_checkpoint(cfg, device_type):
             f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
             f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
         )
-    unused = unused_keys(cfg)  # e.g. mars_type in a Muon run: nothing to keep fixed
-    for key in [key for key in fixed_keys() if key not in unused]:
-        new = getattr(cfg, key)
-        old = saved_value(ckpt["config"], key, new)
-        if old != new:
-            raise CheckpointError(
-                f"{path} was trained with {key}={old!r} but the config gives {key}={new!r}; a resumed run cannot "
-                f"change {key}: resume with --{key}={old!r}, or start a new run in a new out_dir"
-            )
+    changed = fixed_changes(ckpt["config"], cfg)
+    if changed:
+        key, old, new = changed[0]
+        raise CheckpointError(
+            f"{path} was trained with {key}={old!r} but the config gives {key}={new!r}; a resumed run cannot "
+            f"change {key}: resume with --{key}={old!r}, or start a new run in a new out_dir"
+        )
     return ckpt
+
+
+def fixed_changes(saved, cfg):
+    """(key, saved value, new value) for each key of cfg's class declared fixed=True that cfg changes from the
+    checkpoint's configuration `saved`: the resume rule. Every other key may change (config_changes names
+    them), and so may a fixed key this run's optimizer does not read (mars_type in a Muon run)."""
+    unused = unused_keys(cfg)
+    changes = []
+    for key in fixed_keys(type(cfg)):
+        new = getattr(cfg, key)
+        old = saved_value(saved, key, new)
+        if old != new and key not in unused:
+            changes.append((key, old, new))
+    return changes
 
 
 def saved_value(saved, key, new):

@@ -204,17 +204,18 @@ def _group_settings(cfg):
     return {"decay": dict(shared, weight_decay=cfg.weight_decay), "no_decay": dict(shared, weight_decay=0.0)}
 
 
-def _with_settings(name, params, settings):
+def with_settings(name, params, settings):
     """A parameter group as build_optimizer makes it: its name, its settings and its peak lr ('initial_lr')."""
     return dict(params=params, name=name, **settings[name], initial_lr=settings[name]["lr"])
 
 
-def group_hyperparameters(optimizer, cfg):
+def group_hyperparameters(optimizer, cfg, settings=None):
     """Write every hyperparameter cfg sets into optimizer's groups after load_state_dict, which restores
     the checkpoint's: lr and 'initial_lr' (the peak), weight decays, betas, MARS's gamma and 1-D settings,
     each group by its name. set_lr then schedules the lr. Optimizer-internal constants (eps, Muon's
-    momentum) stay."""
-    settings = _group_settings(cfg)
+    momentum) stay. `settings`: each group's hyperparameters by its name, for an optimizer another trainer
+    builds (vision/train_cifar.py); by default those build_optimizer gives a TrainConfig's groups."""
+    settings = _group_settings(cfg) if settings is None else settings
     groups = optimizer.param_groups
     if len(groups) != len(settings):
         raise ValueError(f"{cfg.optimizer_name} has {len(settings)} parameter groups, this optimizer {len(groups)}")
@@ -230,7 +231,7 @@ def group_hyperparameters(optimizer, cfg):
             group["lr_1d_factor"] = lr_1d_factor(setting["lr"], setting["lr_1d"])
 
 
-def load_state(optimizer, state, cfg):
+def load_state(optimizer, state, cfg, settings=None):
     """A checkpoint's optimizer state under this run's configuration: load_state_dict restores the moments,
     the step counts and each group's saved settings; group_hyperparameters then writes cfg's settings on top,
     so a resume with --learning_rate=1e-4 trains at 1e-4. Groups saved before they had names take the names
@@ -239,7 +240,7 @@ def load_state(optimizer, state, cfg):
     optimizer.load_state_dict(state)
     for group, name in zip(optimizer.param_groups, names):
         group.setdefault("name", name)
-    group_hyperparameters(optimizer, cfg)
+    group_hyperparameters(optimizer, cfg, settings)
 
 
 def is_sharded(cfg, world_size):
@@ -268,16 +269,16 @@ def build_optimizer(model, cfg, device_type, world_size=1):
         optimizer = ChainedOptimizer(
             make(
                 torch.optim.Muon,
-                [_with_settings("muon", muon_params, settings)],
+                [with_settings("muon", muon_params, settings)],
                 momentum=0.95,
                 nesterov=True,
                 adjust_lr_fn="original",
             ),
-            make(torch.optim.AdamW, [_with_settings("adamw", adamw_params, settings)], fused=fused),
+            make(torch.optim.AdamW, [with_settings("adamw", adamw_params, settings)], fused=fused),
         )
     else:
         decay, no_decay = (group["params"] for group in param_groups(model, cfg.weight_decay))
-        groups = [_with_settings("decay", decay, settings), _with_settings("no_decay", no_decay, settings)]
+        groups = [with_settings("decay", decay, settings), with_settings("no_decay", no_decay, settings)]
         if cfg.optimizer_name == "mars":
             optimizer = make(
                 MARS,

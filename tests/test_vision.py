@@ -757,3 +757,66 @@ def test_run_cifar_sh_help_and_a_wrong_dataset(tmp_path):
     # a config file (named from the repository root, where the runs start) is not a dataset, and is passed on
     result = subprocess.run(["bash", script, "adamw", "pyproject.toml"], env=env, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.split()[-1] == "pyproject.toml", result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runs and out_dir: launch.py's policy, as train.py applies it
+
+
+@pytest.fixture
+def data_and_out(cifar10_dir, tmp_path):
+    return cifar10_dir, str(tmp_path / "out")
+
+
+@pytest.mark.parametrize("optimizer_name", ["mars", "muon"])
+def test_a_resume_applies_changed_hyperparameters(data_and_out, capsys, optimizer_name):
+    """A resume trains at the learning rates it is given (each change printed), not at the checkpoint's."""
+    cifar10_dir, out = data_and_out
+    first = dict(optimizer_name=optimizer_name, schedule="constant", lr_1d=3e-3)
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1, **first)) == 0
+    capsys.readouterr()
+    changed = dict(first, learning_rate=1e-3, lr_1d=1e-4, init_from="resume")
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, **changed)) == 0
+    printed = capsys.readouterr().out
+    assert "resume: learning_rate 0.01 -> 0.001\n" in printed and "resume: lr_1d 0.003 -> 0.0001\n" in printed
+    assert [r["lr"] for r in records(out)] == [1e-2, 1e-3]
+    groups = final_state(out)["optimizer"]
+    if optimizer_name == "muon":
+        groups = [g for opt in groups["optimizers"] for g in opt["param_groups"]]
+        assert [(g["name"], g["lr"], g["initial_lr"]) for g in groups] == [("muon", 1e-3, 1e-3), ("adamw", 1e-4, 1e-4)]
+    else:
+        (group,) = groups["param_groups"]
+        assert (group["lr"], group["lr_1d"]) == (1e-3, 1e-4)
+        assert group["lr_1d_factor"] == pytest.approx(0.1)  # the AdamW-rule tensors train at lr_1d
+
+
+def test_a_fixed_key_the_optimizer_does_not_read_may_change_on_resume(data_and_out, capsys):
+    cifar10_dir, out = data_and_out
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1, optimizer_name="adamw")) == 0
+    capsys.readouterr()
+    resume = tiny_args(cifar10_dir, out, epochs=2, optimizer_name="adamw", mars_routing="nd", init_from="resume")
+    assert train_cifar.main(resume) == 0
+    assert "resume: mars_routing '2d' -> 'nd' (not used by optimizer_name=adamw)\n" in capsys.readouterr().out
+    assert [r["epoch"] for r in records(out)] == [1, 2]
+
+
+def test_overwrite_replaces_the_previous_run(data_and_out, capsys):
+    cifar10_dir, out = data_and_out
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2)) == 0
+    capsys.readouterr()
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1)) == 2
+    assert "delete it with --overwrite=True" in capsys.readouterr().err
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1, overwrite=True)) == 0
+    assert [r["epoch"] for r in records(out)] == [1] and final_state(out)["progress"]["epoch"] == 1
+
+
+def test_a_checkpoint_lacking_a_part_is_one_line_and_exit_2(data_and_out, capsys):
+    cifar10_dir, out = data_and_out
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=1)) == 0
+    state = final_state(out)
+    del state["rng"]
+    torch.save(state, os.path.join(out, "ckpt.pt"))
+    capsys.readouterr()
+    assert train_cifar.main(tiny_args(cifar10_dir, out, epochs=2, init_from="resume")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "ckpt.pt lacks rng: it was not written by" in err

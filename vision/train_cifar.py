@@ -47,6 +47,8 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import checkpoint  # noqa: E402
+import launch  # noqa: E402
+import optim  # noqa: E402
 from checkpoint import CheckpointError, RNGState  # noqa: E402
 from configurator import (  # noqa: E402
     ConfigError,
@@ -61,10 +63,10 @@ from configurator import (  # noqa: E402
     print_help,
     wants_help,
 )
-from files import atomic_writer, remove_stale_temporaries  # noqa: E402
+from files import atomic_writer  # noqa: E402
 from mars import MARS  # noqa: E402
 from metrics import MetricsLog  # noqa: E402
-from optim import ChainedOptimizer  # noqa: E402
+from optim import ChainedOptimizer, with_settings  # noqa: E402
 from runtime import resolve_device  # noqa: E402
 from tokens import DataError  # noqa: E402
 from vision.cifar import CifarData  # noqa: E402
@@ -80,12 +82,12 @@ class CifarConfig:
     """Every key of a CIFAR run (vision/train_cifar.py); defaults are the reference train_CV.py's."""
 
     # --- data and model
-    dataset: Literal["cifar10", "cifar100"] = key("cifar10", "which CIFAR")
+    dataset: Literal["cifar10", "cifar100"] = key("cifar10", "which CIFAR", fixed=True)
     data_dir: str = key("data/cifar", "folder of the CIFAR distributions; the python one is downloaded here if absent")
-    net: Literal["resnet10", "resnet18", "resnet34"] = key("resnet18", "the reference's CIFAR ResNet")
-    width: int = key(64, "channels of the first stage, doubled by each next one (ResNet-18: 64)", positive)
+    net: Literal["resnet10", "resnet18", "resnet34"] = key("resnet18", "the reference's CIFAR ResNet", fixed=True)
+    width: int = key(64, "channels of the first stage, doubled by each next one (ResNet-18: 64)", positive, fixed=True)
     # --- optimizer
-    optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer")
+    optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer", fixed=True)
     learning_rate: float = key(
         0.1, "lr of MARS's tensors, of everything under AdamW, of Muon's tensors (--lr there)", positive
     )
@@ -98,9 +100,13 @@ class CifarConfig:
     beta1: float = key(0.9, "AdamW's (and Muon's AdamW part's) first-moment decay", fraction)
     beta2: float = key(0.999, "AdamW's (and Muon's AdamW part's) second-moment decay", fraction)
     mars_routing: Literal["2d", "nd"] = key(
-        "2d", "which tensors take MARS: 2d = exactly 2-D ones (the paper's code: conv kernels get AdamW); nd = 2+ dims"
+        "2d",
+        "which tensors take MARS: 2d = exactly 2-D ones (the paper's code: conv kernels get AdamW); nd = 2+ dims",
+        fixed=True,
     )
-    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo"] = key("mars-adamw", "MARS: the preconditioner")
+    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo"] = key(
+        "mars-adamw", "MARS: the preconditioner", fixed=True
+    )
     gamma: float = key(0.025, "MARS: strength of the variance-reduction correction", non_negative)
     mars_betas: tuple[float, float] = key((0.95, 0.99), "MARS: betas of its tensors (MARS's defaults)", betas)
     betas_1d: tuple[float, float] = key((0.9, 0.95), "MARS: AdamW betas of the other tensors", betas)
@@ -125,12 +131,18 @@ class CifarConfig:
         "scratch: a new run (refused when out_dir holds a checkpoint); resume: continue out_dir's ckpt.pt; "
         "auto: resume when there is one, else scratch",
     )
+    overwrite: bool = key(False, "with init_from=scratch: delete out_dir's previous run (checkpoint, metrics) first")
     wandb_log: bool = key(False, "log every epoch's record to wandb too")
     wandb_project: str = key("CV", "wandb project (the reference's)")
     wandb_run_name: str = key(
         "", "wandb run name; '' = the reference's {dataset}_{net}_{optimizer_name}_{learning_rate}"
     )
     device: str = key("auto", "auto (CUDA when present), cpu, cuda or cuda:N", device_check("cpu", "cuda"))
+
+    def unused_keys(self):
+        """The keys this run's optimizer does not read: a resume may change them, even a fixed one."""
+        mars_only = {"mars_routing", "mars_type", "gamma", "mars_betas", "betas_1d", "weight_decay_1d"}
+        return {"mars": {"beta1", "beta2"}, "adamw": mars_only | {"lr_1d"}, "muon": mars_only}[self.optimizer_name]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,39 +153,30 @@ def model_args(cfg, num_classes):
     return {"num_classes": num_classes, "width": cfg.width, "blocks": list(NETS[cfg.net])}
 
 
+def group_settings(cfg):
+    """The hyperparameters cfg sets in each parameter group, by the group's name: build_optimizer makes the
+    groups with them, and a resume writes them over the checkpoint's (optim.load_state)."""
+    adamw = dict(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    if cfg.optimizer_name == "mars":
+        mars = dict(lr=cfg.learning_rate, betas=tuple(cfg.mars_betas), weight_decay=cfg.weight_decay, gamma=cfg.gamma)
+        return {"mars": dict(mars, lr_1d=cfg.lr_1d, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d)}
+    if cfg.optimizer_name == "adamw":
+        return {"adamw": dict(adamw, lr=cfg.learning_rate)}
+    return {"muon": dict(lr=cfg.learning_rate, weight_decay=0.0), "adamw": dict(adamw, lr=cfg.lr_1d)}
+
+
 def build_optimizer(model, cfg):
     """The reference train_CV.py's optimizers, over one group of all parameters (none is excluded from decay)."""
-    params = list(model.parameters())
+    params, settings = list(model.parameters()), group_settings(cfg)
     if cfg.optimizer_name == "mars":
-        optimizer = MARS(
-            params,
-            lr=cfg.learning_rate,
-            betas=tuple(cfg.mars_betas),
-            weight_decay=cfg.weight_decay,
-            gamma=cfg.gamma,
-            mars_type=cfg.mars_type,
-            routing=cfg.mars_routing,
-            lr_1d=cfg.lr_1d,
-            betas_1d=tuple(cfg.betas_1d),
-            weight_decay_1d=cfg.weight_decay_1d,
-        )
-    elif cfg.optimizer_name == "adamw":
-        optimizer = torch.optim.AdamW(
-            params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
-        )
-    else:  # muon: as the reference's CombinedOptimizer, tensors of 2+ dims to Muon, the rest to AdamW
-        optimizer = ChainedOptimizer(
-            Muon([p for p in params if p.ndim >= 2], lr=cfg.learning_rate, weight_decay=0.0),
-            torch.optim.AdamW(
-                [p for p in params if p.ndim < 2],
-                lr=cfg.lr_1d,
-                betas=(cfg.beta1, cfg.beta2),
-                weight_decay=cfg.weight_decay,
-            ),
-        )
-    for group in optimizer.param_groups:
-        group["initial_lr"] = group["lr"]
-    return optimizer
+        return MARS([with_settings("mars", params, settings)], mars_type=cfg.mars_type, routing=cfg.mars_routing)
+    if cfg.optimizer_name == "adamw":
+        return torch.optim.AdamW([with_settings("adamw", params, settings)])
+    # muon: as the reference's CombinedOptimizer, tensors of 2+ dims to Muon, the rest to AdamW
+    return ChainedOptimizer(
+        Muon([with_settings("muon", [p for p in params if p.ndim >= 2], settings)]),
+        torch.optim.AdamW([with_settings("adamw", [p for p in params if p.ndim < 2], settings)]),
+    )
 
 
 def lr_factor(epoch, cfg):
@@ -222,51 +225,40 @@ def checkpoint_parts(run, progress):
     return {name: objects[name] for name in CHECKPOINT_PARTS}
 
 
-# The keys a resume may change. Every other one must be the checkpoint's: they shape the model, the data
-# and the optimizer's groups, whose hyperparameters load_state_dict restores from the checkpoint.
-RESUME_MAY_CHANGE = (
-    "epochs",
-    "eval_batch_size",
-    "data_dir",
-    "out_dir",
-    "init_from",
-    "wandb_log",
-    "wandb_project",
-    "wandb_run_name",
-    "device",
-)
+def load_resume_checkpoint(cfg):
+    """out_dir's checkpoint, checked for every part and, by launch's resume rule, for the keys declared
+    fixed=True (the data set, the network, the optimizer and its routing): every other key may change."""
+    path = checkpoint.checkpoint_path(cfg.out_dir)
+    ckpt = checkpoint.load_checkpoint(path)
+    missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {', '.join(missing)}: it was not written by vision/train_cifar.py, so it cannot be "
+            "resumed; start a new run in a new --out_dir"
+        )
+    changed = launch.fixed_changes(ckpt["config"], cfg)
+    if changed:
+        key, old, new = changed[0]
+        raise CheckpointError(
+            f"{path} was trained with {key}={old!r}, not {new!r}; a resumed run cannot change {key}: resume "
+            f"with --{key}={old}, or start a new run in a new --out_dir"
+        )
+    return ckpt
 
 
-def check_resumable(ckpt, cfg, ckpt_path):
-    saved = ckpt.get("config", {})
-    for name, value in config_to_dict(cfg).items():
-        if name in RESUME_MAY_CHANGE:
-            continue
-        if name not in saved:
-            raise CheckpointError(f"{ckpt_path} was not written by vision/train_cifar.py (its config has no {name})")
-        if saved[name] != value:
-            raise CheckpointError(
-                f"{ckpt_path} was trained with {name}={saved[name]!r}, not {value!r}; resume with "
-                f"--{name}={saved[name]}, or start a new run in a new --out_dir"
-            )
+# A CIFAR run is its checkpoint: metrics.jsonl without one holds at most the record of the epoch whose save
+# was cut short (nothing at all after a Ctrl-C in the first epoch), so the same command may start again.
+RUN_FILE_NAMES = (checkpoint.CKPT_NAME,)
 
 
 def setup(cfg):
     """(Run, Progress, resumed): everything checked and built; nothing trained yet."""
-    ckpt_path = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
-    resume = cfg.init_from == "resume" or (cfg.init_from == "auto" and os.path.exists(ckpt_path))
-    if cfg.init_from == "scratch" and os.path.exists(ckpt_path):
-        raise CheckpointError(
-            f"out_dir {cfg.out_dir} already holds a checkpoint ({ckpt_path}); continue it with "
-            f"--init_from=resume, or train from scratch into a new --out_dir"
-        )
-    ckpt = checkpoint.load_checkpoint(ckpt_path) if resume else None
-    if ckpt is not None:
-        check_resumable(ckpt, cfg, ckpt_path)
+    cfg = dataclasses.replace(cfg, init_from=launch.resolve_init_from(cfg, RUN_FILE_NAMES))
     try:
         device = resolve_device(cfg.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    ckpt = load_resume_checkpoint(cfg) if cfg.init_from == "resume" else None
     if device.startswith("cuda"):
         torch.backends.cudnn.benchmark = True  # as the reference: fixed shapes, so the fastest kernels
     data = CifarData.from_dir(cfg.dataset, cfg.data_dir, device)
@@ -274,20 +266,19 @@ def setup(cfg):
     args = model_args(cfg, data.num_classes)
     model = ResNet(**args)
     if ckpt is not None:
-        checkpoint.load_model_state(model, ckpt["model"], ckpt_path)
+        checkpoint.load_model_state(model, ckpt["model"], checkpoint.checkpoint_path(cfg.out_dir))
     model.to(device)
     run = Run(cfg, device, data, model, args, build_optimizer(model, cfg), RNGState())
     progress = Progress()
     if ckpt is not None:
-        for name, part in checkpoint_parts(run, progress).items():
-            if name != "model":
-                part.load_state_dict(ckpt[name])
+        # the moments and step counts are the checkpoint's, the hyperparameters this configuration's
+        optim.load_state(run.optimizer, ckpt["optimizer"], cfg, group_settings(cfg))
+        run.rng.load_state_dict(ckpt["rng"])
+        progress.load_state_dict(ckpt["progress"])
         run.saved_epoch = progress.epoch
-    # Everything is checked: the first change to out_dir is removing what a killed save left (kill -9 during
-    # one leaves ckpt.pt.tmp.<pid>, as large as the checkpoint), as train.py does.
-    remove_stale_temporaries(cfg.out_dir)
-    if ckpt is not None:
-        print(f"resuming {ckpt_path} at epoch {progress.epoch}", flush=True)
+    # Everything is checked: the first change to out_dir, as train.py makes it (what a killed save left goes,
+    # --overwrite=True removes the old run, a resume says where it continues and what it changes).
+    launch.prepare_out_dir(cfg, ckpt, at=f"epoch {progress.epoch}")
     return run, progress, ckpt is not None
 
 
@@ -435,7 +426,7 @@ def main(argv=None):
     try:
         cfg = load_config(argv, CifarConfig)
         run, progress, resumed = setup(cfg)
-        metrics = open_metrics(cfg, progress, resumed)
+        metrics = open_metrics(run.cfg, progress, resumed)
     except (ConfigError, DataError, CheckpointError, ValueError) as e:  # ValueError: wandb could not start
         print(f"error: {e}", file=sys.stderr)
         return 2
