@@ -128,18 +128,26 @@ class TrainConfig:
         True, "divide layer i's attention logits by i + 1 (the paper's)", fixed=True
     )
     # --- optimizer
-    optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer (optim.py)", fixed=True)
+    optimizer_name: Literal["mars", "adamw", "muon", "moonlight"] = key(
+        "mars", "the optimizer (optim.py); moonlight: MARS-M's baseline, Muon scaled to AdamW's update RMS", fixed=True
+    )
     learning_rate: float = key(
-        6e-4, "peak lr: MARS's 2-D tensors, AdamW's everything (Muon: unused, see muon_lr, muon_adamw_lr)", non_negative
+        6e-4,
+        "peak lr: MARS's 2-D tensors, AdamW's everything, MARS-M's and Moonlight's every tensor (Muon: unused, "
+        "see muon_lr, muon_adamw_lr)",
+        non_negative,
     )
     max_iters: int = key(600000, "optimizer steps of the run", non_negative)
     weight_decay: float = key(
         1e-1,
-        "decoupled weight decay of the 2-D tensors (Muon: of its AdamW part; Muon's matrices take 0)",
+        "decoupled weight decay of the 2-D tensors (Muon: of its AdamW part; Muon's matrices take 0; MARS-M, "
+        "Moonlight: of every tensor)",
         non_negative,
     )
-    beta1: float = key(0.95, "first-moment decay (Muon: its AdamW part's; Muon's momentum is 0.95)", fraction)
-    beta2: float = key(0.99, "second-moment decay (Muon: its AdamW part's)", fraction)
+    beta1: float = key(
+        0.95, "first-moment decay (Muon: its AdamW part's; Muon's momentum is 0.95; Moonlight: its momentum)", fraction
+    )
+    beta2: float = key(0.99, "second-moment decay (Muon: its AdamW part's; Moonlight: unused)", fraction)
     grad_clip: float = key(1.0, "global gradient-norm clip; 0 disables", non_negative)
     grad_multiplier: float = key(
         1.0,
@@ -154,12 +162,17 @@ class TrainConfig:
         3e-3, "MARS: AdamW lr of the 1-D tensors (optimize_1d=False); follows the schedule", non_negative
     )
     is_approx: bool = key(True, "MARS: False = exact MARS, an extra forward/backward per step", fixed=True)
-    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo"] = key(
-        "mars-adamw", "MARS: the preconditioner", fixed=True
+    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo", "mars-m"] = key(
+        "mars-adamw",
+        "MARS: the preconditioner; mars-m trains the blocks' matrices, AdamW (betas_1d, learning_rate, "
+        "weight_decay) the embeddings, head and 1-D tensors, as its reference",
+        fixed=True,
     )
     optimize_1d: bool = key(False, "MARS: apply MARS to the 1-D tensors too (else AdamW)", fixed=True)
     weight_decay_1d: float = key(0.1, "MARS: weight decay of the 1-D tensors", non_negative)
-    betas_1d: tuple[float, float] = key((0.9, 0.95), "MARS: AdamW betas of the 1-D tensors", betas)
+    betas_1d: tuple[float, float] = key(
+        (0.9, 0.95), "MARS: AdamW betas of the 1-D tensors (MARS-M, Moonlight: of their AdamW part)", betas
+    )
     last_grad_dtype: Literal["float32", "bfloat16"] = key(
         "float32", "MARS: dtype of its stored previous gradient; bfloat16 saves half a parameter copy", fixed=True
     )
@@ -222,6 +235,11 @@ class TrainConfig:
         """The checks that involve more than one key."""
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.optimizer_name == "mars" and self.mars_type == "mars-m" and self.optimize_1d:
+            raise ConfigError(
+                "optimize_1d=True does not apply to mars_type=mars-m: it trains the embeddings, head and 1-D "
+                "tensors with AdamW, as its reference; drop optimize_1d"
+            )
         if self.decay_lr and self.schedule == "cosine" and self.lr_decay_iters <= self.warmup_iters:
             raise ConfigError(
                 f"lr_decay_iters={self.lr_decay_iters} must exceed warmup_iters={self.warmup_iters} "
@@ -370,13 +388,17 @@ MUON_KEYS = ("muon_lr", "muon_adamw_lr", "muon_matrices")
 
 def unused_keys(cfg):
     """The TrainConfig keys cfg's optimizer does not read (Muon's AdamW part takes muon_adamw_lr, not
-    learning_rate); another config class answers with its own unused_keys()."""
+    learning_rate; MARS-M's and Moonlight's AdamW part takes learning_rate and weight_decay); another config
+    class answers with its own unused_keys()."""
     if hasattr(cfg, "unused_keys"):
         return cfg.unused_keys()
+    if cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
+        return set(MUON_KEYS) | {"lr_1d", "weight_decay_1d", "optimize_1d"}
     return {
         "mars": set(MUON_KEYS),
         "adamw": set(MARS_KEYS + MUON_KEYS),
         "muon": set(MARS_KEYS) | {"learning_rate"},
+        "moonlight": (set(MARS_KEYS) - {"betas_1d"}) | set(MUON_KEYS) | {"beta2"},
     }[cfg.optimizer_name]
 
 

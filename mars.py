@@ -245,8 +245,8 @@ class MARS(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group, path in zip(self.param_groups, paths):
             group.update(path)
-            for key, value in self.defaults.items():  # a checkpoint written before the key existed
-                group.setdefault(key, value)
+            # a checkpoint written before the key existed
+            group.setdefault("eps_1d_uncorrected", self.defaults["eps_1d_uncorrected"])
         # Optimizer.load_state_dict casts every floating-point state tensor to its parameter's dtype and
         # leaves 'step' where it was saved; MARS keeps some tensors in another dtype (float32 v of float16
         # parameters, last_grad_dtype) and every step on its parameter's device.

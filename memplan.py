@@ -371,7 +371,7 @@ def largest(fits, limit=1 << 20):
 def describe_optimizer(cfg):
     if cfg.optimizer_name == "mars":
         return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
-    return {"adamw": "AdamW", "muon": "Muon + AdamW"}[cfg.optimizer_name]
+    return {"adamw": "AdamW", "muon": "Muon + AdamW", "moonlight": "Moonlight (Muon + AdamW)"}[cfg.optimizer_name]
 
 
 def gib(n):

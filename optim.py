@@ -8,6 +8,12 @@ muon  -- torch.optim.Muon (lr muon_lr, weight decay 0) chained with AdamW (lr mu
          betas=(beta1, beta2), weight_decay), as one object. muon_matrices="all", as the reference
          MARS/train_muon.py: Muon takes every 2-D tensor -- the token and position embeddings and the
          tied head included -- and AdamW the 1-D ones; "hidden": Muon takes only the blocks' matrices.
+mars, mars_type="mars-m" -- as MARS_M/train_mars_m.py: mars.MARS on the blocks' matrices and its AdamW part
+         (routing="none", betas_1d) on the embeddings, the tied head and the 1-D tensors, every tensor at
+         lr=learning_rate and weight_decay, momentum beta1.
+moonlight -- MARS-M's baseline, as MARS_M/train_moonlight.py: torch.optim.Muon (Nesterov, momentum beta1,
+         update scaled by 0.2 sqrt(max(rows, cols)): adjust_lr_fn="match_rms_adamw") on the blocks' matrices,
+         chained with AdamW (betas_1d) on the rest, both at learning_rate and weight_decay.
 
 Every hyperparameter the configuration sets is written into the groups by group_hyperparameters, at
 construction and again after a resume's load_state_dict. Each group keeps its peak lr as 'initial_lr';
@@ -191,6 +197,24 @@ def _group_settings(cfg):
     """The hyperparameters cfg sets in each parameter group, by the group's name (build_optimizer names them;
     a resume pairs the checkpoint's groups with these by name)."""
     betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer_name == "moonlight":
+        return {
+            "muon": dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, momentum=cfg.beta1),
+            "adamw": dict(lr=cfg.learning_rate, betas=tuple(cfg.betas_1d), weight_decay=cfg.weight_decay),
+        }
+    if cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
+        # The reference's one group: its AdamW part takes the same lr and weight decay as the matrices.
+        mars_m = dict(
+            lr=cfg.learning_rate,
+            betas=betas,
+            weight_decay=cfg.weight_decay,
+            gamma=cfg.gamma,
+            lr_1d=cfg.learning_rate,
+            betas_1d=tuple(cfg.betas_1d),
+            weight_decay_1d=cfg.weight_decay,
+        )
+        # the blocks' matrices, and the rest in the AdamW part (build_optimizer)
+        return {"matrices": mars_m, "adamw": dict(mars_m, routing="none")}
     if cfg.optimizer_name == "muon":
         return {
             "muon": dict(lr=cfg.muon_lr, weight_decay=0.0),  # the reference's muon_weight_decay
@@ -276,6 +300,29 @@ def build_optimizer(model, cfg, device_type, world_size=1):
             ),
             make(torch.optim.AdamW, [with_settings("adamw", adamw_params, settings)], fused=fused),
         )
+    elif cfg.optimizer_name == "moonlight":
+        muon_params, adamw_params = hidden_matrix_params(model)
+        # The reference Moonlight sums its momentum where torch's averages it; Newton-Schulz normalises
+        # that factor away (tests/test_optim.py holds the two to each other).
+        optimizer = ChainedOptimizer(
+            make(
+                torch.optim.Muon,
+                [with_settings("muon", muon_params, settings)],
+                nesterov=True,
+                adjust_lr_fn="match_rms_adamw",
+            ),
+            make(torch.optim.AdamW, [with_settings("adamw", adamw_params, settings)], fused=fused),
+        )
+    elif cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
+        matrices, adamw_params = hidden_matrix_params(model)
+        groups = [with_settings("matrices", matrices, settings), with_settings("adamw", adamw_params, settings)]
+        optimizer = make(
+            MARS,
+            groups,
+            is_approx=cfg.is_approx,
+            mars_type=cfg.mars_type,
+            last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
+        )
     else:
         decay, no_decay = (group["params"] for group in param_groups(model, cfg.weight_decay))
         groups = [with_settings("decay", decay, settings), with_settings("no_decay", no_decay, settings)]
@@ -291,7 +338,7 @@ def build_optimizer(model, cfg, device_type, world_size=1):
         elif cfg.optimizer_name == "adamw":
             optimizer = make(torch.optim.AdamW, groups, fused=fused)
         else:
-            raise ValueError(f"optimizer_name={cfg.optimizer_name!r} is not one of: mars, adamw, muon")
+            raise ValueError(f"optimizer_name={cfg.optimizer_name!r} is not one of: mars, adamw, muon, moonlight")
     return optimizer
 
 

@@ -5,6 +5,8 @@ prints every key of the run.
 
 The numbers are the reference's (AGI-Arena/MARS at 4831e28: its config/train_gpt2_*.py over the
 defaults of MARS/train_*.py; the learning rates are the table in its README) unless a comment says not.
+MARS-M and its Moonlight baseline are that repository's MARS_M/ runs: MARS_M/config/*.py over the defaults
+of MARS_M/train_{mars_m,moonlight}.py, with the batch of MARS_M/scripts/*.sh (the same 480 sequences).
 Keys not set here keep TrainConfig's defaults, which are the reference trainer's: block_size 1024, no
 dropout or biases, attention logits scaled by 1/(layer + 1), grad_clip 1.0, the cosine schedule.
 """
@@ -32,6 +34,11 @@ OPTIMIZERS = {
     # orthogonalised update takes the Muon baseline's lr and weight decay (2e-2, 0).
     "mars_lion": dict(optimizer_name="mars", mars_type="mars-lion", weight_decay=1e-1, beta1=0.95, beta2=0.99),
     "mars_shampoo": dict(optimizer_name="mars", mars_type="mars-shampoo", weight_decay=0.0, beta1=0.95, beta2=0.99),
+    # MARS_M/: every tensor at learning_rate and weight_decay (the blocks' matrices MARS-M or Muon, the rest
+    # AdamW with betas_1d (0.9, 0.95)), momentum beta1. MARS-M's weight decay is its configs' 1e-2 at every
+    # size, which is what ran; its README's table says 1e-1.
+    "mars_m": dict(optimizer_name="mars", mars_type="mars-m", weight_decay=1e-2, beta1=0.95, beta2=0.99),
+    "moonlight": dict(optimizer_name="moonlight", weight_decay=1e-1, beta1=0.95, beta2=0.99),
 }
 
 # Peak learning rates by (optimizer, size). MARS: lr of the 2-D tensors and AdamW's lr_1d of the others;
@@ -52,6 +59,11 @@ LEARNING_RATES = {
     ("mars_lion", "small"): dict(learning_rate=6e-4, lr_1d=3e-3, min_lr=3e-6),
     ("mars_shampoo", "small"): dict(learning_rate=2e-2, lr_1d=3e-3, min_lr=1e-4),
 }
+# MARS-M and Moonlight share their learning rates at every size (the grid searched for Moonlight).
+for _size, _lr in {"small": 6e-3, "medium": 5e-3, "large": 5e-3, "xl": 3e-3}.items():
+    LEARNING_RATES["mars_m", _size] = LEARNING_RATES["moonlight", _size] = dict(learning_rate=_lr)
+# The wandb project each optimizer's runs log to (the reference's).
+WANDB_PROJECT = {"mars_m": "mars-m", "moonlight": "mars-m"}
 
 
 def paper_run(size, optimizer):
@@ -72,7 +84,7 @@ def paper_run(size, optimizer):
         log_interval=10,
         out_dir=f"out_{size}_{optimizer}_100k",
         wandb_log=True,
-        wandb_project="mars",
+        wandb_project=WANDB_PROJECT.get(optimizer, "mars"),
         wandb_run_name=f"gpt2-{size}-{optimizer.replace('_', '-')}-100k",
     )
     run.update(OPTIMIZERS[optimizer], **LEARNING_RATES[optimizer, size])

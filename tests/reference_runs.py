@@ -1,7 +1,9 @@
 """The paper's GPT-2 runs as its reference code sets them, transcribed for the tests from AGI-Arena/MARS
 at 4831e28: config/train_gpt2_<size>_<optimizer>.py applied over the defaults of MARS/train_<optimizer>.py
 (the learning rates and weight decays are also the table in its README), in this repository's key names;
-and the reference's get_lr."""
+the MARS-M paper's runs from the same repository's MARS_M/ folder (MARS_M/config/train_gpt2_<size>_<optimizer>.py
+over MARS_M/train_<optimizer>.py, batch as MARS_M/scripts/run_<optimizer>_<size>.sh launches it); and the
+reference's get_lr."""
 
 import math
 
@@ -16,7 +18,11 @@ ADAMW_LR = {"small": 6e-4, "medium": 3e-4, "large": 2e-4, "xl": 2e-4}
 MARS_LRS = {"small": (6e-3, 3e-3), "medium": (3e-3, 1.5e-3), "large": (2e-3, 1e-3), "xl": (2e-3, 1e-3)}  # lr, lr_1d
 # train_muon.py: muon_learning_rate (Muon, every 2-D tensor) and learning_rate (its AdamW, the 1-D tensors)
 MUON_LRS = {"small": (2e-2, 3e-3), "medium": (1e-2, 1.5e-3), "large": (6.67e-3, 1e-3)}
-PAPER_RUNS = [(size, opt) for size in SIZES for opt in ("adamw", "mars", "muon") if (opt, size) != ("muon", "xl")]
+# MARS_M/config: learning_rate at each size, the same for MARS-M and Moonlight
+MARS_M_LR = {"small": 6e-3, "medium": 5e-3, "large": 5e-3, "xl": 3e-3}
+PAPER_RUNS = [(size, opt) for size in SIZES for opt in ("adamw", "mars", "muon") if (opt, size) != ("muon", "xl")] + [
+    (size, opt) for size in SIZES for opt in ("mars_m", "moonlight")
+]
 
 
 def reference_run(size, optimizer):
@@ -47,9 +53,9 @@ def reference_run(size, optimizer):
         log_interval=10,
         dataset="openwebtext",
         wandb_log=True,
-        wandb_project="mars",
-        wandb_run_name=f"gpt2-{size}-{optimizer}-100k",
-        # the reference's xl AdamW config writes to out_large_adamw_100k, a slip not reproduced
+        wandb_project="mars-m" if optimizer in ("mars_m", "moonlight") else "mars",
+        wandb_run_name=f"gpt2-{size}-{optimizer.replace('_', '-')}-100k",
+        # the reference's xl AdamW, MARS-M and Moonlight configs write to out_large_*_100k, a slip not reproduced
         out_dir=f"out_{size}_{optimizer}_100k",
     )
     if optimizer == "adamw":
@@ -68,6 +74,28 @@ def reference_run(size, optimizer):
             mars_type="mars-adamw",
             optimize_1d=False,
             weight_decay_1d=0.1,
+            betas_1d=(0.9, 0.95),
+        )
+    elif optimizer == "mars_m":  # train_mars_m.py: MARS_M(lr, wd, momentum=beta1, adamw_betas=betas_1d, gamma)
+        run.update(
+            optimizer_name="mars",
+            mars_type="mars-m",
+            learning_rate=MARS_M_LR[size],
+            weight_decay=1e-2,  # its README's table says 1e-1; the configs that ran say 1e-2
+            beta1=0.95,
+            beta2=0.99,
+            gamma=0.025,
+            is_approx=True,
+            optimize_1d=False,
+            betas_1d=(0.9, 0.95),
+        )
+    elif optimizer == "moonlight":  # train_moonlight.py: Moonlight(lr, wd, momentum=beta1, adamw_betas=betas_1d)
+        run.update(
+            optimizer_name="moonlight",
+            learning_rate=MARS_M_LR[size],
+            weight_decay=1e-1,
+            beta1=0.95,
+            beta2=0.99,
             betas_1d=(0.9, 0.95),
         )
     else:

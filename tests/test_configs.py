@@ -50,12 +50,31 @@ def test_mars_variants_are_the_small_mars_run_with_their_own_optimizer(variant, 
     assert {k: v for k, v in other.items() if mars[k] != v} == dict(mars_type=mars_type, **lrs, **names)
 
 
-@pytest.mark.parametrize("size, optimizer", [("small", "mars"), ("xl", "mars"), ("small", "adamw"), ("xl", "adamw")])
+@pytest.mark.parametrize(
+    "size, optimizer",
+    [("small", "mars"), ("xl", "mars"), ("small", "adamw"), ("xl", "adamw")]
+    + [(size, opt) for size in ("small", "xl") for opt in ("mars_m", "moonlight")],  # MARS_M/scripts/*_fw.sh
+)
 def test_fineweb_edu_overlay(size, optimizer):
     plain, fw = effective(size, optimizer), effective(size, optimizer, FINEWEB)
     assert fw["dataset"] == "fineweb_edu" and os.path.isfile(os.path.join(ROOT, "data", "fineweb_edu", "prepare.py"))
     assert (fw["out_dir"], fw["wandb_run_name"]) == (plain["out_dir"] + "_fw", plain["wandb_run_name"] + "-fw")
     assert {k: v for k, v in fw.items() if plain[k] != v}.keys() == {"dataset", "out_dir", "wandb_run_name"}
+
+
+@pytest.mark.parametrize("size", ["small", "medium", "large", "xl"])
+def test_mars_m_and_moonlight_runs_differ_only_in_the_optimizer(size):
+    """The MARS-M paper compares the two at the same lr, schedule and batch: only what names the run, the
+    optimizer and its weight decay (1e-2 in MARS-M's configs, 1e-1 in Moonlight's) differ."""
+    mars_m, moonlight = effective(size, "mars_m"), effective(size, "moonlight")
+    assert {k for k in mars_m if mars_m[k] != moonlight[k]} == {
+        "optimizer_name",
+        "mars_type",
+        "weight_decay",
+        "out_dir",
+        "wandb_run_name",
+    }
+    assert (mars_m["weight_decay"], moonlight["weight_decay"]) == (1e-2, 1e-1)
 
 
 def test_model_shapes_are_model_presets(monkeypatch):

@@ -26,6 +26,9 @@ OPTIMIZERS = [
     dict(optimizer_name="adamw"),
     dict(optimizer_name="muon", learning_rate=6e-4),
     dict(optimizer_name="muon", muon_matrices="hidden", learning_rate=6e-4),
+    dict(optimizer_name="mars", mars_type="mars-m"),
+    dict(optimizer_name="mars", mars_type="mars-m", is_approx=False),
+    dict(optimizer_name="moonlight"),
 ]
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from reference_runs import PAPER_RUNS, reference_get_lr, reference_run
 
-from configurator import TrainConfig, load_config
+import mars
+from configurator import ConfigError, TrainConfig, load_config
 from mars import MARS
 from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, param_groups
 from optim import ChainedOptimizer, build_optimizer, group_hyperparameters, scheduled_lr, set_lr
@@ -256,10 +257,118 @@ def test_torch_muon_takes_the_reference_muon_s_steps():
     assert worst_error(ours) < 0.1 < worst_error(no_nesterov)
 
 
+def test_mars_m_is_built_as_the_reference_trainer_builds_it():
+    """MARS_M/train_mars_m.py: MARS-M on every tensor with 2+ dims but the embeddings and head (the blocks'
+    matrices), its AdamW part (betas_1d) on those and the 1-D tensors, all at learning_rate and weight_decay
+    (the LayerNorm weights and embeddings decay too), momentum beta1."""
+    model = gpt2_small()
+    opt = build_optimizer(model, paper_config("small", "mars_m"), "cpu")
+    assert isinstance(opt, MARS)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    matrices, rest = ([name_of[id(p)] for p in g["params"]] for g in opt.param_groups)
+    assert matrices == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
+    assert rest[:2] == ["transformer.wte.weight", "transformer.wpe.weight"] and len(rest) == 2 + 2 * 12 + 1
+    assert [g["routing"] for g in opt.param_groups] == ["2d", "none"]
+    for g in opt.param_groups:
+        assert (g["mars_type"], g["lr"], g["betas"], g["weight_decay"], g["gamma"]) == (
+            "mars-m",
+            6e-3,
+            (0.95, 0.99),
+            1e-2,
+            0.025,
+        )
+        assert (g["lr_1d_factor"], g["betas_1d"], g["weight_decay_1d"]) == (1.0, (0.9, 0.95), 1e-2)
+
+
+def test_mars_m_trains_the_embeddings_with_adamw():
+    model = tiny_model()
+    opt = build_optimizer(model, paper_config("small", "mars_m"), "cpu")
+    losses = train_steps(model, opt, 6)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert "exp_avg_sq" in opt.state[model.transformer.wte.weight]  # AdamW, not Newton-Schulz
+    assert "last_grad" in opt.state[model.transformer.h[0].attn.c_attn.weight]
+
+
+def test_mars_m_refuses_optimize_1d():
+    with pytest.raises(ConfigError, match="optimize_1d=True does not apply to mars_type=mars-m"):
+        paper_config("small", "mars_m", "--optimize_1d=True")
+
+
+def test_moonlight_is_built_as_the_reference_trainer_builds_it():
+    """MARS_M/train_moonlight.py: Muon (Nesterov, momentum beta1, update 0.2 sqrt(max(rows, cols)) times
+    Newton-Schulz) on the blocks' matrices, AdamW (betas_1d) on the embeddings, head and 1-D tensors, both at
+    learning_rate and weight_decay."""
+    model = gpt2_small()
+    opt = build_optimizer(model, paper_config("small", "moonlight"), "cpu")
+    assert [type(o) for o in opt.optimizers] == [torch.optim.Muon, torch.optim.AdamW]
+    muon, adamw = split_by_name(model, opt)
+    assert muon == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
+    assert adamw[:2] == ["transformer.wte.weight", "transformer.wpe.weight"] and len(adamw) == 2 + 2 * 12 + 1
+    g_muon, g_adamw = opt.param_groups
+    assert (g_muon["momentum"], g_muon["nesterov"], g_muon["adjust_lr_fn"]) == (0.95, True, "match_rms_adamw")
+    assert (g_muon["lr"], g_muon["weight_decay"]) == (g_adamw["lr"], g_adamw["weight_decay"]) == (6e-3, 0.1)
+    assert g_adamw["betas"] == (0.9, 0.95)
+    tiny = tiny_model()
+    losses = train_steps(tiny, build_optimizer(tiny, paper_config("small", "moonlight"), "cpu"), 6)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def reference_moonlight_step(params, grads, buffers, lr, wd, momentum=0.95, nesterov=True, scale="moonlight"):
+    """MARS_M/optimizers/moonlight.py's matrix step, transcribed: momentum summed, Nesterov, Newton-Schulz
+    (here float64: mars.newton_schulz normalises by norm + 1e-7 as the reference), weight decay lr * wd, the
+    update scaled by 0.2 sqrt(max(rows, cols)) ("original": Muon's sqrt(max(1, rows/cols)), for contrast)."""
+    for p, g, buf in zip(params, grads, buffers):
+        buf.mul_(momentum).add_(g)
+        update = g.add(buf, alpha=momentum) if nesterov else buf
+        rows, cols = p.shape
+        factor = 0.2 * math.sqrt(max(rows, cols)) if scale == "moonlight" else math.sqrt(max(1, rows / cols))
+        p.mul_(1 - lr * wd).sub_(mars.newton_schulz(update), alpha=lr * factor)
+
+
+def test_torch_muon_with_match_rms_adamw_is_the_reference_moonlight(monkeypatch):
+    """torch's Muon averages its momentum where the reference sums it; Newton-Schulz normalises the factor
+    (1 - m) away, up to its 1e-7 normaliser. With Newton-Schulz in float64 on both sides (torch's runs in
+    bfloat16) the two agree to 1e-6 of the update, where Muon's own scale or no Nesterov differ by over 10%."""
+
+    def float64_newton_schulz(grad, ns_coefficients, ns_steps, eps):
+        assert ns_coefficients == mars._NS_COEFFS and grad.dtype == torch.float64
+        return mars.newton_schulz(grad, steps=ns_steps, eps=eps)
+
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", float64_newton_schulz)
+    model = tiny_model().double()
+    opt = build_optimizer(model, paper_config("small", "moonlight"), "cpu")
+    muon = opt.optimizers[0]
+    params = muon.param_groups[0]["params"]
+    assert {(p.size(0) > p.size(1), p.size(0) < p.size(1)) for p in params} >= {(True, False), (False, True)}
+    start = [p.detach().clone() for p in params]
+    runs = {name: [p.clone() for p in start] for name in ("moonlight", "original", "no_nesterov")}
+    buffers = {name: [torch.zeros_like(p) for p in start] for name in runs}
+    generator = torch.Generator().manual_seed(0)
+    for step in range(5):
+        lr = 6e-3 * (1 - 0.1 * step)
+        muon.param_groups[0]["lr"] = lr
+        grads = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        muon.step()
+        for name, run in runs.items():
+            kw = dict(nesterov=name != "no_nesterov", scale="original" if name == "original" else "moonlight")
+            reference_moonlight_step(run, grads, buffers[name], lr=lr, wd=0.1, **kw)
+
+    def worst_error(reference):
+        return max(((p.detach() - r).norm() / (r - s).norm()).item() for p, r, s in zip(params, reference, start))
+
+    assert worst_error(runs["moonlight"]) < 1e-6  # measured 3e-8: the normaliser eps meets a (1 - m) smaller input
+    assert worst_error(runs["original"]) > 0.1 and worst_error(runs["no_nesterov"]) > 0.1
+
+
 # --- resuming and group_hyperparameters
 
 
-@pytest.mark.parametrize("size, optimizer", [("small", "mars"), ("small", "adamw"), ("small", "muon")])
+@pytest.mark.parametrize(
+    "size, optimizer",
+    [("small", "mars"), ("small", "adamw"), ("small", "muon"), ("small", "mars_m"), ("small", "moonlight")],
+)
 def test_state_dict_round_trip_continues_identically(size, optimizer):
     cfg = paper_config(size, optimizer)
     model, other_model = tiny_model(), tiny_model()
@@ -297,7 +406,10 @@ def hyperparameters(optimizer):
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-@pytest.mark.parametrize("size, optimizer", [("small", "mars"), ("small", "adamw"), ("small", "muon")])
+@pytest.mark.parametrize(
+    "size, optimizer",
+    [("small", "mars"), ("small", "adamw"), ("small", "muon"), ("small", "mars_m"), ("small", "moonlight")],
+)
 def test_group_hyperparameters_apply_a_new_config_after_load_state_dict(size, optimizer):
     old = paper_config(size, optimizer)
     new = changed(old)

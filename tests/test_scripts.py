@@ -54,12 +54,18 @@ def test_run_scripts_launch_their_paper_run_and_resume_when_run_again(tmp_path):
     env = fake_bin(tmp_path)
     scripts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "scripts", "run_*.sh")))
     scripts.remove("run_cifar.sh")  # the vision grid, tested in tests/test_vision.py
-    openwebtext = {f"run_{opt}_{size}.sh" for size in ("small", "medium", "large") for opt in ("mars", "adamw", "muon")}
-    fineweb = {f"run_{opt}_{size}_fw.sh" for size in ("small", "xl") for opt in ("mars", "adamw")}
+    openwebtext = {
+        f"run_{opt}_{size}.sh"
+        for size in ("small", "medium", "large")
+        for opt in ("mars", "adamw", "muon", "mars_m", "moonlight")
+    }
+    fineweb = {
+        f"run_{opt}_{size}_fw.sh" for size in ("small", "xl") for opt in ("mars", "adamw", "mars_m", "moonlight")
+    }
     assert set(scripts) == openwebtext | fineweb
     for script in scripts:
         name = script[len("run_") : -len(".sh")]
-        opt, size = name.split("_")[:2]
+        opt, size = re.fullmatch(r"(.+)_(small|medium|large|xl)(_fw)?", name).groups()[:2]
         argv = launch(script, env, "--max_iters=10")
         configs = [f"config/train_gpt2_{size}_{opt}.py"] + (["config/fineweb_edu.py"] if name.endswith("_fw") else [])
         assert argv == [
