@@ -16,13 +16,13 @@ import hashlib
 import json
 import os
 import pickle
-import socket
 import sys
 import tempfile
 
 import numpy as np
 
 from files import atomic_write_bytes, atomic_writer
+from runtime import network_reachable
 
 EOT_TOKEN = 50256  # <|endoftext|>: delimits documents
 GPT2_VOCAB_SIZE = 50257
@@ -169,19 +169,6 @@ def json_line_text(name, number, line):
     if not isinstance(record["text"], str):
         raise DataError(f"{name}: line {number}'s 'text' is {json.dumps(record['text'])[:40]}, not a string")
     return record["text"]
-
-
-def network_reachable(host, port=443, timeout=3.0):
-    """True when a TCP connection to host:port opens within `timeout` seconds.
-
-    Asked before any download so that a machine without internet (or behind a firewall that drops
-    packets, where a plain request hangs for minutes) falls back to local files in seconds.
-    """
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def _tiktoken_cache_dir():
