@@ -253,7 +253,7 @@ def load_pretrained(name, override_args=None):
     """GPT.from_pretrained(name) for train.py, sample.py and hellaswag.py: where the Hugging Face hub cannot
     be reached (a compute node without internet), the local cache at once instead of retries."""
     from model import GPT, HF_CHECKPOINTS, HF_HUB_HOST  # here, as in load_model
-    from tokens import network_reachable
+    from runtime import network_reachable
 
     offline = name in HF_CHECKPOINTS and not network_reachable(HF_HUB_HOST)
     return GPT.from_pretrained(name, override_args, offline=offline)

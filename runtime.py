@@ -1,5 +1,5 @@
-"""Where a run executes: the device, the process group, the autocast precision, determinism, and how
-ranks take setup decisions together.
+"""Where a run executes: the device, the process group, the autocast precision, determinism, how ranks
+take setup decisions together, and whether the network can be reached.
 
 train.py, sample.py and hellaswag.py share these, so "auto" means the same device and dtype everywhere.
 """
@@ -8,10 +8,17 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import socket
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
+
+# The cuBLAS workspace torch.use_deterministic_algorithms requires on CUDA (about 24 MiB of GPU memory; ":16:8",
+# the other accepted value, may be slower).
+DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
 
 
 class SetupError(ValueError):
@@ -81,6 +88,10 @@ def setup_distributed(cfg):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.device, ddp, local_rank)
     if device.startswith("cuda"):
+        if cfg.deterministic:
+            # cuBLAS reads the variable when torch creates its handle, at the first cuBLAS call on a device:
+            # it is in the environment before this process does any CUDA work.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS_WORKSPACE)
         torch.cuda.set_device(device)
     info = Dist(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     if ddp:
@@ -91,8 +102,50 @@ def setup_distributed(cfg):
         # after ddp_timeout_s instead of waiting forever. device_id binds NCCL's communicator to this
         # rank's GPU at once (no guessing of the device, no extra context on GPU 0).
         kwargs = {"device_id": torch.device(device)} if backend == "nccl" else {}
+        if backend == "nccl":
+            # What a timed-out NCCL collective does, chosen here rather than left to the torch version: with
+            # 3 (torch's default) its watchdog thread ends the process (SIGABRT) once a collective has run
+            # past the timeout. By then kernels may have used half-reduced data, so this rank must not go
+            # on; checkpoints are renamed into place whole, so the newest finished one stays intact. A value
+            # already set is kept: the user's, or the 1 torchrun sets when the user set none (it also ends
+            # the process, after aborting the communicator). See docs/training.md.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s), **kwargs)
     return info
+
+
+def network_reachable(host, port=443, timeout=3.0):
+    """True when a TCP connection to host:port opens within `timeout` seconds, name resolution included.
+
+    Asked before any download so that a machine without internet (or behind a firewall that drops
+    packets, where a plain request hangs for minutes) falls back to local files in seconds. The name is
+    resolved in a thread of its own: getaddrinfo takes no timeout, and on a node whose DNS server does
+    not answer it waits out the resolver's own retries (tens of seconds) before failing.
+    """
+    deadline = time.monotonic() + timeout
+    addresses = []
+
+    def resolve():
+        with contextlib.suppress(OSError):
+            addresses.extend(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+
+    resolver = threading.Thread(target=resolve, name="network_reachable", daemon=True)
+    resolver.start()
+    resolver.join(timeout)
+    if resolver.is_alive():  # left to finish on its own; as a daemon it never delays the exit
+        return False
+    for family, kind, proto, _, address in addresses:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(remaining)
+            try:
+                s.connect(address)
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def add_device_arguments(parser):
@@ -125,11 +178,14 @@ def exit_process(code):
 
 
 def resolve_dtype(dtype, device_type):
-    """'auto': bfloat16 where CUDA supports it, else float16 (with loss scaling); float32 off CUDA."""
+    """'auto': bfloat16 where the GPU runs it natively (Ampere and later), else float16 (with loss scaling);
+    float32 off CUDA."""
     if dtype != "auto":
         return dtype
     if device_type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        # Native bfloat16 only: torch counts emulation by default, and emulated bfloat16 (V100, T4) is slower
+        # than float16 with a GradScaler.
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     return "float32"
 
 
@@ -155,7 +211,8 @@ def set_deterministic(enabled, device_type):
     non-deterministic backward passes. CPU runs are deterministic already."""
     if not enabled:
         return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # setup_distributed has set it before CUDA started; this covers callers that come without it
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(True)
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = False

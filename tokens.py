@@ -17,12 +17,12 @@ import glob
 import hashlib
 import os
 import pickle
-import socket
 import tempfile
 
 import numpy as np
 
 from files import atomic_write_bytes, atomic_writer
+from runtime import network_reachable
 
 EOT_TOKEN = 50256  # <|endoftext|>: delimits documents, and the last of GPT-2's ids
 SHARD_MAGIC = 20240520
@@ -50,19 +50,6 @@ _MAX_OPEN_FILES = 128
 
 class DataError(ValueError):
     """A problem with the data (tokens, HellaSwag examples); the message is the one line the user sees."""
-
-
-def network_reachable(host, port=443, timeout=3.0):
-    """True when a TCP connection to host:port opens within `timeout` seconds.
-
-    Asked before any download so that a machine without internet (or behind a firewall that drops
-    packets, where a plain request hangs for minutes) falls back to local files in seconds.
-    """
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def _tiktoken_cache_dir():

@@ -1,12 +1,19 @@
 """runtime.py: the device each launch path runs on, the process group's arguments, precision, determinism,
 and setup decisions that every rank takes together. CUDA is simulated: the logic is what is tested."""
 
+import multiprocessing
+import os
+import re
+import socket
+import threading
+import time
 import types
 
 import pytest
 import torch
 
 import runtime
+from bench.common import free_port
 from configurator import TrainConfig
 
 
@@ -79,13 +86,148 @@ def test_nccl_process_group_is_bound_to_the_rank_s_gpu(fake_cuda, monkeypatch):
 
 def test_auto_precision(monkeypatch):
     assert runtime.resolve_dtype("auto", "cpu") == "float32"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     assert runtime.resolve_dtype("auto", "cuda") == "float16"
     autocast, scaler = runtime.setup_precision("float32", "cpu")
     assert not scaler.is_enabled()
     autocast, scaler = runtime.setup_precision("bfloat16", "cpu")
     with autocast:
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_auto_precision_takes_float16_where_bfloat16_is_only_emulated(fake_cuda, monkeypatch):
+    """A V100 or T4: torch.cuda.is_bf16_supported() says True by default because bfloat16 can be emulated
+    there; auto takes float16 with a GradScaler instead, the faster of the two on such a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert runtime.resolve_dtype("auto", "cuda") == "float16"
+    assert runtime.resolve_dtype("bfloat16", "cuda") == "bfloat16"  # asked for by name: the user's choice
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # Ampere on
+    assert runtime.resolve_dtype("auto", "cuda") == "bfloat16"
+
+
+def torchrun_env(monkeypatch, rank, local_rank, world_size):
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+
+
+@pytest.mark.parametrize("user_value", [None, "2"])
+def test_nccl_timeout_handling_is_chosen_before_the_process_group_exists(fake_cuda, monkeypatch, user_value):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING is read when the NCCL process group is created: it is in the
+    environment by then, 3 (the watchdog ends the process) unless the user chose a value."""
+    seen = {}
+    monkeypatch.setattr(
+        runtime.dist,
+        "init_process_group",
+        lambda **kwargs: seen.update(handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), **kwargs),
+    )
+    torchrun_env(monkeypatch, rank=1, local_rank=1, world_size=2)
+    if user_value is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", user_value)
+    runtime.setup_distributed(TrainConfig(device="cuda"))
+    assert seen["backend"] == "nccl" and seen["handling"] == (user_value or "3")
+
+
+def test_gloo_process_group_leaves_nccl_settings_alone(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(runtime.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    torchrun_env(monkeypatch, rank=0, local_rank=0, world_size=2)
+    runtime.setup_distributed(TrainConfig(device="cpu"))
+    assert seen["backend"] == "gloo" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cublas_workspace_is_set_before_any_cuda_work(monkeypatch, deterministic):
+    """cuBLAS reads CUBLAS_WORKSPACE_CONFIG when torch creates its handle, so the variable must be set before
+    the process touches the GPU: setup_distributed's set_device is its first CUDA call."""
+    cuda_calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_device",
+        lambda device: cuda_calls.append(("set_device", os.environ.get("CUBLAS_WORKSPACE_CONFIG"))),
+    )
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    runtime.setup_distributed(TrainConfig(device="cuda", deterministic=deterministic))
+    assert cuda_calls == [("set_device", ":4096:8" if deterministic else None)]
+
+
+def test_network_check_bounds_name_resolution(monkeypatch):
+    """An air-gapped node whose DNS server never answers: getaddrinfo alone would wait out the resolver's
+    retries; the check gives up within its timeout."""
+    answered = threading.Event()
+
+    def unanswered_lookup(*args, **kwargs):
+        answered.wait(20)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unanswered_lookup)
+    start = time.monotonic()
+    try:
+        assert not runtime.network_reachable("huggingface.co", timeout=0.5)
+        assert time.monotonic() - start < 2
+    finally:
+        answered.set()  # the resolver thread ends
+
+
+def test_network_check_connects_where_something_listens():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert runtime.network_reachable("127.0.0.1", port, timeout=2)
+    assert not runtime.network_reachable("127.0.0.1", port, timeout=2)  # nothing listens any more: refused
+
+
+def gloo_rank(rank, port, peer, report):
+    """Both ranks all-reduce once; then rank 1 (the peer) 'hangs' (never joins another collective) or 'dies'
+    (exits), and rank 0 reports what its next all-reduce does."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ["WORLD_SIZE"] = "2"
+    runtime.setup_distributed(TrainConfig(device="cpu", ddp_timeout_s=2, gradient_accumulation_steps=2))
+    runtime.dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        if peer == "dies":
+            os._exit(3)
+        time.sleep(60)  # the test ends this process
+    start = time.monotonic()
+    try:
+        runtime.dist.all_reduce(torch.ones(4))
+        report.send(("no error", "", time.monotonic() - start))
+    except Exception as e:
+        report.send((type(e).__name__, str(e), time.monotonic() - start))  # sent before send returns
+    os._exit(0)  # no teardown of a process group whose peer is gone
+
+
+@pytest.mark.parametrize("peer", ["hangs", "dies"])
+def test_gloo_collective_with_a_lost_peer_raises_in_the_main_thread(peer):
+    """What train.py's handler for a timed-out collective sees on gloo (NCCL's watchdog ends the process
+    instead, docs/training.md): a peer that hangs makes the collective raise after ddp_timeout_s, saying it
+    timed out; a peer that died makes it raise at once."""
+    context = multiprocessing.get_context("fork")  # started in milliseconds: torch is imported already
+    received, report = context.Pipe(duplex=False)
+    port = free_port()
+    ranks = [context.Process(target=gloo_rank, args=(rank, port, peer, report)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        assert received.poll(60), "rank 0 sent no report"
+        error, message, elapsed_s = received.recv()
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()
+    assert error == "RuntimeError"
+    if peer == "hangs":
+        assert "timed out" in message.lower() and 2 <= elapsed_s < 6, (message, elapsed_s)
+    else:
+        assert re.search("Connection (reset|closed) by peer", message) and elapsed_s < 2, (message, elapsed_s)
 
 
 def test_deterministic_mode_turns_on_deterministic_algorithms_and_math_attention(monkeypatch):

@@ -15,7 +15,7 @@ from train_helpers import make_char_data, tiny_args
 
 import checkpoint
 import memplan
-import tokens
+import runtime
 import train
 from bench.common import free_port
 from model import GPT, GPTConfig, model_args_from_config
@@ -569,7 +569,7 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
         return GPT(GPTConfig(**{**dataclasses.asdict(config), **override_args}))
 
     monkeypatch.setattr(GPT, "from_pretrained", tiny_gpt2)
-    monkeypatch.setattr(tokens, "network_reachable", lambda host: False)
+    monkeypatch.setattr(runtime, "network_reachable", lambda host: False)
     (tmp_path / "bpe").mkdir()
     ids = torch.randint(0, 50257, (3000,), generator=torch.Generator().manual_seed(0)).numpy()
     write_bin(tmp_path / "bpe" / "train.bin", ids)

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from files import atomic_writer
-from tokens import DataError, network_reachable
+from runtime import network_reachable
+from tokens import DataError
 
 IMAGE_SHAPE = (3, 32, 32)
 IMAGE_BYTES = 3 * 32 * 32

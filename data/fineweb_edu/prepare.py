@@ -38,12 +38,12 @@ from data.prepare_common import (  # noqa: E402
     run_prepare,
 )
 from files import atomic_write_bytes, remove_stale_temporaries  # noqa: E402
+from runtime import network_reachable  # noqa: E402
 from tokens import (  # noqa: E402
     EOT_TOKEN,
     HEADER_BYTES,
     DataError,
     get_gpt2_encoding,
-    network_reachable,
     write_shard,
 )
 

@@ -29,7 +29,8 @@ from data.prepare_common import (  # noqa: E402
     run_prepare,
 )
 from files import atomic_writer  # noqa: E402
-from tokens import EOT_TOKEN, DataError, get_gpt2_encoding, network_reachable  # noqa: E402
+from runtime import network_reachable  # noqa: E402
+from tokens import EOT_TOKEN, DataError, get_gpt2_encoding  # noqa: E402
 
 HUB_DATASET = "Skylion007/openwebtext"
 WRITE_BATCH = 1 << 16  # documents per write

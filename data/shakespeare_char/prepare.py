@@ -13,7 +13,8 @@ import urllib.request
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from data.prepare_common import add_output_dir, run_prepare, write_char_corpus  # noqa: E402
 from files import atomic_write_bytes  # noqa: E402
-from tokens import DataError, network_reachable  # noqa: E402
+from runtime import network_reachable  # noqa: E402
+from tokens import DataError  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
