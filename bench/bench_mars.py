@@ -203,8 +203,10 @@ def run(quick=False):
     gc.collect()
 
     rows += _shampoo_rows(device, params, n_layer, hyper, quick)
+    rows += _mars_m_rows(device, n_layer, hyper, quick)
 
-    state_kinds = [("mars-adamw", None), ("mars-lion", None), ("mars-shampoo", None), ("mars-adamw", torch.bfloat16)]
+    state_kinds = [("mars-adamw", None), ("mars-lion", None), ("mars-shampoo", None), ("mars-m", None)]
+    state_kinds.append(("mars-adamw", torch.bfloat16))
     for mars_type, last_grad_dtype in state_kinds:
         opt = MARS(params, mars_type=mars_type, last_grad_dtype=last_grad_dtype, **hyper)
         for group in opt.param_groups:
@@ -246,6 +248,30 @@ def _shampoo_rows(device, params, n_layer, hyper, quick):
             target="<= 4 (issue: 15 ms vs 3.7 ms on H200)",
             note=f"{what}, {flops / 1e12:.2f} TFLOP in {str(ns_dtype).removeprefix('torch.')}, batched per shape",
         )
+    ]
+
+
+def _mars_m_rows(device, n_layer, hyper, quick):
+    """MARS-M's step on the blocks' matrices against fused AdamW's and (on CUDA) Muon's on the same matrices:
+    torch.optim.Muon at Moonlight's update scale, the MARS-M paper's baseline. MARS-M is Muon's work plus the
+    pass over c_t. Not Muon on CPU: its Newton-Schulz runs in bfloat16 there too, which this repository's CPU
+    computes at about 0.4 GFLOP/s (63 s for one 3072x768 matrix, where MARS-M's float32 step took 4.4 s)."""
+    blocks = n_layer if device == "cuda" else 1
+    shapes = [s for s in gpt2_small_shapes(n_layer=blocks)[2:] if len(s) == 2]
+    what = f"GPT-2 small's {blocks} blocks' matrices" if blocks > 1 else "one GPT-2 small block's 4 matrices"
+    matrices = make_params(device, shapes)
+    steps = {
+        "mars-m": MARS(matrices, mars_type="mars-m", **hyper).step,
+        "AdamW(fused=True)": torch.optim.AdamW(matrices, fused=True, **hyper).step,
+    }
+    if device == "cuda":
+        steps["Muon(match_rms_adamw)"] = torch.optim.Muon(matrices, adjust_lr_fn="match_rms_adamw", **hyper).step
+    times = {name: time_it(step, warmup=1, repeats=2 if quick else 5) for name, step in steps.items()}
+    note = f"{what}; Newton-Schulz in {'bfloat16' if device == 'cuda' else 'float32'}"
+    return [
+        row(f"mars-m step vs {name}", times["mars-m"] * 1e3, times[name] * 1e3, unit="ms", note=note)
+        for name in steps
+        if name != "mars-m"
     ]
 
 
