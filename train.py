@@ -679,7 +679,8 @@ def log_train(run, progress, window, result, time_s):
     if not run.dist.is_master:
         return
     dt = (time.perf_counter() - window.t0) / window.steps
-    values = [loss if loss is not None else torch.tensor(math.nan), norm_of(list(run.model.parameters())), *momentum]
+    param_norm = norm_of(list(run.model.parameters()), run.dist.device)
+    values = [loss if loss is not None else torch.tensor(math.nan), param_norm, *momentum]
     values = torch.stack([v.float().to(run.dist.device) for v in values]).tolist()
     passes = 2 if run.exact_mars else 1
     mfu = run.model.estimate_mfu(run.tokens_per_step // run.dist.world_size * passes, dt)
@@ -710,16 +711,17 @@ def log_train(run, progress, window, result, time_s):
     run.metrics.write(record)
 
 
-def norm_of(tensors):
-    return torch.nn.utils.get_total_norm(list(tensors)) if tensors else torch.zeros(())
+def norm_of(tensors, device):
+    """The global norm of `tensors`; 0 on `device` (the parameters') when there are none."""
+    return torch.nn.utils.get_total_norm(list(tensors)) if tensors else torch.zeros((), device=device)
 
 
 def momentum_norms(run):
     """The norms of MARS's m and v the reference train_mars.py logs, over all of the state: under ZeRO-1
     every rank holds a share, so the squares are summed over the ranks (every rank takes part)."""
     states = [s for s in run.optimizer.state.values() if "exp_avg" in s]
-    m = norm_of([s["exp_avg"] for s in states])
-    v = norm_of([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s])
+    m = norm_of([s["exp_avg"] for s in states], run.dist.device)
+    v = norm_of([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s], run.dist.device)
     if not run.sharded:
         return [m, v]
     squares = torch.stack([m, v]).float().to(run.dist.device) ** 2
