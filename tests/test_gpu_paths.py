@@ -1,0 +1,222 @@
+"""The GPU-only paths, reached on a CPU: a mocked torch.cuda for the device, process-group and precision
+decisions; the meta device for the training step and its logging on every optimizer and ZeRO-1 layout
+(meta refuses host reads, and a tensor made on another device fails against it); the compiled model under
+two-rank gloo DDP with recompiles forbidden; and a census of the aten ops a training step runs against the
+ops torch documents as non-deterministic on CUDA."""
+
+import json
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import metrics
+import model
+import runtime
+import train
+from configurator import TrainConfig
+from metrics import LogWindow
+from tokens import write_bin
+
+# ---------------------------------------------------------------------------------------------------
+# A mocked torch.cuda: GPUs as torch describes them (name, compute capability, memory).
+
+GPUS = {
+    # name: (compute capability major, total memory GiB)
+    "Tesla V100-SXM2-32GB": (7, 32),
+    "Tesla T4": (7, 15),
+    "NVIDIA A100-SXM4-80GB": (8, 80),
+    "NVIDIA H100 80GB HBM3": (9, 80),
+}
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """install(name, count): a machine with `count` GPUs called `name` as far as torch.cuda's queries go.
+    torch's own is_bf16_supported runs on the mocked properties; bfloat16 tensors can be created on every
+    GPU (emulated before compute capability 8). Returns the record of set_device and init_process_group
+    calls (each init with the environment variables it would read)."""
+    calls = types.SimpleNamespace(set_device=[], init=[])
+
+    def install(name, count=8):
+        major, gib = GPUS[name]
+        props = types.SimpleNamespace(name=name, major=major, minor=0, total_memory=gib << 30)
+        current = {"index": 0}
+
+        def set_device(device):
+            current["index"] = torch.device(device).index
+            calls.set_device.append(str(device))
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+        monkeypatch.setattr(torch.cuda, "set_device", set_device)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (props.total_memory - (1 << 30), gib << 30))
+        monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+        monkeypatch.setattr(torch.version, "hip", None)
+
+        def init_process_group(**kwargs):
+            environment = {key: os.environ.get(key) for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)}
+            calls.init.append(dict(kwargs, environment=environment))
+
+        monkeypatch.setattr(runtime.dist, "init_process_group", init_process_group)
+        return calls
+
+    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUBLAS_WORKSPACE_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
+    return install
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_each_gpu_gets_its_precision_and_its_peak(gpu_machine, name):
+    gpu_machine(name)
+    native_bf16 = GPUS[name][0] >= 8
+    assert runtime.resolve_dtype("auto", "cuda") == ("bfloat16" if native_bf16 else "float16")
+    # the MFU denominator: the table's bf16 peak for a GPU it lists, else None (mfu is logged as null)
+    assert model.peak_flops("cuda:0") == model.PEAK_BF16_FLOPS.get(name)
+    if native_bf16:
+        assert model.peak_flops("cuda:0") is not None, f"{name} runs bfloat16 but has no peak in PEAK_BF16_FLOPS"
+
+
+def test_a_torchrun_rank_on_a_gpu_node_joins_nccl_on_its_own_gpu(gpu_machine, monkeypatch):
+    calls = gpu_machine("NVIDIA H100 80GB HBM3", count=8)
+    monkeypatch.setenv("RANK", "13")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    info = runtime.setup_distributed(
+        TrainConfig(device="auto", ddp_timeout_s=45, gradient_accumulation_steps=32, deterministic=True)
+    )
+    assert (info.device, info.rank, info.world_size, info.ddp) == ("cuda:5", 13, 16, True)
+    assert calls.set_device == ["cuda:5"] and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    (init,) = calls.init
+    assert init["backend"] == "nccl" and init["device_id"] == torch.device("cuda:5")
+    assert init["timeout"].total_seconds() == 45
+    assert init["environment"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert torch.cuda.is_bf16_supported(including_emulation=False)  # the mock answers as an H100 does
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training step and its train line on the meta device, one rank of a layout at a time. Meta tensors
+# have shapes and no data: any read of a value on the host raises, and so does an op that mixes a meta
+# tensor with one made on the CPU, where on a GPU it would mix CUDA and CPU. The step's one intended host
+# read (train_step's .tolist() of the gradient norms, the per-step sync) and the train line's (its values
+# for the log) are let through, counted and answered with ones; any other .tolist() or .item() fails.
+
+OPTIMIZERS = {
+    "mars-adamw": dict(optimizer_name="mars", mars_type="mars-adamw"),
+    "mars-adamw-exact": dict(optimizer_name="mars", mars_type="mars-adamw", is_approx=False),
+    "mars-lion": dict(optimizer_name="mars", mars_type="mars-lion"),
+    "mars-shampoo": dict(optimizer_name="mars", mars_type="mars-shampoo"),
+    "adamw": dict(optimizer_name="adamw"),
+    "muon": dict(optimizer_name="muon"),
+}
+# (world size, zero_stage, rank). ZeRO-1 on a 1-layer GPT with GPT-2's vocabulary gives, on 2 ranks, rank 1
+# two matrices and the token embedding, and on 8 ranks, ranks 0-5 one matrix each and ranks 6-7 the 1-D
+# tensors (torch's ZeroRedundancyOptimizer partition). So ranks 1 of 2 and 0 of 8 hold no 1-D tensor and,
+# under MARS-Lion and MARS-Shampoo, no exp_avg_sq -- as rank 0 does on GPT-2 small with 2 or 8 GPUs; ranks
+# 0 and 7 of 8 stand for the two kinds of share.
+LAYOUTS = [(1, 0, 0), (2, 1, 0), (2, 1, 1), (8, 1, 0), (8, 1, 7)]
+ALLOWED_HOST_READS = {"train_step": 1, "log_train": 1}
+
+
+@pytest.fixture(scope="module")
+def gpt2_tokens(tmp_path_factory):
+    """A GPT-2-tokenized dataset 'bpe' (no meta.pkl: the model pads the vocabulary to 50304)."""
+    root = tmp_path_factory.mktemp("tokens")
+    ids = np.random.default_rng(0).integers(0, 50257, 2000)
+    os.makedirs(root / "bpe")
+    write_bin(root / "bpe" / "train.bin", ids)
+    write_bin(root / "bpe" / "val.bin", ids[:500])
+    return str(root)
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """The functions that read a device tensor's value on the host, each time one does: a list of names.
+    A CPU tensor's value (the step counts of torch's unfused optimizers) is read without waiting for any
+    device, so it is not counted."""
+    reads = []
+
+    def reader(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(tensor):
+            if not tensor.is_meta:
+                return original(tensor)
+            caller = sys._getframe(1).f_code.co_name
+            reads.append(caller)
+            if reads.count(caller) > ALLOWED_HOST_READS.get(caller, 0):
+                raise AssertionError(f"{caller} reads a device tensor's value on the host ({name})")
+            return original(torch.ones(tensor.shape))
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    reader("tolist")
+    reader("item")
+    return reads
+
+
+@pytest.fixture
+def fake_ranks():
+    """join(rank, world_size): this process becomes `rank` of a fake process group, whose collectives
+    return at once without communicating (torch's testing backend "fake")."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def join(rank, world_size):
+        if world_size > 1:
+            dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "{}ranks-zero{}-rank{}".format(*layout))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_step_and_its_train_line_stay_on_the_device(
+    gpt2_tokens, tmp_path, request, host_reads, fake_ranks, optimizer, layout
+):
+    world_size, zero_stage, rank = layout
+    fake_ranks(rank, world_size)
+    cfg = TrainConfig(
+        data_path=gpt2_tokens,
+        dataset="bpe",
+        out_dir=str(tmp_path / "out"),
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        block_size=16,
+        batch_size=1,
+        gradient_accumulation_steps=world_size,
+        eval_iters=1,
+        zero_stage=zero_stage,
+        compile=False,
+        dtype="float32",
+        **OPTIMIZERS[optimizer],
+    )
+    run, progress, _ = train.setup(cfg, runtime.Dist(rank=rank, world_size=world_size, device="meta"))
+    request.addfinalizer(run.metrics.close)
+    assert run.sharded == (zero_stage == 1 and world_size > 1)
+
+    result = train.train_step(run, 0)
+    assert host_reads == ["train_step"] and not result.skipped and result.loss.is_meta
+    progress.iter_num = 1
+    window = LogWindow()
+    window.add(result.loss, result.skipped)
+    train.log_train(run, progress, window, result, time_s=1.0)
+    assert host_reads == ["train_step"] + (["log_train"] if rank == 0 else [])
+
+    tensors = [*run.model.parameters(), *(p.grad for p in run.model.parameters() if p.grad is not None)]
+    tensors += [t for state in run.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    # torch's optimizers keep their step counts as CPU scalars when not fused: the only tensors off the device
+    assert all(t.is_meta or t.ndim == 0 for t in tensors)
+    if rank == 0:
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+            (record,) = [json.loads(line) for line in f]
+        assert record[metrics.TRAIN_LOSS] == 1.0 and (metrics.MOMENTUM_NORM in record) == (cfg.optimizer_name == "mars")
