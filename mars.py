@@ -12,9 +12,11 @@ The class owns parameter groups, state and dispatch; the update rule lives in fu
 - ``_multi_tensor_mars`` / ``_multi_tensor_adamw`` (the default): ``torch._foreach_*`` ops per device and
   dtype; the AdamW part of the rule runs in torch's fused AdamW kernel wherever every tensor's layout
   allows it, and Newton-Schulz is batched over matrices of the same shape.
-- ``fused=True``: the reference ``_mars_tensor_step`` compiled by torch.compile (inductor: C++ loops on
-  CPU, Triton kernels on CUDA) into one reduction and one elementwise pass per tensor, for the AdamW and
-  Lion rules; Newton-Schulz and the AdamW-rule tensors as in the multi-tensor path.
+- ``fused=True``: ``_fused_mars_tensor_step`` (the reference step as the compiler takes it best) compiled by
+  torch.compile (inductor: C++ loops on CPU, Triton kernels on CUDA) into one reduction and one elementwise
+  pass per tensor, for the AdamW and Lion rules; Newton-Schulz and the AdamW-rule tensors as in the
+  multi-tensor path. Not train.py's default: which path is faster on a GPU is for scripts/gpu_check.sh's
+  optimizer row to say (docs/gpu.md).
 
 Tests hold every path equal to the reference and the reference to a float64 transcription of the rule.
 """
@@ -582,21 +584,17 @@ def _mars_tensor_step(
     keep_grad,
 ):
     """One MARS step of one tensor; v, v_max are None where the rule keeps none, and step_size,
-    bias_correction2_rsqrt are _adam_scalars' (used by the AdamW rule). fused=True compiles this."""
+    bias_correction2_rsqrt are _adam_scalars' (used by the AdamW rule)."""
     g = g.to(m.dtype)  # float16 parameters: c̃ in float32, as m and v (its small entries underflow float16)
     c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)  # c_t, the variance-reduced gradient
-    # ‖c_t‖ accumulates in float32 (float64 for float64), but in float64 in the compiled CPU step when g_prev
-    # is stored in c's dtype: inductor sums float32 there through a cascade helper that made this reduction
-    # 1.8x slower than a float64 sum. With a bfloat16 g_prev the float32 sum is faster (4.8 vs 8.3 ms).
-    f64_sum = torch.compiler.is_compiling() and c.is_cpu and g_prev.dtype == c.dtype
-    norm_dtype = torch.float64 if f64_sum else _opmath(c.dtype)
-    norm = torch.linalg.vector_norm(c, dtype=norm_dtype).clamp_min(1.0)
-    if torch.compiler.is_compiling():
-        # Inductor divides element by element; times the reciprocal (one rounding more) leaves the divider to
-        # the AdamW rule's own division: 2-3% of the step on this repository's CPU when memory is fast.
-        c = c * norm.reciprocal().to(c.dtype)  # c̃_t: ‖c̃_t‖ <= 1
-    else:
-        c = c / norm  # c̃_t: ‖c̃_t‖ <= 1
+    c = c / torch.linalg.vector_norm(c, dtype=_opmath(c.dtype)).clamp_min(1.0)  # c̃_t: ‖c̃_t‖ <= 1
+    _rule_step(p, c, m, v, v_max, lr, step_size, bias_correction2_rsqrt, rule, beta1, beta2, eps, weight_decay)
+    if keep_grad:
+        g_prev.copy_(g)
+
+
+def _rule_step(p, c, m, v, v_max, lr, step_size, bias_correction2_rsqrt, rule, beta1, beta2, eps, weight_decay):
+    """The preconditioned update of a tensor from its clipped c̃_t: AdamW's, Lion's sign, or Newton-Schulz."""
     if rule == "adamw":
         _adamw_tensor_step(
             p,
@@ -616,8 +614,6 @@ def _mars_tensor_step(
         m.lerp_(c, 1 - beta1)  # m_t = β1 m_{t-1} + (1 - β1) c̃_t
         u = m.sign() if rule == "lion" else _orthogonal_direction(m, rule, beta1=beta1, eps=eps)
         p.sub_(lr * (u + weight_decay * p))
-    if keep_grad:
-        g_prev.copy_(g)
 
 
 def _adamw_tensor_step(
@@ -824,14 +820,12 @@ def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay, eps_unco
 
 
 # ---------------------------------------------------------------------------------------------------
-# fused=True: _mars_tensor_step compiled. The tensors go in as 1-D views in memory order, so one compiled
-# graph (per dtype and rule) serves every shape. Every number (lr, β1, β2, eps, λ, γ) goes in as a 0-d tensor
-# on the device, so no value is compiled in: a schedule may change lr or the betas every step (OneCycleLR
-# cycles β1) and groups may differ in every number without a recompilation. (Python floats would each be
-# compiled in and guarded, one graph per value up to dynamo's limit of 8, then eager; and with torch 2.13,
-# floats left symbolic were baked into lerp's weight and addcmul's value without a guard, so a second group
-# silently reused the first one's betas.) Tensors whose layouts differ (a transposed parameter with a
-# contiguous gradient) take the eager reference, with the numbers as they are.
+# fused=True: _fused_mars_tensor_step, the reference step written for the compiler, compiled. The tensors go in
+# as 1-D views in memory order, so one compiled graph (per dtype and rule) serves every shape. Every number
+# (lr, β1, β2, eps, λ, γ) goes in as a 0-d tensor on the device, so no value is compiled in: a schedule may
+# change lr or the betas every step (OneCycleLR cycles β1) and groups may differ in every number without a
+# recompilation (docs/mars.md, "the compiled path", says what Python floats did). Tensors whose layouts differ
+# (a transposed parameter with a contiguous gradient) take the eager reference, with the numbers as they are.
 #
 # The graphs a process can need (dtypes x rules x amsgrad x exact/approximate) exceed dynamo's default limit
 # of 8 per function only in unusual mixes; the limit is raised for this function, and reaching it raises
@@ -839,12 +833,30 @@ def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay, eps_unco
 _RECOMPILE_LIMIT = 64
 
 
+def _fused_mars_tensor_step(p, g, g_prev, m, v, v_max, lr, step_size, bias_correction2_rsqrt, *, rule, keep_grad, **hp):
+    """_mars_tensor_step as inductor compiles it fastest; the same rule, within a rounding."""
+    beta1, gamma = hp["beta1"], hp["gamma"]
+    g = g.to(m.dtype)
+    c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)
+    # On CPU with g_prev in c's dtype inductor's float32 sum (a cascade helper) made this reduction 1.8x slower
+    # than a float64 sum; with a bfloat16 g_prev the float32 sum is the faster one (4.8 vs 8.3 ms).
+    f64_sum = c.is_cpu and g_prev.dtype == c.dtype
+    norm = torch.linalg.vector_norm(c, dtype=torch.float64 if f64_sum else _opmath(c.dtype)).clamp_min(1.0)
+    # Inductor divides element by element; times the reciprocal (one rounding more) leaves the divider to the
+    # AdamW rule's own division: 2-3% of the step on this repository's CPU when memory is fast.
+    c = c * norm.reciprocal().to(c.dtype)
+    rule_numbers = (hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"])
+    _rule_step(p, c, m, v, v_max, lr, step_size, bias_correction2_rsqrt, rule, *rule_numbers)
+    if keep_grad:
+        g_prev.copy_(g)
+
+
 @functools.cache
 def _compiled_mars_tensor_step(simdlen=None):
     # cpp.dynamic_threads: without it inductor compiled the kernel for a bfloat16 last_grad single-threaded
     # (2.2x slower than float32 here); with it OpenMP picks the threads at run time (C++ backend only).
     options = {"cpp.dynamic_threads": True} | ({"cpp.simdlen": simdlen} if simdlen else {})
-    return torch.compile(_mars_tensor_step, dynamic=True, options=options)
+    return torch.compile(_fused_mars_tensor_step, dynamic=True, options=options)
 
 
 def _simdlen(p, g_prev):
@@ -906,10 +918,7 @@ def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, i
 
 def _flat_views(tensors):
     """1-D views of the tensors (None stays None) in memory order, or None unless they share one dense layout.
-
-    The views are detached: with torch 2.13, a compiled graph updating a view of a parameter (which
-    requires grad) in place under no_grad computed wrong values; a detached view writes the same memory.
-    """
+    The views are detached, as the compiled graph updates them in place correctly only then (docs/mars.md)."""
     present = [t for t in tensors if t is not None]
     if all(t.is_contiguous() for t in present):  # the common case, checked cheaply: this runs per tensor
         return [None if t is None else t.detach().view(-1) for t in tensors]

@@ -135,27 +135,24 @@ def setup(cfg, dist_info):
     eval_model = torch.compile(model) if launch.resolve_compile(cfg, dist_info.device_type) else model
     train_model = DDP_wrapped(eval_model, dist_info) if dist_info.ddp else eval_model
 
-    val_batches = launch.eval_windows(cfg, val_data, dist_info)
-    train_batches = launch.eval_windows(cfg, train_data, dist_info)
-    log = launch.open_metrics(cfg, dist_info, progress, resumed)
     run = Run(
+        val_batches=launch.eval_windows(cfg, val_data, dist_info),
         cfg=cfg,
         dist=dist_info,
         model=model,
         train_model=train_model,
+        train_batches=launch.eval_windows(cfg, train_data, dist_info),
         eval_model=eval_model,
         model_args=model_args,
         optimizer=optimizer,
-        look_ahead=optim.look_ahead(optimizer, cfg),
         scaler=scaler,
+        look_ahead=optim.look_ahead(optimizer, cfg),
         autocast=autocast,
         rng=rng,
         train_data=train_data,
         val_data=val_data,
-        val_batches=val_batches,
-        train_batches=train_batches,
+        metrics=launch.open_metrics(cfg, dist_info, progress, resumed),
         hellaswag_examples=hellaswag_examples,
-        metrics=log,
         writer=CheckpointWriter(),
         memory_plan=memplan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
