@@ -31,6 +31,7 @@ optimizer at its best lr, first seed) too.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import fcntl
 import itertools
@@ -457,9 +458,10 @@ def all_runs(out_root, optimizer):
         for name in os.listdir(os.path.join(out_root, budget_dir)):
             head, _, seed = name.rpartition("_s")
             opt, _, factor = head.rpartition("_x")
-            if opt == optimizer and seed.isdigit():
-                k = round(math.log(float(factor), LADDER))
-                runs.append(Run(optimizer, steps, k, int(seed)))
+            with contextlib.suppress(ValueError):  # a folder the study did not name is not one of its runs
+                run = Run(optimizer, steps, round(math.log(float(factor), LADDER)), int(seed))
+                if opt == optimizer and run_dir(out_root, run) == os.path.join(out_root, budget_dir, name):
+                    runs.append(run)
     return runs
 
 
