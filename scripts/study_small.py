@@ -398,7 +398,9 @@ def run_study(
             check_settings(run, out_root, extra)  # a result is only used under the settings it was trained with
         return read_outcomes(out_root, known)
 
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    # A shell starts a background job with SIGINT ignored, and its children inherit that: with a handler of
+    # our own, the study's train.py runs start with the default one, so the SIGINT that stops them works.
+    previous = signal.signal(signal.SIGTERM, _raise_stop), signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             losses = losses_on_disk()
@@ -442,10 +444,12 @@ def run_study(
             process.send_signal(signal.SIGINT)  # train.py finishes a checkpoint in flight, then exits
         for process in running.values():
             process.wait()
-        print(f"study: stopped; {len(running)} runs will resume from their checkpoints", file=sys.stderr)
+        stopped = [r for r in running if outcome(run_dir(out_root, r), r.steps) is None]
+        print(f"study: stopped; {len(stopped)} unfinished runs will resume when it is run again", file=sys.stderr)
         raise KeyboardInterrupt from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 def all_runs(out_root, optimizer):

@@ -5,8 +5,11 @@ what is on disk. A stand-in train.py writes the metrics a run would, from a know
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -104,7 +107,7 @@ def test_order_changes_lists_the_pairs_whose_verdict_differs():
 
 FAKE_TRAIN = textwrap.dedent(
     """
-    import json, math, os, sys
+    import json, math, os, sys, time
     args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
     with open(os.environ["FAKE_CALLS"], "a") as f:
         f.write(json.dumps(args) + "\\n")
@@ -112,6 +115,14 @@ FAKE_TRAIN = textwrap.dedent(
     recommended = {"adamw": 6e-4, "muon": 2e-2, "mars": 6e-4}[args["optimizer_name"]]
     k = math.log2(lr / recommended)
     steps, seed = int(args["max_iters"]), int(args["seed"])
+    if os.environ.get("FAKE_HANG"):  # a long run: its first checkpoint, then training until Ctrl-C
+        open(os.path.join(args["out_dir"], "ckpt.pt"), "w").close()
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            with open(os.environ["FAKE_CALLS"], "a") as f:
+                f.write(json.dumps({"interrupted": args["out_dir"]}) + "\\n")
+            sys.exit(130)
     if k > float(os.environ.get("FAKE_DIVERGE_ABOVE", "99")):
         print("error: 10 consecutive steps had a non-finite loss or gradient norm; stopped")
         sys.exit(1)
@@ -196,6 +207,39 @@ def test_a_diverged_run_is_remembered_and_not_retried(fake_train, tmp_path, monk
     assert rc == 0
     assert "**x4 2.0000**" in results(tmp_path) and "x8 diverged" in results(tmp_path)
     assert fake_train("--only", "AdamW") == (0, [])
+
+
+def test_a_stopped_study_stops_its_runs_also_when_started_in_the_background(tmp_path, capsys):
+    """SIGTERM stops the runs in flight with a SIGINT, which they honour although a shell's background job
+    (nohup ... &) starts with SIGINT ignored; the rerun resumes them."""
+    (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
+    calls = tmp_path / "calls.jsonl"
+    env = dict(os.environ, FAKE_CALLS=str(calls), FAKE_HANG="1")
+    argv = [f"--out={tmp_path / 'out'}", "--only", "AdamW"]
+    script = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(study.__file__)!r}); import study_small; "
+        f"sys.exit(study_small.main({argv!r}, {str(tmp_path / 'fake_train.py')!r}))"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # what bash does to `cmd &`
+    )
+    deadline = time.time() + 60
+    while not (calls.exists() and len(calls.read_text().splitlines()) == 2) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # both runs reach their sleep
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 130
+    interrupted = [json.loads(line) for line in calls.read_text().splitlines()[2:]]
+    assert len(interrupted) == 2 and all("interrupted" in c for c in interrupted)
+    assert "study: stopped; 2 unfinished runs will resume" in err
+    assert study.main(argv + ["--dry_run"]) == 0
+    resumed = [line for line in capsys.readouterr().out.splitlines() if line.endswith("--init_from=resume")]
+    assert len(resumed) == 2
 
 
 def test_settings_changed_under_a_run_are_refused(fake_train, tmp_path):
