@@ -9,10 +9,9 @@ The method, per optimizer and budget (a budget is a number of steps of the same 
 - Learning rates sit on a factor-of-2 ladder around the optimizer's recommended values: step k scales ALL
   of its learning rates by 2**k (MARS: lr and lr_1d; Muon: muon_lr and muon_adamw_lr), keeping their ratio.
 - The grid (first seed only) starts at k = -1, 0, 1 for the first budget; each longer budget starts at the
-  previous budget's best k and the step below it (longer training seldom wants a higher rate). While the best
-  k has no neighbour on one side, the grid grows by one step on that side, up to |k| <= max_step; a best
-  value left at the cap is reported as such. A run that diverges (train.py stops on non-finite steps) counts
-  as an infinite loss.
+  previous budget's best k and the step below it. While the best k has no neighbour on one side, the grid
+  grows by one step on that side, up to |k| <= max_step; a best value left at the cap is reported as such.
+  A run that diverges (train.py stops on non-finite steps) counts as an infinite loss.
 - At the bracketed best k, the other seeds run. A seed (train.py's --seed) changes the initial weights,
   the training windows, the dropout masks (none here) and the evaluation windows together.
 - The score is the validation loss at the last step. Per budget the optimizers are ranked by their mean over
