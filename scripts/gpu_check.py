@@ -164,15 +164,8 @@ def run_command(argv, log_path, timeout_s, stop_at=None):
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
-        proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
+        pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, **pipe)
         timed_out = threading.Event()
 
         def on_timeout():
@@ -239,15 +232,9 @@ def compile_times(records):
 
 def short_command(argv, work):
     """argv as the table shows it: `python`, paths relative to the repository or <work>, no COMMON_KEYS."""
-    words = []
-    for word in argv:
-        if word.startswith("--") and word[2:].partition("=")[0] in COMMON_KEYS:
-            continue
-        if word == sys.executable:
-            word = "python"
-        word = word.replace(work, "<work>").replace(ROOT + os.sep, "")
-        words.append(word)
-    return " ".join(words)
+    words = [word for word in argv if not (word.startswith("--") and word[2:].partition("=")[0] in COMMON_KEYS)]
+    words = ["python" if word == sys.executable else word.replace(work, "<work>") for word in words]
+    return " ".join(word.replace(ROOT + os.sep, "") for word in words)
 
 
 def read_records(out_dir):
@@ -833,13 +820,12 @@ def describe_device(ctx, info):
     )
 
 
-def read_device_info(work, logs):
+def read_device_info(work, logs, budget_s):
     """torch's versions and the GPUs, read in a worker (the driver itself never touches a GPU)."""
     path = os.path.join(work, "device.json")
-    argv = [sys.executable, WORKER, "device", path]
-    finished = run_command(argv, os.path.join(logs, "device.log"), DEVICE_INFO_BUDGET_S)
+    finished = run_command([sys.executable, WORKER, "device", path], os.path.join(logs, "device.log"), budget_s)
     if not finished.ok:
-        raise RuntimeError(f"reading the device failed: {failure(finished, DEVICE_INFO_BUDGET_S)}")
+        raise RuntimeError(f"reading the device failed: {failure(finished, budget_s)}")
     return read_json(path)
 
 
@@ -862,7 +848,9 @@ def main(argv=None):
     t0, rows, failed = time.monotonic(), [], set()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         try:
-            info = read_device_info(work, logs)
+            info = read_device_info(
+                work, logs, DEVICE_INFO_BUDGET_S * (1 if args.device == "cuda" else CPU_BUDGET_FACTOR)
+            )
         except (RuntimeError, OSError, ValueError) as e:
             print(f"error: {e} (see {os.path.join(logs, 'device.log')})", file=sys.stderr)
             return 1

@@ -17,8 +17,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import train  # noqa: E402
-from configurator import load_config  # noqa: E402
 from files import atomic_writer  # noqa: E402
 
 MEMORY_STEPS = 2
@@ -64,6 +62,9 @@ def peak_memory(train_argv):
     evaluations, without the evaluations and checkpoints (a GPT-2 XL MARS checkpoint is about 25 GB).
     On CUDA the peak is torch.cuda.max_memory_allocated; on CPU the process's peak resident set.
     """
+    import train  # here, not at the top: the device read imports torch alone and answers in seconds
+    from configurator import load_config
+
     cfg = load_config(train_argv)
     dist_info = train.setup_distributed(cfg)
     run, _, _ = train.setup(cfg, dist_info)

@@ -470,7 +470,7 @@ def test_on_cuda_main_describes_the_gpus_and_runs_torchrun_on_all_of_them(tmp_pa
     """main's CUDA branch with torch.cuda mocked: the device worker runs for real (in-process), and the
     torchrun command, which cannot start here, is answered with a run's metrics.jsonl."""
     mock_cuda(monkeypatch)
-    monkeypatch.setattr(gpu_check, "read_device_info", lambda work, logs: worker.device_info())
+    monkeypatch.setattr(gpu_check, "read_device_info", lambda work, logs, budget_s: worker.device_info())
     commands = []
 
     def run_command(argv, log_path, timeout_s, stop_at=None):
@@ -540,7 +540,9 @@ def test_a_failing_check_fails_its_row_and_the_checks_that_need_it_but_not_the_o
     )
     monkeypatch.setattr(gpu_check, "CHECKS", checks)
     monkeypatch.setattr(gpu_check, "CHECKS_BY_NAME", {c.name: c for c in checks})
-    monkeypatch.setattr(gpu_check, "read_device_info", lambda work, logs: dict(torch="2.x", cuda=None, gpus=0))
+    monkeypatch.setattr(
+        gpu_check, "read_device_info", lambda work, logs, budget_s: dict(torch="2.x", cuda=None, gpus=0)
+    )
     out = tmp_path / "out"
     assert gpu_check.main(["--device=cpu", "--out", str(out)]) == 1
     report = json.loads((out / "gpu_check.json").read_text())
@@ -591,10 +593,9 @@ def test_the_checks_run_end_to_end_on_cpu(tmp_path):
     # Every row ran its own pass condition: bench_mars's CPU rows were found by name and measured, and only
     # what needs CUDA (the host-sync check), or what train.py does not log yet, is skipped.
     skipped = [(r["check"], r["what"]) for r in report["rows"] if r["status"] == SKIP]
-    assert skipped == [
-        ("small_mars", "GPT-2 small, MARS (paper config, compiled): compile"),
-        ("optimizer", "MARS steps under set_sync_debug_mode('error')"),
-    ] or skipped == [("optimizer", "MARS steps under set_sync_debug_mode('error')")]
+    sync_row = ("optimizer", "MARS steps under set_sync_debug_mode('error')")
+    not_logged = ("small_mars", "GPT-2 small, MARS (paper config, compiled): compile")  # until train.py logs them
+    assert skipped in ([sync_row, not_logged], [sync_row])
     optimizer = [r for r in report["rows"] if r["check"] == "optimizer"]
     assert [r["what"] for r in optimizer[:2]] == [
         "MARS-AdamW step vs AdamW(fused=True): default path vs fused=True",
