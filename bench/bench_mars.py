@@ -19,7 +19,8 @@ MARS-AdamW reads 7 tensor passes (g, g_prev for the norm; g, g_prev, m, v, p), A
 (1.5x). MARS-Shampoo is bound by Newton-Schulz's matmuls instead: its row compares the step with
 those FLOPs at this machine's measured matmul rate (on CPU over one block's four matrices: the whole
 model is ~2.9 TFLOP, minutes on 2 cores). On CUDA the rows also say whether each path steps without a
-host sync (torch.cuda.set_sync_debug_mode("error") stays silent).
+host sync (torch.cuda.set_sync_debug_mode("error") stays silent). The compiled path (fused=True) also
+gets its first step's time (the compile) and its host time per matrix on tiny tensors (the calls alone).
 """
 
 import functools
@@ -106,12 +107,12 @@ def _sync_free(optimizer):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def _matmul_flops_per_s(device, dtype):
+def _matmul_flops_per_s(device, dtype, n_embd=768):
     """The machine's matmul rate on Newton-Schulz's shapes (a 768x768 Gram matrix times a 768x3072 X)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    A = torch.randn(768, 768, generator=gen, device=device).to(dtype)
-    X = torch.randn(768, 3072, generator=gen, device=device).to(dtype)
-    return 2 * 768 * 768 * 3072 / time_it(lambda: A @ X, warmup=2, repeats=7)
+    A = torch.randn(n_embd, n_embd, generator=gen, device=device).to(dtype)
+    X = torch.randn(n_embd, 4 * n_embd, generator=gen, device=device).to(dtype)
+    return 2 * n_embd * n_embd * 4 * n_embd / time_it(lambda: A @ X, warmup=2, repeats=7)
 
 
 def newton_schulz_flops(shapes, steps=5):
@@ -119,43 +120,89 @@ def newton_schulz_flops(shapes, steps=5):
     return sum(steps * 3 * 2 * min(s) ** 2 * max(s) for s in shapes if len(s) == 2)
 
 
-def run(quick=False):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    n_layer = 12 if device == "cuda" else 4
-    warmup, repeats = (2, 7) if quick else (2, 15)
-    params = make_params(device, gpt2_small_shapes(n_layer=n_layer))
-    n_params = sum(p.numel() for p in params)
-    param_bytes = n_params * 4
-    note = f"GPT-2 small, {n_layer} blocks: {n_params / 1e6:.1f}M params, fp32, {device}, {repeats} rounds"
-    hyper = dict(lr=6e-3, weight_decay=0.1)
+BASELINE = "AdamW(fused=True)"
+# The MARS rules timed on both paths, train.py's default (foreach) and fused=True (compiled per tensor), with
+# issue 13's target for the rule's step against the baseline.
+RULES = (("mars-adamw", "MARS-AdamW", "<= 1.7"), ("mars-lion", "MARS-Lion", "<= 1.4"))
 
-    # name -> (optimizer, (bytes its step must move, bytes it must read), target ratio to fused AdamW)
+
+def path_name(label, fused):
+    return f"{label} ({'fused=True' if fused else 'foreach'})"
+
+
+def step_row_name(name):
+    return f"{name} step vs {BASELINE}"
+
+
+def sync_row_name(name):
+    return f"{name} step without host sync"
+
+
+def compile_row_name(name):
+    return f"{name} first step (compiles)"
+
+
+OVERHEAD_ROW = "MARS-AdamW (fused=True) host time per matrix at width 8 (the calls alone)"
+SHAMPOO_ROW = "mars-shampoo step vs its Newton-Schulz FLOPs at the matmul rate"
+
+
+def make_contenders(params, hyper):
+    """name -> (optimizer, (bytes its step must move, bytes it must read), target ratio to the baseline)."""
     adamw = traffic(params, "adamw")
     contenders = {
-        "AdamW(fused=True)": (torch.optim.AdamW(params, fused=True, **hyper), adamw, ""),
+        BASELINE: (torch.optim.AdamW(params, fused=True, **hyper), adamw, ""),
         "AdamW(foreach=True)": (torch.optim.AdamW(params, foreach=True, **hyper), adamw, ""),
     }
-    for mars_type, label in (("mars-adamw", "MARS-AdamW"), ("mars-lion", "MARS-Lion")):
-        target = "<= 1.7" if mars_type == "mars-adamw" else "<= 1.4"
-        bytes_ = traffic(params, mars_type)
-        contenders[f"{label} (foreach)"] = (MARS(params, mars_type=mars_type, **hyper), bytes_, "")
-        contenders[f"{label} (fused=True)"] = (MARS(params, mars_type=mars_type, fused=True, **hyper), bytes_, target)
+    for mars_type, label, target in RULES:
+        for fused in (False, True):
+            optimizer = MARS(params, mars_type=mars_type, fused=fused, **hyper)
+            contenders[path_name(label, fused)] = (optimizer, traffic(params, mars_type), target)
     contenders["MARS-AdamW (fused=True, bfloat16 last_grad)"] = (
         MARS(params, fused=True, last_grad_dtype=torch.bfloat16, **hyper),
         traffic(params, "mars-adamw", last_grad_bytes=2),
         "",
     )
+    return contenders
+
+
+def compiled(optimizer):
+    return isinstance(optimizer, MARS) and optimizer.defaults["fused"]
+
+
+def sync_rows(contenders):
+    """CUDA only: 1 for each MARS contender whose step raises nothing under set_sync_debug_mode('error')."""
+    rows = []
+    for name, (opt, _, _) in contenders.items():
+        if isinstance(opt, MARS):
+            rows.append(row(sync_row_name(name), int(_sync_free(opt)), unit="bool", target="1"))
+    return rows
+
+
+def run(quick=False, n_embd=768):
+    """The table. n_embd: GPT-2 small's 768, or a smaller width for a quick test of the whole bench."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_layer = 12 if device == "cuda" else 4
+    warmup, repeats = (2, 7) if quick else (2, 15)
+    params = make_params(device, gpt2_small_shapes(n_layer=n_layer, n_embd=n_embd))
+    n_params = sum(p.numel() for p in params)
+    param_bytes = n_params * 4
+    note = f"GPT-2 small, {n_layer} blocks: {n_params / 1e6:.1f}M params, fp32, {device}, {repeats} rounds"
+    hyper = dict(lr=6e-3, weight_decay=0.1)
+    contenders = make_contenders(params, hyper)
+    adamw = contenders[BASELINE][1]
 
     # A plain copy and a plain read of the parameter bytes, timed in the same rounds: the bandwidth references.
     source = torch.empty(n_params, device=device).normal_()
     copy = functools.partial(torch.empty_like(source).copy_, source)
     steps = {"copy": copy, "sum": source.sum} | {name: opt.step for name, (opt, _, _) in contenders.items()}
-    times = {name: [] for name in steps}
+    times, first = {name: [] for name in steps}, {}
     for i in range(warmup + repeats):  # the first rounds allocate state and compile
         for name, step in steps.items():
             seconds = time_it(step, warmup=0, repeats=1)
             if i >= warmup:
                 times[name].append(seconds)
+            elif i == 0:
+                first[name] = seconds
     copy_bandwidth = 2 * param_bytes / statistics.median(times["copy"])
     read_bandwidth = param_bytes / statistics.median(times["sum"])
     rows = [
@@ -172,7 +219,7 @@ def run(quick=False):
             note=f"{param_bytes / 1e9:.2f} GB read, median of {repeats}",
         ),
     ]
-    base = times["AdamW(fused=True)"]
+    base = times[BASELINE]
     for name, (_, (moved, read), target) in contenders.items():
         t = statistics.median(times[name])
         bandwidth, reads = moved / t, read / t
@@ -181,7 +228,7 @@ def run(quick=False):
         ratio = statistics.median(a / b for a, b in zip(times[name], base))
         rows.append(
             row(
-                f"{name} step vs AdamW(fused=True)",
+                step_row_name(name),
                 t * 1e3,
                 statistics.median(base) * 1e3,
                 unit="ms",
@@ -195,15 +242,18 @@ def run(quick=False):
             )
         )
 
+    for name, (opt, _, _) in contenders.items():
+        if compiled(opt):
+            what = "the first round's step: state allocation and torch.compile (Triton on CUDA, C++ on CPU)"
+            rows.append(row(compile_row_name(name), first[name], unit="s", note=what))
     if device == "cuda":
-        for name, (opt, _, _) in contenders.items():
-            if isinstance(opt, MARS):
-                rows.append(row(f"{name} step without host sync", int(_sync_free(opt)), unit="bool", target="1"))
+        rows += sync_rows(contenders)
     del contenders, steps, times, source, copy
     gc.collect()
 
-    rows += _shampoo_rows(device, params, n_layer, hyper, quick)
-    rows += _mars_m_rows(device, n_layer, hyper, quick)
+    rows += call_overhead_rows(device, quick)
+    rows += _shampoo_rows(device, params, n_layer, n_embd, hyper, quick)
+    rows += _mars_m_rows(device, n_layer, n_embd, hyper, quick)
 
     state_kinds = [("mars-adamw", None), ("mars-lion", None), ("mars-shampoo", None), ("mars-m", None)]
     state_kinds.append(("mars-adamw", torch.bfloat16))
@@ -227,21 +277,57 @@ def run(quick=False):
     return rows
 
 
-def _shampoo_rows(device, params, n_layer, hyper, quick):
+def host_time(step, steps):
+    """Median over 5 rounds of the calling thread's CPU seconds per step, `steps` steps a round, the device
+    synchronized only between rounds: the host's cost of issuing a step, whatever else runs on the machine."""
+    rounds = []
+    for _ in range(6):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.thread_time()
+        for _ in range(steps):
+            step()
+        rounds.append((time.thread_time() - t0) / steps)
+    return statistics.median(rounds[1:])  # the first round warms up (and compiles)
+
+
+def call_overhead_rows(device, quick=True):
+    """The cost of stepping tensor by tensor: fused=True makes one compiled call per matrix (50 on GPT-2
+    small), the default path a few foreach calls for all of them. Both step GPT-2 small's 50 matrices at
+    width 8, where the arithmetic is negligible: what is left is the host's cost of the calls (on CUDA,
+    issuing the kernels), per matrix. A step whose host time exceeds its GPU time is launch-bound."""
+    shapes = [s for s in gpt2_small_shapes(n_embd=8, vocab_size=8, block_size=8) if len(s) == 2]
+    per_matrix = {}
+    for fused in (False, True):
+        opt = MARS(make_params(device, shapes), fused=fused, lr=6e-3, weight_decay=0.1)
+        per_matrix[fused] = host_time(opt.step, steps=10 if quick else 40) / len(shapes)
+    return [
+        row(
+            OVERHEAD_ROW,
+            per_matrix[True] * 1e6,
+            per_matrix[False] * 1e6,
+            unit="us",
+            note=f"thread CPU time over GPT-2 small's {len(shapes)} matrices, 8 wide; reference: the default "
+            "(foreach) path's, per matrix",
+        )
+    ]
+
+
+def _shampoo_rows(device, params, n_layer, n_embd, hyper, quick):
     """MARS-Shampoo's step against its Newton-Schulz FLOPs at this machine's matmul rate."""
     if device == "cuda":
         shampoo_params, what = params, f"GPT-2 small, {n_layer} blocks"
     else:
-        block_matrices = [s for s in gpt2_small_shapes(n_layer=1)[2:] if len(s) == 2]
+        block_matrices = [s for s in gpt2_small_shapes(n_layer=1, n_embd=n_embd)[2:] if len(s) == 2]
         shampoo_params, what = make_params(device, block_matrices), "one GPT-2 small block's 4 matrices"
     ns_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     flops = newton_schulz_flops([tuple(p.shape) for p in shampoo_params])
-    bound = flops / _matmul_flops_per_s(device, ns_dtype)
+    bound = flops / _matmul_flops_per_s(device, ns_dtype, n_embd)
     opt = MARS(shampoo_params, mars_type="mars-shampoo", **hyper)
     step_time = time_it(opt.step, warmup=1, repeats=2 if quick else 5)
     return [
         row(
-            "mars-shampoo step vs its Newton-Schulz FLOPs at the matmul rate",
+            SHAMPOO_ROW,
             step_time * 1e3,
             bound * 1e3,
             unit="ms",
@@ -251,14 +337,15 @@ def _shampoo_rows(device, params, n_layer, hyper, quick):
     ]
 
 
-def _mars_m_rows(device, n_layer, hyper, quick):
+def _mars_m_rows(device, n_layer, n_embd, hyper, quick):
     """MARS-M's step on the blocks' matrices against fused AdamW's and (on CUDA) Muon's on the same matrices:
     torch.optim.Muon at Moonlight's update scale, the MARS-M paper's baseline. MARS-M is Muon's work plus the
     pass over c_t. Not Muon on CPU: its Newton-Schulz runs in bfloat16 there too, which this repository's CPU
     computes at about 0.4 GFLOP/s (63 s for one 3072x768 matrix, where MARS-M's float32 step took 4.4 s)."""
     blocks = n_layer if device == "cuda" else 1
-    shapes = [s for s in gpt2_small_shapes(n_layer=blocks)[2:] if len(s) == 2]
-    what = f"GPT-2 small's {blocks} blocks' matrices" if blocks > 1 else "one GPT-2 small block's 4 matrices"
+    shapes = [s for s in gpt2_small_shapes(n_layer=blocks, n_embd=n_embd)[2:] if len(s) == 2]
+    what = f"{blocks} blocks' matrices" if blocks > 1 else "one block's 4 matrices"
+    what = f"GPT-2 small's {what}" if n_embd == 768 else f"{what}, {n_embd} wide"
     matrices = make_params(device, shapes)
     steps = {
         "mars-m": MARS(matrices, mars_type="mars-m", **hyper).step,

@@ -7,18 +7,18 @@ AdamW, the MARS CUDA step, a kill -9 and resume, peak memory, sampling and Hella
 
 No network: the token data are uniform random GPT-2 ids and the HellaSwag file a few made-up examples,
 both written into a temporary folder with the runs. Every check after the data runs in processes of its
-own under a time budget (Check.budget_s, 480 s in all); one that fails or runs out of time is a failed row
-and the others still run. Writes <out>/gpu_check.md (the table), <out>/gpu_check.json (the table and every number behind
-it) and <out>/logs/<check>.log (each command's full output); both files are rewritten after every check
-and say "in progress" until the last one. Exit status: 0 when no row failed, 1 when one did, 2 for bad
-arguments or no GPU. docs/gpu.md says what each check runs and records the results.
+own under a time budget (Check.budget_s, TOTAL_BUDGET_S in all); one that fails or runs out of time is a
+failed row that still says what it measured, and the others still run. Every pass or fail of a train.py
+run is read from its metrics.jsonl. Writes <out>/gpu_check.md (the table), <out>/gpu_check.json (the table
+and every number behind it) and <out>/logs/<check>.log (each command's full output); both files are
+rewritten after every check and say "in progress" until the last one. Exit status: 0 when no row failed,
+1 when one did, 2 for bad arguments or no GPU. docs/gpu.md says what each check runs and records the results.
 """
 
 import argparse
 import contextlib
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import os
@@ -32,12 +32,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import metrics  # noqa: E402
+from bench import bench_mars  # noqa: E402
 from checkpoint import CKPT_NAME, load_checkpoint  # noqa: E402
 from files import atomic_writer  # noqa: E402
 from model import GPT2_VOCAB_SIZE  # noqa: E402
@@ -48,19 +50,13 @@ PASS, FAIL, SKIP = "pass", "fail", "skip"
 DATASET = "synthetic"  # <work>/data/synthetic: train.bin and val.bin
 TRAIN_TOKENS, VAL_TOKENS = 2_000_000, 200_000
 HELLASWAG_EXAMPLES = 8
-# --device=cpu shrinks every run to this (one micro-batch a step), so the plumbing runs on a CPU.
-TINY = dict(
-    n_layer=1,
-    n_head=2,
-    n_embd=32,
-    block_size=32,
-    batch_size=2,
-    gradient_accumulation_steps=1,
-    eval_iters=1,
-    compile=False,
-)
+# --device=cpu shrinks every run to this, not compiled, one micro-batch a step, so the plumbing runs on a CPU.
+TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=2, compile=False)
+TINY |= dict(gradient_accumulation_steps=1, eval_iters=1)
 # Every train.py command gets these (docs/gpu.md says so once); the table's commands leave them out.
 COMMON_KEYS = ("data_path", "dataset", "out_dir", "wandb_log")
+# --device=cpu: budgets x this. A shared CI CPU starts processes and compiles far slower than a GPU node.
+CPU_BUDGET_FACTOR = 3
 
 # Kill and resume: dropout on, so the per-step dropout seeds (CUDA generator) are covered too. The run is
 # killed as soon as it logs step 14, normally after the checkpoint at 8 is on disk (the row says which one
@@ -169,15 +165,8 @@ def run_command(argv, log_path, timeout_s, stop_at=None):
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
-        proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
+        pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, **pipe)
         timed_out = threading.Event()
 
         def on_timeout():
@@ -210,33 +199,51 @@ def last_error_line(output):
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def failure(finished, budget_s):
-    """Why a command failed, in one line."""
+def failure(finished, budget_s, records=None):
+    """Why a command failed, in one line; for a train.py run (its metrics.jsonl records), how far it got."""
     if finished.timed_out:
-        return f"timed out: still running at the end of its {budget_s} s budget"
-    if finished.returncode < 0:
-        return f"killed by {signal.Signals(-finished.returncode).name}: {last_error_line(finished.output)}"
-    return f"exit {finished.returncode}: {last_error_line(finished.output)}"
+        text = f"timed out: still running at the end of its {budget_s} s budget"
+    elif finished.returncode < 0:
+        text = f"killed by {signal.Signals(-finished.returncode).name}: {last_error_line(finished.output)}"
+    else:
+        text = f"exit {finished.returncode}: {last_error_line(finished.output)}"
+    return text if records is None else f"{text}; {progress(records)}"
+
+
+def progress(records):
+    """What a run's metrics.jsonl records say it measured: how far it got, its compile times, its last speed."""
+    if not records:
+        return "metrics.jsonl has no record yet"
+    parts = [f"metrics.jsonl to iter {records[-1][metrics.ITER]}"]
+    parts += [f"{COMPILE_KEYS[key]} {value:.1f} s" for key, value in compile_times(records).items() if finite(value)]
+    lines = [r for r in records if finite(r.get(metrics.TOKENS_PER_SEC))]
+    if lines:
+        parts.append(f"{lines[-1][metrics.TOKENS_PER_SEC]:,.0f} tokens/s at iter {lines[-1][metrics.ITER]}")
+    return ", ".join(parts)
+
+
+COMPILE_KEYS = {metrics.EVAL_S: "first evaluation", metrics.FIRST_STEP_S: "first step"}
+
+
+def compile_times(records):
+    """{key: seconds or None} of the first evaluation (the first record with metrics.EVAL_S) and the first
+    step (metrics.FIRST_STEP_S): in a compiled run each includes compiling its graph."""
+    return {key: next((r[key] for r in records if key in r), None) for key in COMPILE_KEYS}
 
 
 def short_command(argv, work):
     """argv as the table shows it: `python`, paths relative to the repository or <work>, no COMMON_KEYS."""
-    words = []
-    for word in argv:
-        if word.startswith("--") and word[2:].partition("=")[0] in COMMON_KEYS:
-            continue
-        if word == sys.executable:
-            word = "python"
-        word = word.replace(work, "<work>").replace(ROOT + os.sep, "")
-        words.append(word)
-    return " ".join(words)
+    words = [word for word in argv if not (word.startswith("--") and word[2:].partition("=")[0] in COMMON_KEYS)]
+    words = ["python" if word == sys.executable else word.replace(work, "<work>") for word in words]
+    return " ".join(word.replace(ROOT + os.sep, "") for word in words)
 
 
 def read_records(out_dir):
     """metrics.jsonl of a run as a list of dicts ([] when there is none)."""
-    if not os.path.isfile(os.path.join(out_dir, metrics.FILE_NAME)):
+    try:
+        return metrics.read_records(out_dir)
+    except FileNotFoundError:
         return []
-    return metrics.read_records(out_dir)
 
 
 def read_json(path):
@@ -264,6 +271,10 @@ class Context:
     @property
     def cuda(self):
         return self.device == "cuda"
+
+    @property
+    def budget_s(self):
+        return self.check.budget_s * (1 if self.cuda else CPU_BUDGET_FACTOR)
 
     @property
     def data_path(self):
@@ -294,16 +305,15 @@ class Context:
             values.update(TINY)
         return [*configs, *(f"--{key}={value}" for key, value in values.items())]
 
+    def train_py(self, run_name, configs, **overrides):
+        return ["train.py", *self.train_args(run_name, configs, **overrides)]
+
     def run(self, argv, stop_at=None):
         """run_command within what is left of the check's budget."""
         return run_command(argv, self.log, self.deadline - time.monotonic(), stop_at)
 
     def short(self, argv):
         return short_command(argv, self.work)
-
-
-def device_name(ctx):
-    return "cuda:0" if ctx.cuda else "cpu"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -321,15 +331,9 @@ def make_synthetic_data(data_dir, train_tokens=TRAIN_TOKENS, val_tokens=VAL_TOKE
 
 SUBJECTS = ("A man", "A woman", "The child", "An old farmer", "The cook", "A student", "The driver", "A dog")
 PLACES = ("kitchen", "garden", "station", "library", "market", "river bank", "office", "gym")
-ACTIONS = (
-    "opens the window and looks outside.",
-    "picks up a cup of tea from the table.",
-    "starts to run along the path.",
-    "sits down and reads a long letter.",
-    "paints the fence a bright red.",
-    "waves at a friend across the street.",
-    "ties a rope around the wooden post.",
-    "puts the heavy box on the floor.",
+VERBS, THINGS = (
+    ("opens", "paints", "lifts", "drops"),
+    ("the window.", "a red fence.", "the heavy box.", "a long letter."),
 )
 
 
@@ -337,12 +341,13 @@ def write_hellaswag_file(path, num_examples=HELLASWAG_EXAMPLES, seed=0):
     """A tiny file in the official HellaSwag format (ctx, four endings, label) of made-up sentences:
     enough to run hellaswag.py end to end, not to measure anything."""
     rng = np.random.default_rng(seed)
+    endings = [f"{verb} {thing}" for verb in VERBS for thing in THINGS]
     with atomic_writer(path, "w") as f:
         for i in range(num_examples):
             subject = SUBJECTS[i % len(SUBJECTS)]
             ctx = f"{subject} walks into the {PLACES[i % len(PLACES)]}. Then {subject.lower()}"
-            endings = [ACTIONS[j] for j in rng.choice(len(ACTIONS), size=4, replace=False)]
-            f.write(json.dumps(dict(ctx=ctx, endings=endings, label=int(rng.integers(4)))) + "\n")
+            four = [endings[j] for j in rng.choice(len(endings), size=4, replace=False)]
+            f.write(json.dumps(dict(ctx=ctx, endings=four, label=int(rng.integers(4)))) + "\n")
 
 
 def check_data(ctx):
@@ -354,16 +359,10 @@ def check_data(ctx):
     write_hellaswag_file(ctx.hellaswag_path)
     train_data = TokenData(data_dir, "train")  # as train.load_data reads it
     train_data.check_vocab(model_vocab_size(train_data))
-    return [
-        Row(
-            ctx.check.what,
-            "gpu_check.make_synthetic_data, write_hellaswag_file",
-            f"{train_data.num_tokens:,} train + {VAL_TOKENS:,} val tokens (uniform random GPT-2 ids), "
-            f"{HELLASWAG_EXAMPLES} made-up HellaSwag examples",
-            PASS,
-            details=dict(train_tokens=train_data.num_tokens, val_tokens=VAL_TOKENS),
-        )
-    ]
+    text = f"{train_data.num_tokens:,} train + {VAL_TOKENS:,} val tokens (uniform random GPT-2 ids), "
+    text += f"{HELLASWAG_EXAMPLES} made-up HellaSwag examples"
+    details = dict(train_tokens=train_data.num_tokens, val_tokens=VAL_TOKENS)
+    return [Row(ctx.check.what, "gpu_check.make_synthetic_data, write_hellaswag_file", text, PASS, details)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -371,57 +370,37 @@ def check_data(ctx):
 
 
 def launch_row(what, command, finished, budget_s, records, device_line):
-    """Pass when the run exited 0, says it ran where it should (`world size N on cuda:0`) and evaluated."""
+    """Pass when the run exited 0, says it ran where it should (`world size N on cuda:0`: the one fact
+    metrics.jsonl does not hold, read from the console) and evaluated."""
     if not finished.ok:
-        return Row(what, command, failure(finished, budget_s), FAIL)
+        return Row(what, command, failure(finished, budget_s, records), FAIL)
     if device_line not in finished.output:
         return Row(what, command, f"exit 0, but its output never says '{device_line}'", FAIL)
     val = [r[metrics.VAL_LOSS] for r in records if metrics.VAL_LOSS in r]
     if not val or not all(finite(v) for v in val):
         return Row(what, command, f"exit 0, but metrics.jsonl has no finite val loss ({val})", FAIL)
     steps = max(r[metrics.ITER] for r in records)
-    return Row(
-        what,
-        command,
-        f"exit 0; {device_line}; {steps} steps, val loss {val[0]:.3f} -> {val[-1]:.3f}",
-        PASS,
-        details=dict(steps=steps, val_losses=val),
+    text = f"exit 0; {device_line}; {steps} steps, val loss {val[0]:.3f} -> {val[-1]:.3f}"
+    return Row(what, command, text, PASS, dict(steps=steps, val_losses=val))
+
+
+def check_launch(torchrun, ctx):
+    """train.py in one process (device auto) or under torchrun with one process per GPU."""
+    n = ctx.gpus if torchrun else 1
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"] if torchrun else []
+    run = dict(max_iters=10, eval_interval=10, log_interval=5) | (
+        dict(gradient_accumulation_steps=n) if torchrun else {}
     )
-
-
-def check_single(ctx):
-    argv = [
-        sys.executable,
-        "train.py",
-        *ctx.train_args("single", ["config/quickstart.py"], max_iters=10, eval_interval=10, log_interval=5),
-    ]
+    argv = [sys.executable, *launcher, *ctx.train_py(ctx.check.name, ["config/quickstart.py"], **run)]
     finished = ctx.run(argv)
-    records = read_records(ctx.out_dir("single"))
-    line = f"world size 1 on {device_name(ctx)}"
-    return [launch_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, records, line)]
-
-
-def check_torchrun(ctx):
-    n = ctx.gpus
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
-    argv += ctx.train_args(
-        "torchrun",
-        ["config/quickstart.py"],
-        max_iters=10,
-        eval_interval=10,
-        log_interval=5,
-        gradient_accumulation_steps=n,
-    )
-    finished = ctx.run(argv)
-    records = read_records(ctx.out_dir("torchrun"))
-    line = f"world size {n} on {device_name(ctx)}"
-    what = f"torchrun, {n} process{'es' if n > 1 else ''} (one per GPU)"
-    return [launch_row(what, ctx.short(argv), finished, ctx.check.budget_s, records, line)]
+    what = f"torchrun, {n} process{'es' if n > 1 else ''} (one per GPU)" if torchrun else ctx.check.what
+    line = f"world size {n} on {'cuda:0' if ctx.cuda else 'cpu'}"
+    return [launch_row(what, ctx.short(argv), finished, ctx.budget_s, read_records(ctx.out_dir(ctx.check.name)), line)]
 
 
 # ---------------------------------------------------------------------------------------------------
-# GPT-2 small's throughput: the paper configs, shortened. The first train line (steps 1-5) includes
-# torch.compile; the row reports the last one (steps 11-15).
+# GPT-2 small's throughput: the paper configs, shortened. The first evaluation and the first step compile
+# (their own row); the throughput row reports the last train line (steps 11-15).
 
 THROUGHPUT_RUN = dict(max_iters=15, log_interval=5, eval_iters=2, gradient_accumulation_steps=8)
 
@@ -429,7 +408,7 @@ THROUGHPUT_RUN = dict(max_iters=15, log_interval=5, eval_iters=2, gradient_accum
 def throughput_row(what, command, finished, budget_s, records):
     """tokens/s and MFU of the last train line in metrics.jsonl, as train.py logged them."""
     if not finished.ok:
-        return Row(what, command, failure(finished, budget_s), FAIL)
+        return Row(what, command, failure(finished, budget_s, records), FAIL)
     lines = [r for r in records if metrics.TOKENS_PER_SEC in r]
     if not lines:
         return Row(what, command, "exit 0, but metrics.jsonl has no train line", FAIL)
@@ -445,17 +424,37 @@ def throughput_row(what, command, finished, budget_s, records):
     return Row(what, command, result, PASS, details=last)
 
 
-def check_throughput(ctx, config):
-    name = ctx.check.name
-    argv = [sys.executable, "train.py", *ctx.train_args(name, [config], **THROUGHPUT_RUN)]
+def compile_row(what, command, records):
+    """The compile times (compile_times), as train.py logged them: pass when both are there. A run with
+    train lines but neither key is one whose train.py does not write them: "not logged"."""
+    times = compile_times(records)
+    if all(value is None for value in times.values()) and any(metrics.TOKENS_PER_SEC in r for r in records):
+        return Row(what, command, f"not logged: no {' or '.join(times)} in metrics.jsonl", SKIP)
+    text = ", ".join(
+        f"{COMPILE_KEYS[key]} {value:.1f} s" if finite(value) else f"{COMPILE_KEYS[key]} not reached"
+        for key, value in times.items()
+    )
+    status = PASS if all(finite(value) for value in times.values()) else FAIL
+    return Row(what, command, f"{text} (each includes compiling its graph)", status, times)
+
+
+def check_throughput(config, ctx):
+    name, what = ctx.check.name, ctx.check.what
+    argv = [sys.executable, *ctx.train_py(name, [config], **THROUGHPUT_RUN)]
     finished = ctx.run(argv)
+    records = read_records(ctx.out_dir(name))
     return [
-        throughput_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, read_records(ctx.out_dir(name)))
+        compile_row(f"{what}: compile", ctx.short(argv), records),
+        throughput_row(what, ctx.short(argv), finished, ctx.budget_s, records),
     ]
 
 
 # ---------------------------------------------------------------------------------------------------
-# The MARS CUDA step: bench/bench_mars.py's rows. optimizer_rows is the one reader of its row format.
+# The MARS step: bench/bench_mars.py's rows, found by the names bench_mars gives them.
+# optimizer_rows is the one reader of its row format.
+
+OPTIMIZER_WIDTH_CPU = 32  # --device=cpu: bench_mars on GPT-2 small's shapes at this width, not 768
+TIMING_UNITS = ("ms", "us", "s")  # the bench's rows of times (its bandwidth and state-memory rows are in the JSON)
 
 
 def _target_limit(target):
@@ -464,49 +463,77 @@ def _target_limit(target):
     return float(found.group(1)) if found else None
 
 
-def optimizer_rows(bench_rows, command):
-    """Table rows from bench_mars.run(quick=True)'s CUDA rows.
+def _time(bench):
+    """'4.33 ms = 3.05x' of a measured bench row, else None."""
+    if bench is None or not finite(bench.get("ours")) or (bench.get("reference") and not finite(bench["ratio"])):
+        return None
+    return f"{bench['ours']:.3g} {bench['unit']}" + (f" = {bench['ratio']:.2f}x" if bench.get("reference") else "")
 
-    Each row comparing a step with AdamW(fused=True) (its `benchmark` names 'fused'): pass when measured,
-    and within the row's own target where it states one as '<= X'. The rows whose `benchmark` names a
-    host sync give `ours` 1 when the step ran under torch.cuda.set_sync_debug_mode('error') without
-    raising: one table row, pass when every such step is sync-free.
+
+def _judged(what, command, text, ratio, target, cuda, details):
+    """Pass when ratio is within a target '<= X' (on CUDA; on CPU the numbers mean nothing: measured is enough)."""
+    limit = _target_limit(target)
+    if limit is None:
+        return Row(what, command, f"{text} (the bench states no target)", PASS, details)
+    if not cuda:
+        return Row(what, command, f"{text}; target <= {limit} (judged on CUDA only)", PASS, details)
+    return Row(what, command, f"{text}; target <= {limit}", PASS if ratio <= limit else FAIL, details)
+
+
+def step_path_row(label, target, by_name, command, cuda):
+    """The rule's step on train.py's default path and on fused=True, side by side against the baseline, and
+    which is faster: pass when the faster is within the rule's target."""
+    paths = [bench_mars.path_name(label, fused) for fused in (False, True)]
+    names = [bench_mars.step_row_name(path) for path in paths] + [bench_mars.compile_row_name(paths[1])]
+    default, fused, first = (by_name.pop(name, None) for name in names)
+    what = f"{label} step vs {bench_mars.BASELINE}: default path vs fused=True"
+    details = dict(default=default, fused=fused, first_step=first)
+    if _time(default) is None or _time(fused) is None:
+        return Row(what, command, "not measured: bench_mars gave no time for one of the two paths", FAIL, details)
+    faster = min((default, "default"), (fused, "fused=True"), key=lambda pair: pair[0]["ratio"])
+    text = f"default (foreach) {_time(default)}, fused=True {_time(fused)}"
+    text += f" (first step {first['ours']:.1f} s: compiling)" if _time(first) else ""
+    return _judged(what, command, f"{text}; faster: {faster[1]}", faster[0]["ratio"], target, cuda, details)
+
+
+def optimizer_rows(bench_rows, command, cuda=True):
+    """Table rows from bench_mars.run(quick=True)'s rows.
+
+    One row per rule of bench_mars.RULES: its default and fused=True steps side by side (step_path_row).
+    Then each other time the bench gives, but the baseline's own step: judged by its target where it states
+    one as '<= X', else passing when measured. Then the host-sync rows (CUDA only): one row, pass when every
+    MARS step ran under torch.cuda.set_sync_debug_mode('error') without raising.
     """
-    rows = []
-    fused = [r for r in bench_rows if "fused" in str(r.get("benchmark", "")).lower()]
-    for bench in fused:
-        what = bench["benchmark"]
-        ours, reference, ratio = bench.get("ours"), bench.get("reference"), bench.get("ratio")
-        if not (finite(ours) and finite(reference) and finite(ratio)):
-            rows.append(Row(what, command, f"not measured: {bench.get('note', '')}", FAIL, details=bench))
-            continue
-        limit = _target_limit(bench.get("target"))
-        unit = bench.get("unit", "")
-        result = f"{ours:.3g} {unit} vs {reference:.3g} {unit}: {ratio:.2f}x"
-        result += f", target <= {limit}" if limit is not None else " (the bench states no target)"
-        status = PASS if limit is None or ratio <= limit else FAIL
-        rows.append(Row(what, command, result, status, details=bench))
-    if not fused:
-        rows.append(Row("MARS step vs AdamW(fused=True)", command, "bench_mars gave no fused-AdamW row", FAIL))
-    sync = [r for r in bench_rows if "sync" in str(r.get("benchmark", "")).lower()]
+    by_name = {r["benchmark"]: r for r in bench_rows}
+    by_name.pop(bench_mars.step_row_name(bench_mars.BASELINE), None)
+    rows = [step_path_row(label, target, by_name, command, cuda) for _, label, target in bench_mars.RULES]
+    for name, bench in by_name.items():
+        if bench.get("unit") in TIMING_UNITS and _time(bench) is None:
+            rows.append(Row(name, command, f"not measured: {bench.get('note', '')}", FAIL, bench))
+        elif bench.get("unit") in TIMING_UNITS:
+            text = _time(bench) + (f" of {bench['reference']:.3g} {bench['unit']}" if bench.get("reference") else "")
+            rows.append(_judged(name, command, text, bench.get("ratio"), bench.get("target"), cuda, bench))
+    sync = [r for r in bench_rows if r.get("unit") == "bool"]
     what = "MARS steps under set_sync_debug_mode('error')"
-    if not sync:
+    if not cuda:
+        rows.append(Row(what, command, "skipped: a host sync exists only on CUDA", SKIP))
+    elif not sync:
         rows.append(Row(what, command, "bench_mars gave no host-sync row", FAIL))
     else:
-        syncing = [r["benchmark"] for r in sync if not r.get("ours")]
-        names = ", ".join(r["benchmark"] for r in sync)
-        result = f"no host sync: {names}" if not syncing else f"host sync in: {', '.join(syncing)}"
-        rows.append(Row(what, command, result, FAIL if syncing else PASS, details=dict(rows=sync)))
+        syncing = [r["benchmark"] for r in sync if r.get("ours") != 1]
+        result = f"host sync in: {', '.join(syncing)}" if syncing else f"no host sync in any of {len(sync)} steps"
+        rows.append(Row(what, command, result, FAIL if syncing else PASS, dict(rows=sync)))
     return rows
 
 
 def check_optimizer(ctx):
     argv = [sys.executable, WORKER, "optimizer", ctx.result_path]
+    argv += [] if ctx.cuda else [str(OPTIMIZER_WIDTH_CPU)]
     finished = ctx.run(argv)
-    command = "bench_mars.run(quick=True)"
+    command = "bench_mars.run(quick=True" + ("" if ctx.cuda else f", n_embd={OPTIMIZER_WIDTH_CPU}") + ")"
     if not finished.ok:
-        return [Row(ctx.check.what, command, failure(finished, ctx.check.budget_s), FAIL)]
-    return optimizer_rows(read_json(ctx.result_path)["rows"], command)
+        return [Row(ctx.check.what, command, failure(finished, ctx.budget_s), FAIL)]
+    return optimizer_rows(read_json(ctx.result_path)["rows"], command, ctx.cuda)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -561,12 +588,8 @@ def resume_row(what, command, budget_s, reference, killed, resumed_from, resumed
 
 
 def check_resume(ctx):
-    reference_argv = [
-        sys.executable,
-        "train.py",
-        *ctx.train_args("resume_reference", ["config/quickstart.py"], **RESUME_RUN),
-    ]
-    argv = [sys.executable, "train.py", *ctx.train_args("resume", ["config/quickstart.py"], **RESUME_RUN)]
+    reference_argv = [sys.executable, *ctx.train_py("resume_reference", ["config/quickstart.py"], **RESUME_RUN)]
+    argv = [sys.executable, *ctx.train_py("resume", ["config/quickstart.py"], **RESUME_RUN)]
     reference = ctx.run(reference_argv)
     killed = ctx.run(argv, stop_at=RESUME_KILL_AT) if reference.ok else reference
     checkpoint = os.path.join(ctx.out_dir("resume"), CKPT_NAME)
@@ -575,18 +598,8 @@ def check_resume(ctx):
         resumed_from = load_checkpoint(checkpoint, mmap=True)["progress"]["iter_num"]
     resumed = ctx.run(argv + ["--init_from=resume"]) if resumed_from is not None else killed
     command = f"{ctx.short(argv)}; SIGKILL at '{RESUME_KILL_AT}'; again with --init_from=resume"
-    row = resume_row(
-        ctx.check.what,
-        command,
-        ctx.check.budget_s,
-        reference,
-        killed,
-        resumed_from,
-        resumed,
-        read_records(ctx.out_dir("resume_reference")),
-        read_records(ctx.out_dir("resume")),
-    )
-    return [row]
+    records = [read_records(ctx.out_dir(name)) for name in ("resume_reference", "resume")]
+    return [resume_row(ctx.check.what, command, ctx.budget_s, reference, killed, resumed_from, resumed, *records)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -605,28 +618,27 @@ def memory_row(what, command, finished, budget_s, result):
     if "peak_allocated_bytes" not in result:
         rss = result["peak_rss_bytes"] / GIB
         return Row(what, command, f"peak resident set {rss:.2f} GiB (host memory, not a GPU's)", PASS, result)
-    peak = result["peak_allocated_bytes"]
-    text = (
-        f"peak {peak / GIB:.1f} GiB allocated, {result['peak_reserved_bytes'] / GIB:.1f} GiB reserved, "
-        f"of {result['total_bytes'] / GIB:.1f} GiB"
+    peak, reserved, total = (
+        result[key] / GIB for key in ("peak_allocated_bytes", "peak_reserved_bytes", "total_bytes")
     )
+    text = f"peak {peak:.1f} GiB allocated, {reserved:.1f} GiB reserved, of {total:.1f} GiB"
     if plan_bytes is None:
         status = FAIL if result.get("plan_error") else PASS
         return Row(what, command, f"{text}; plan: {plan_note}", status, result)
-    ratio = peak / plan_bytes
+    ratio = result["peak_allocated_bytes"] / plan_bytes
     status = PASS if abs(ratio - 1) <= PLAN_TOLERANCE else FAIL
     text += f"; plan {plan_bytes / GIB:.1f} GiB, measured/plan {ratio:.2f} (tolerance {PLAN_TOLERANCE:.0%})"
     return Row(what, command, text, status, result)
 
 
-def check_memory(ctx, config):
+def check_memory(config, ctx):
     name = ctx.check.name
     train_args = ctx.train_args(name, [config], gradient_accumulation_steps=2, compile=False, eval_iters=1)
     argv = [sys.executable, WORKER, "memory", ctx.result_path, *train_args]
     finished = ctx.run(argv)
     result = read_json(ctx.result_path) if finished.ok else {}
     command = "2 steps of " + ctx.short(["train.py", *train_args])
-    return [memory_row(ctx.check.what, command, finished, ctx.check.budget_s, result)]
+    return [memory_row(ctx.check.what, command, finished, ctx.budget_s, result)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -660,14 +672,14 @@ def check_sample(ctx):
     argv = [sys.executable, "sample.py", f"--out_dir={ctx.out_dir('single')}", "--start=The", "--device=auto"]
     argv += ["--num_samples=1", "--max_new_tokens=32"]
     finished = ctx.run(argv)
-    return [sample_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s)]
+    return [sample_row(ctx.check.what, ctx.short(argv), finished, ctx.budget_s)]
 
 
 def check_hellaswag(ctx):
     argv = [sys.executable, "hellaswag.py", "--ckpt", ctx.out_dir("single"), "--data", ctx.hellaswag_path]
     argv += ["--device", "auto"]
     finished = ctx.run(argv)
-    return [hellaswag_row(ctx.check.what, ctx.short(argv), finished, ctx.check.budget_s, HELLASWAG_EXAMPLES)]
+    return [hellaswag_row(ctx.check.what, ctx.short(argv), finished, ctx.budget_s, HELLASWAG_EXAMPLES)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -684,48 +696,35 @@ class Check:
     cuda_only: bool = False
 
 
+# The order gives the most if a run is cut short: the cheap paths no GPU has run yet first (launch, NCCL,
+# checkpoints and resume, the tools), then the optimizer row that decides train.py's step path, then the
+# paper config's compile and throughput, the peak memory against the plan, and last AdamW's throughput
+# (which the optimizer row's step times already predict). Budgets are for one H200 (8 GPUs for torchrun),
+# each with margin over its estimate (docs/gpu.md).
+DATA = ("data",)
+SMALL_MARS, SMALL_ADAMW, XL_MARS = (f"config/train_gpt2_{n}.py" for n in ("small_mars", "small_adamw", "xl_mars"))
 CHECKS = (
-    Check("data", "synthetic token data and a tiny HellaSwag file", 10, check_data),
-    Check("single", "one process: python train.py, device auto", 30, check_single, ("data",)),
-    Check("torchrun", "torchrun, one process per GPU", 45, check_torchrun, ("data",)),
+    Check("data", "synthetic token data and a tiny HellaSwag file", 5, check_data),
+    Check("single", "one process: python train.py, device auto", 20, partial(check_launch, False), DATA),
+    Check("torchrun", "torchrun, one process per GPU", 40, partial(check_launch, True), DATA),
+    Check("resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)", 45, check_resume, DATA),
+    Check("sample", "sample.py on the one-process run's model", 15, check_sample, ("single",)),
+    Check("hellaswag", "hellaswag.py --data on a tiny local file", 15, check_hellaswag, ("single",)),
+    # three compiles (MARS-AdamW, MARS-Lion, MARS-AdamW with a bfloat16 last_grad), ~10 s each cold
+    Check("optimizer", "MARS step (bench/bench_mars.py)", 60, check_optimizer),
+    # the first compile, eval graph then train graph (50-90 s cold), and two 2 GB checkpoints
+    Check("small_mars", "GPT-2 small, MARS (paper config, compiled)", 140, partial(check_throughput, SMALL_MARS), DATA),
+    Check("memory_small", "peak memory: GPT-2 small, MARS, 15 x 1024", 25, partial(check_memory, SMALL_MARS), DATA),
+    Check("memory_xl", "peak memory: GPT-2 XL, MARS, 5 x 1024", 40, partial(check_memory, XL_MARS), DATA),
+    # the model's graphs come from the inductor cache small_mars filled
     Check(
-        "small_mars",
-        "GPT-2 small, MARS (paper config; compiled, bf16 on CUDA)",
-        100,
-        functools.partial(check_throughput, config="config/train_gpt2_small_mars.py"),
-        ("data",),
+        "small_adamw", "GPT-2 small, AdamW (paper config, compiled)", 45, partial(check_throughput, SMALL_ADAMW), DATA
     ),
-    Check(
-        "small_adamw",
-        "GPT-2 small, AdamW (paper config; compiled, bf16 on CUDA)",
-        65,
-        functools.partial(check_throughput, config="config/train_gpt2_small_adamw.py"),
-        ("data",),
-    ),
-    Check("optimizer", "MARS CUDA step (bench/bench_mars.py)", 40, check_optimizer, cuda_only=True),
-    Check(
-        "resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)", 50, check_resume, ("data",)
-    ),
-    Check(
-        "memory_small",
-        "peak memory: GPT-2 small, MARS, micro-batch 15 x 1024",
-        30,
-        functools.partial(check_memory, config="config/train_gpt2_small_mars.py"),
-        ("data",),
-    ),
-    Check(
-        "memory_xl",
-        "peak memory: GPT-2 XL, MARS, micro-batch 5 x 1024",
-        55,
-        functools.partial(check_memory, config="config/train_gpt2_xl_mars.py"),
-        ("data",),
-    ),
-    Check("sample", "sample.py on the one-process run's model", 20, check_sample, ("single",)),
-    Check("hellaswag", "hellaswag.py --data on a tiny local file", 20, check_hellaswag, ("single",)),
 )
 CHECKS_BY_NAME = {check.name: check for check in CHECKS}
-DEVICE_INFO_BUDGET_S = 15  # the worker that reads torch's version and the GPUs, before the checks
-TOTAL_BUDGET_S = DEVICE_INFO_BUDGET_S + sum(check.budget_s for check in CHECKS)  # 480 s: the 8 minutes allowed
+DEVICE_INFO_BUDGET_S = 10  # the worker that reads torch's version and the GPUs, before the checks
+TIME_LIMIT_S = 8 * 60
+TOTAL_BUDGET_S = DEVICE_INFO_BUDGET_S + sum(check.budget_s for check in CHECKS)  # 460 s: 20 s inside the limit
 
 
 def with_needs(names):
@@ -746,7 +745,8 @@ def with_needs(names):
 def run_check(check, ctx, failed):
     """The check's rows, timed; a check that needs a failed one, or raises, is one failed row."""
     t0 = time.monotonic()
-    ctx.check, ctx.deadline = check, t0 + check.budget_s
+    ctx.check = check
+    ctx.deadline = t0 + ctx.budget_s
     missing = [name for name in check.needs if name in failed]
     if check.cuda_only and not ctx.cuda:
         rows = [Row(check.what, "", "skipped: needs CUDA", SKIP)]
@@ -782,12 +782,8 @@ def parse_args(argv):
     )
     p.add_argument("--out", default="out-gpu-check", help="folder for gpu_check.md, gpu_check.json and logs/")
     p.add_argument("--only", nargs="+", metavar="CHECK", help="run these checks (and those they need) only")
-    p.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        default="cuda",
-        help="cpu: run the plumbing on tiny models without a GPU (a test; the numbers mean nothing)",
-    )
+    cpu_help = "cpu: run the plumbing on tiny models without a GPU (a test; the numbers mean nothing)"
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=cpu_help)
     args = p.parse_args(argv)
     unknown = [name for name in args.only or () if name not in CHECKS_BY_NAME]
     if unknown:
@@ -825,13 +821,12 @@ def describe_device(ctx, info):
     )
 
 
-def read_device_info(work, logs):
+def read_device_info(work, logs, budget_s):
     """torch's versions and the GPUs, read in a worker (the driver itself never touches a GPU)."""
     path = os.path.join(work, "device.json")
-    argv = [sys.executable, WORKER, "device", path]
-    finished = run_command(argv, os.path.join(logs, "device.log"), DEVICE_INFO_BUDGET_S)
+    finished = run_command([sys.executable, WORKER, "device", path], os.path.join(logs, "device.log"), budget_s)
     if not finished.ok:
-        raise RuntimeError(f"reading the device failed: {failure(finished, DEVICE_INFO_BUDGET_S)}")
+        raise RuntimeError(f"reading the device failed: {failure(finished, budget_s)}")
     return read_json(path)
 
 
@@ -842,11 +837,8 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.device == "cuda" and not cuda_available():
-        print(
-            "error: gpu_check needs a CUDA GPU and torch sees none; run it on a GPU node "
-            "(or --device=cpu to test its plumbing on tiny models)",
-            file=sys.stderr,
-        )
+        advice = "run it on a GPU node (or --device=cpu to test its plumbing on tiny models)"
+        print(f"error: gpu_check needs a CUDA GPU and torch sees none; {advice}", file=sys.stderr)
         return 2
     checks = with_needs(args.only or CHECKS_BY_NAME)
     logs = os.path.join(args.out, "logs")
@@ -857,7 +849,9 @@ def main(argv=None):
     t0, rows, failed = time.monotonic(), [], set()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         try:
-            info = read_device_info(work, logs)
+            info = read_device_info(
+                work, logs, DEVICE_INFO_BUDGET_S * (1 if args.device == "cuda" else CPU_BUDGET_FACTOR)
+            )
         except (RuntimeError, OSError, ValueError) as e:
             print(f"error: {e} (see {os.path.join(logs, 'device.log')})", file=sys.stderr)
             return 1

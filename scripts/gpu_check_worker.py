@@ -1,7 +1,7 @@
 """The measurements scripts/gpu_check.py takes inside a fresh process, each written as JSON to RESULT.json.
 
     python scripts/gpu_check_worker.py device RESULT.json                     # torch, CUDA and the GPUs
-    python scripts/gpu_check_worker.py optimizer RESULT.json                  # bench/bench_mars.py's rows
+    python scripts/gpu_check_worker.py optimizer RESULT.json [N_EMBD]         # bench/bench_mars.py's rows
     python scripts/gpu_check_worker.py memory RESULT.json [train.py args]     # peak memory of 2 steps
 
 A process of its own for each: a crash or an out-of-memory error ends only that measurement, the CUDA
@@ -17,8 +17,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import train  # noqa: E402
-from configurator import load_config  # noqa: E402
 from files import atomic_writer  # noqa: E402
 
 MEMORY_STEPS = 2
@@ -28,15 +26,22 @@ def device_info():
     info = dict(torch=torch.__version__, cuda=torch.version.cuda, gpus=torch.cuda.device_count())
     if info["gpus"]:
         props = torch.cuda.get_device_properties(0)
-        info.update(name=props.name, memory_bytes=props.total_memory, bf16=torch.cuda.is_bf16_supported())
+        # including_emulation=False: a V100 or T4 emulates bfloat16 (slowly); it counts as without
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        info.update(name=props.name, memory_bytes=props.total_memory, bf16=bf16)
     return info
 
 
-def bench_mars_rows():
-    """bench/bench_mars.py's own table (its public entry point); gpu_check.optimizer_rows reads it."""
+def bench_mars_rows(n_embd=None):
+    """bench/bench_mars.py's own table (its public entry point); gpu_check.optimizer_rows reads it. A
+    width (n_embd) is gpu_check --device=cpu's tiny run, on one thread: tiny compiled steps spend far
+    longer waiting for CPU threads that other processes hold than computing."""
     from bench import bench_mars
 
-    return dict(rows=bench_mars.run(quick=True))
+    if n_embd is None:
+        return dict(rows=bench_mars.run(quick=True))
+    torch.set_num_threads(1)
+    return dict(rows=bench_mars.run(quick=True, n_embd=n_embd))
 
 
 def memory_plan(cfg, world_size):
@@ -57,6 +62,9 @@ def peak_memory(train_argv):
     evaluations, without the evaluations and checkpoints (a GPT-2 XL MARS checkpoint is about 25 GB).
     On CUDA the peak is torch.cuda.max_memory_allocated; on CPU the process's peak resident set.
     """
+    import train  # here, not at the top: the device read imports torch alone and answers in seconds
+    from configurator import load_config
+
     cfg = load_config(train_argv)
     dist_info = train.setup_distributed(cfg)
     run, _, _ = train.setup(cfg, dist_info)
@@ -89,8 +97,10 @@ def main(argv):
     kind, result_path, rest = argv[0], argv[1], argv[2:]
     if kind == "memory":
         result = peak_memory(rest)
+    elif kind == "optimizer":
+        result = bench_mars_rows(*(int(n) for n in rest))
     else:
-        result = {"device": device_info, "optimizer": bench_mars_rows}[kind]()
+        result = device_info()
     with atomic_writer(result_path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     return 0
