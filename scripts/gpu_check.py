@@ -352,12 +352,12 @@ def write_hellaswag_file(path, num_examples=HELLASWAG_EXAMPLES, seed=0):
 
 def check_data(ctx):
     from tokens import TokenData
-    from train import model_vocab_size
+    from model import model_vocab_size
 
     data_dir = os.path.join(ctx.data_path, DATASET)
     make_synthetic_data(data_dir)
     write_hellaswag_file(ctx.hellaswag_path)
-    train_data = TokenData(data_dir, "train")  # as train.load_data reads it
+    train_data = TokenData(data_dir, "train")  # as launch.load_data reads it
     train_data.check_vocab(model_vocab_size(train_data))
     text = f"{train_data.num_tokens:,} train + {VAL_TOKENS:,} val tokens (uniform random GPT-2 ids), "
     text += f"{HELLASWAG_EXAMPLES} made-up HellaSwag examples"
