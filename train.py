@@ -31,7 +31,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import launch
@@ -43,7 +42,7 @@ from configurator import config_to_dict, load_config, print_help, wants_help
 from launch import CHECKPOINT_PARTS, USER_ERRORS
 from metrics import LogWindow, MetricsLog
 from optim import build_optimizer, is_sharded, set_lr
-from runtime import SetupError, agree, exit_process, set_deterministic, setup_distributed, setup_precision
+from runtime import SetupError, agree, exit_process, set_deterministic, setup_distributed, setup_precision, wrap_ddp
 from tokens import TokenData
 
 
@@ -133,7 +132,7 @@ def setup(cfg, dist_info):
     ckpt = None  # with mmap, this unmaps the file: everything is in the model and optimizer now
 
     eval_model = torch.compile(model) if launch.resolve_compile(cfg, dist_info.device_type) else model
-    train_model = DDP_wrapped(eval_model, dist_info) if dist_info.ddp else eval_model
+    train_model = wrap_ddp(eval_model, dist_info) if dist_info.ddp else eval_model
 
     run = Run(
         val_batches=launch.eval_windows(cfg, val_data, dist_info),
@@ -159,24 +158,9 @@ def setup(cfg, dist_info):
     return run, progress, resumed
 
 
-def DDP_wrapped(model, dist_info):
-    """model under DDP with gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of
-    beside them, one gradient-sized copy less (6.2 GB on GPT-2 XL). That holds only while they stay there:
-    zero_grad() zeroes them in place instead of setting them to None, and they exist before DDP is built, so
-    DDP places them in its buckets at once -- else the no_sync micro-batches of the first step would
-    accumulate into gradients of their own beside the buckets."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    return DDP(
-        model,
-        device_ids=[dist_info.local_rank] if dist_info.device_type == "cuda" else None,
-        gradient_as_bucket_view=True,
-    )
-
-
 def zero_grad(run):
     """Clear the gradients for the next backward pass: in place under DDP (they are views of its buckets,
-    see DDP_wrapped), else set to None, which frees them until the backward pass needs them again."""
+    see runtime.wrap_ddp), else set to None, which frees them until the backward pass needs them again."""
     run.optimizer.zero_grad(set_to_none=not run.dist.ddp)
 
 
@@ -536,6 +520,8 @@ TIMED_OUT = 1  # the exit status after a collective timed out
 
 
 def is_collective_timeout(e, dist_info):
+    """A gloo collective that waited ddp_timeout_s in vain. (A timed-out NCCL collective never gets here: its
+    watchdog ends the process, as runtime.setup_distributed chooses; docs/training.md says why.)"""
     return isinstance(e, RuntimeError) and dist_info is not None and dist_info.ddp and "timed out" in str(e).lower()
 
 

@@ -351,8 +351,8 @@ def write_hellaswag_file(path, num_examples=HELLASWAG_EXAMPLES, seed=0):
 
 
 def check_data(ctx):
-    from tokens import TokenData
     from model import model_vocab_size
+    from tokens import TokenData
 
     data_dir = os.path.join(ctx.data_path, DATASET)
     make_synthetic_data(data_dir)
