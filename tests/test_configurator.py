@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from configurator import ConfigError, TrainConfig, config_to_dict, load_config, main
+from configurator import ConfigError, TrainConfig, config_to_dict, load_config, main, unused_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,7 +156,7 @@ def test_help_lists_every_key_with_type_default_and_meaning():
         line = next(line for line in run.stdout.splitlines() if line.startswith(f"  --{field.name}="))
         assert repr(getattr(TrainConfig(), field.name)) in line
         assert field.metadata["help"]
-    assert "[one of: mars, adamw, muon]" in run.stdout
+    assert "[one of: mars, adamw, muon, moonlight]" in run.stdout
 
 
 @pytest.mark.parametrize(
@@ -200,3 +200,13 @@ def test_config_files_may_import_helpers(tmp_path):
         "import math\nfrom os.path import join\ndef half(x):\n    return x // 2\nbatch_size = half(8)\n",
     )
     assert load_config([path]).batch_size == 4
+
+
+def test_mars_m_and_moonlight_name_the_keys_they_do_not_read():
+    """MARS-M's and Moonlight's AdamW part takes learning_rate and weight_decay (their reference), so the
+    1-D settings other than betas_1d are unused; Moonlight reads beta1 as its momentum and no beta2."""
+    mars_m = unused_keys(TrainConfig(mars_type="mars-m"))
+    assert {"lr_1d", "weight_decay_1d", "optimize_1d"} <= mars_m and not {"betas_1d", "gamma", "is_approx"} & mars_m
+    moonlight = unused_keys(TrainConfig(optimizer_name="moonlight"))
+    assert {"gamma", "lr_1d", "weight_decay_1d", "mars_type", "beta2", "muon_lr"} <= moonlight
+    assert not {"betas_1d", "beta1", "learning_rate", "weight_decay"} & moonlight
