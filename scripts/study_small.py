@@ -585,7 +585,7 @@ def write_results(optimizers, out_root, budgets, seeds, max_step, losses, extra,
                 dirs,
                 png,
                 labels=[f"{o} ({lrs_text(o, brackets[o][steps].best)})" for o in settled],
-                ylim=(floor - 0.1, floor + 1.2) if math.isfinite(floor) else None,
+                ylim=(floor - 0.3, floor + 1.2) if math.isfinite(floor) else None,
             )
             plot.plt.close(fig)
     return text
