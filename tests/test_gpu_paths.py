@@ -7,11 +7,13 @@ ops torch documents as non-deterministic on CUDA."""
 import json
 import os
 import sys
+import time
 import types
 
 import numpy as np
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 import metrics
@@ -21,6 +23,8 @@ import train
 from configurator import TrainConfig
 from metrics import LogWindow
 from tokens import write_bin
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------------------------------------------
 # A mocked torch.cuda: GPUs as torch describes them (name, compute capability, memory).
@@ -220,3 +224,188 @@ def test_a_step_and_its_train_line_stay_on_the_device(
         with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
             (record,) = [json.loads(line) for line in f]
         assert record[metrics.TRAIN_LOSS] == 1.0 and (metrics.MOMENTUM_NORM in record) == (cfg.optimizer_name == "mars")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The compiled model under two-rank gloo DDP, as train.setup builds it with compile=True: the training
+# graph and the evaluation graph are compiled once each (a first step, a first evaluation), and then
+# twenty steps with evaluations between them run with recompiles forbidden. Graph breaks and recompiles
+# are dynamo's decisions, the same whichever backend compiles the graphs: aot_eager (autograd's graphs,
+# run by eager kernels) finds them in seconds; inductor, train.py's backend, also generates and compiles
+# the C++ kernels.
+
+COMPILED_STEPS = 20
+
+
+def compiled_ddp_rank(rank, port, backend, data_path, out_dir, report_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    compile_model = torch.compile
+    torch.compile = lambda model: compile_model(model, backend=backend)  # what train.setup calls
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+    cfg = TrainConfig(
+        data_path=data_path,
+        dataset="tiny",
+        out_dir=out_dir,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=16,
+        batch_size=2,
+        gradient_accumulation_steps=4,  # two micro-batches per rank: no_sync, then the synced one
+        eval_iters=2,
+        compile=True,
+    )
+    run, progress, _ = train.setup(cfg, runtime.Dist(ddp=True, rank=rank, world_size=2, device="cpu"))
+    start = time.perf_counter()
+    train.train_step(run, 0)
+    train.evaluate(run, run.val_batches)
+    compile_s = time.perf_counter() - start
+    report = dict(compile_s=compile_s, recompile_error=None)
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            losses = []
+            for it in range(1, COMPILED_STEPS + 1):
+                losses.append(train.train_step(run, it).loss.item())
+                if it % 10 == 0:
+                    train.evaluate(run, run.val_batches)
+        report.update(losses=losses)
+    except RuntimeError as e:
+        report.update(recompile_error=str(e).splitlines()[0])
+    report.update(
+        steps_s=time.perf_counter() - start - compile_s,
+        graph_breaks=dict(torch._dynamo.utils.counters["graph_break"]),
+        unique_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    )
+    torch.save(report, f"{report_path}.{rank}")
+    run.metrics.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_compiled_model_trains_under_ddp_without_graph_breaks_or_recompiles(data_path, tmp_path, backend):
+    import torch.multiprocessing as mp
+
+    from bench.common import free_port
+
+    report_path = str(tmp_path / "report")
+    args = (free_port(), backend, data_path, str(tmp_path / "out"), report_path)
+    mp.spawn(compiled_ddp_rank, args=args, nprocs=2, join=True)
+    reports = [torch.load(f"{report_path}.{rank}", weights_only=False) for rank in range(2)]
+    for report in reports:
+        print({key: value for key, value in report.items() if key != "losses"})
+        assert report["recompile_error"] is None
+        assert report["graph_breaks"] == {}
+        assert len(report["losses"]) == COMPILED_STEPS and all(np.isfinite(report["losses"]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op census. torch.use_deterministic_algorithms's docstring (torch 2.13) lists the operations that are
+# non-deterministic on CUDA by default: those it then replaces by deterministic kernels, and those for which
+# it raises instead. Here each is named by the aten ops that carry it (forward or backward, as listed).
+# NLLLoss's entry is the spatial loss: PyTorch's CUDA source alerts in nll_loss2d's forward only. The list's
+# sparse-dense bmm is left out: the model has no sparse tensors, and its dense bmm is not in the list.
+
+MADE_DETERMINISTIC = {
+    "convolution",  # Conv1d/2d/3d, ConvTranspose1d/2d/3d
+    "convolution_backward",
+    "replication_pad1d_backward",
+    "replication_pad2d_backward",
+    "replication_pad3d_backward",
+    "index",  # __getitem__ with a list of index tensors, differentiated: its backward is index_put
+    "index_put",
+    "index_put_",
+    "_index_put_impl_",
+    "put_",
+    "scatter_add",
+    "scatter_add_",
+    "gather",
+    "index_add",
+    "index_add_",
+    "index_select",  # differentiated: its backward is index_add
+    "repeat_interleave",
+    "index_copy",
+    "index_copy_",
+    "scatter",
+    "scatter_",
+    "scatter_reduce",
+    "scatter_reduce_",
+    "max_pool3d_with_indices_backward",
+}
+RAISES_ON_CUDA = {
+    "avg_pool3d_backward",
+    "_adaptive_avg_pool2d_backward",
+    "adaptive_avg_pool3d_backward",
+    "adaptive_max_pool2d_backward",
+    "fractional_max_pool2d_backward",
+    "fractional_max_pool3d_backward",
+    "max_unpool2d",
+    "max_unpool3d",
+    "upsample_linear1d_backward",
+    "upsample_bilinear2d_backward",
+    "upsample_bicubic2d_backward",
+    "upsample_trilinear3d_backward",
+    "reflection_pad1d_backward",
+    "reflection_pad2d_backward",
+    "reflection_pad3d_backward",
+    "nll_loss2d_forward",
+    "_ctc_loss_backward",
+    "_embedding_bag_backward",
+    "_embedding_bag_dense_backward",
+    "histc",
+    "bincount",
+    "median",
+    "grid_sampler_2d_backward",
+    "grid_sampler_3d_backward",
+    "cumsum",
+    "cumsum_",
+}
+# The documented ops a training step uses (model, loss, clipping, each optimizer's update): none. Its
+# non-determinism on CUDA is elsewhere, in what runtime.set_deterministic switches off besides: the flash,
+# memory-efficient and cuDNN attention kernels, cuBLAS's workspace, cuDNN's benchmarking.
+DOCUMENTED_OPS_A_STEP_USES = set()
+
+
+def step_ops(run):
+    """The names of the aten ops one train_step runs (after autograd: the backward's too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Census(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Census() as census:
+        train.train_step(run, 0)
+    return census.ops
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_training_step_uses_no_op_deterministic_mode_refuses_on_cuda(data_path, tmp_path, request, optimizer):
+    cfg = TrainConfig(
+        data_path=data_path,
+        dataset="tiny",
+        out_dir=str(tmp_path / "out"),
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        block_size=16,
+        batch_size=2,
+        gradient_accumulation_steps=1,
+        eval_iters=1,
+        dropout=0.1,
+        compile=False,
+        **OPTIMIZERS[optimizer],
+    )
+    run, _, _ = train.setup(cfg, runtime.Dist())
+    request.addfinalizer(run.metrics.close)
+    ops = step_ops(run)
+    assert {"embedding_dense_backward", "nll_loss_forward", "native_layer_norm_backward"} <= ops  # it counted
+    assert ops & RAISES_ON_CUDA == set()  # else --deterministic=True would fail at the first step on a GPU
+    assert ops & MADE_DETERMINISTIC == DOCUMENTED_OPS_A_STEP_USES
