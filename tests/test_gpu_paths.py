@@ -119,6 +119,9 @@ OPTIMIZERS = {
     "mars-shampoo": dict(optimizer_name="mars", mars_type="mars-shampoo"),
     "adamw": dict(optimizer_name="adamw"),
     "muon": dict(optimizer_name="muon"),
+    "mars-m": dict(optimizer_name="mars", mars_type="mars-m"),
+    "mars-m-exact": dict(optimizer_name="mars", mars_type="mars-m", is_approx=False),
+    "moonlight": dict(optimizer_name="moonlight"),
 }
 # (world size, zero_stage, rank). ZeRO-1 on a 1-layer GPT with GPT-2's vocabulary gives, on 2 ranks, rank 1
 # two matrices and the token embedding, and on 8 ranks, ranks 0-5 one matrix each and ranks 6-7 the 1-D
