@@ -295,7 +295,15 @@ def test_the_compiled_model_trains_under_ddp_without_graph_breaks_or_recompiles(
 
     report_path = str(tmp_path / "report")
     args = (free_port(), backend, data_path, str(tmp_path / "out"), report_path)
-    mp.spawn(compiled_ddp_rank, args=args, nprocs=2, join=True)
+    # A cold inductor compile took 5.5 minutes here with the machine's two cores shared; a rank still running
+    # after 15 minutes is stopped, so a hung compile fails the test instead of holding up CI.
+    ranks = mp.start_processes(compiled_ddp_rank, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 900
+    while not ranks.join(timeout=max(1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the compiled {backend} run did not finish in 15 minutes")
     reports = [torch.load(f"{report_path}.{rank}", weights_only=False) for rank in range(2)]
     for report in reports:
         print({key: value for key, value in report.items() if key != "losses"})
