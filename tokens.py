@@ -20,6 +20,7 @@ import pickle
 import tempfile
 
 import numpy as np
+import torch
 
 from files import atomic_write_bytes, atomic_writer
 from runtime import network_reachable
@@ -309,8 +310,6 @@ class TokenData:
             self.read(i, start, windows[row])
             if self._max_id is not None:
                 self._check_ids(self.paths[i], start, windows[row])
-        import torch  # here, not at the top: the prepare scripts import this module and need no torch
-
         batch = torch.from_numpy(windows.astype(np.int64))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
