@@ -132,6 +132,19 @@ LAYOUTS = [(1, 0, 0), (2, 1, 0), (2, 1, 1), (8, 1, 0), (8, 1, 7)]
 ALLOWED_HOST_READS = {"train_step": 1, "log_train": 1}
 
 
+def tiny_config(data_path, dataset, tmp_path, optimizer, **overrides):
+    """A 1-layer, 16-wide GPT run of OPTIMIZERS[optimizer] on `dataset`, uncompiled, one evaluation batch."""
+    settings = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, eval_iters=1, compile=False)
+    return TrainConfig(
+        data_path=data_path,
+        dataset=dataset,
+        out_dir=str(tmp_path / "out"),
+        **settings,
+        **OPTIMIZERS[optimizer],
+        **overrides,
+    )
+
+
 @pytest.fixture(scope="module")
 def gpt2_tokens(tmp_path_factory):
     """A GPT-2-tokenized dataset 'bpe' (no meta.pkl: the model pads the vocabulary to 50304)."""
@@ -191,21 +204,15 @@ def test_a_step_and_its_train_line_stay_on_the_device(
 ):
     world_size, zero_stage, rank = layout
     fake_ranks(rank, world_size)
-    cfg = TrainConfig(
-        data_path=gpt2_tokens,
-        dataset="bpe",
-        out_dir=str(tmp_path / "out"),
-        n_layer=1,
-        n_head=2,
-        n_embd=16,
-        block_size=16,
+    cfg = tiny_config(
+        gpt2_tokens,
+        "bpe",
+        tmp_path,
+        optimizer,
         batch_size=1,
         gradient_accumulation_steps=world_size,
-        eval_iters=1,
         zero_stage=zero_stage,
-        compile=False,
         dtype="float32",
-        **OPTIMIZERS[optimizer],
     )
     run, progress, _ = train.setup(cfg, runtime.Dist(rank=rank, world_size=world_size, device="meta"))
     request.addfinalizer(run.metrics.close)
@@ -399,21 +406,7 @@ def step_ops(run):
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_a_training_step_uses_no_op_deterministic_mode_refuses_on_cuda(data_path, tmp_path, request, optimizer):
-    cfg = TrainConfig(
-        data_path=data_path,
-        dataset="tiny",
-        out_dir=str(tmp_path / "out"),
-        n_layer=1,
-        n_head=2,
-        n_embd=16,
-        block_size=16,
-        batch_size=2,
-        gradient_accumulation_steps=1,
-        eval_iters=1,
-        dropout=0.1,
-        compile=False,
-        **OPTIMIZERS[optimizer],
-    )
+    cfg = tiny_config(data_path, "tiny", tmp_path, optimizer, batch_size=2, gradient_accumulation_steps=1, dropout=0.1)
     run, _, _ = train.setup(cfg, runtime.Dist())
     request.addfinalizer(run.metrics.close)
     ops = step_ops(run)
