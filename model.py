@@ -277,7 +277,7 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name, override_args=None, offline=False):
         """OpenAI's GPT-2 ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', from the Hugging Face hub)
-        or a local Hugging Face GPT-2 folder such as export_hf.py writes. override_args may set dropout.
+        or a local Hugging Face GPT-2 folder such as marsgpt/export_hf.py writes. override_args may set dropout.
         offline=True reads the local Hugging Face cache only: without it, a machine that cannot reach the hub
         spends about half a minute in retries before it falls back to the cache or fails."""
         override_args = dict(override_args or {})

@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from checkpoint import CheckpointError, load_model, load_pretrained
-from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
-from tokens import DataError, get_gpt2_encoding, read_meta
+from marsgpt.checkpoint import CheckpointError, load_model, load_pretrained
+from marsgpt.runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
+from marsgpt.tokens import DataError, get_gpt2_encoding, read_meta
 
 MISSING_ADVICE = "train a model first (python train.py ...), or pass --out_dir of a trained run"
 
@@ -27,7 +27,7 @@ def parse_args(argv):
         "--init_from",
         default="resume",
         help="'resume' samples from --out_dir's checkpoint; gpt2, gpt2-medium, gpt2-large, "
-        "gpt2-xl or a Hugging Face GPT-2 folder (export_hf.py's) from those weights",
+        "gpt2-xl or a Hugging Face GPT-2 folder (marsgpt/export_hf.py's) from those weights",
     )
     p.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
     p.add_argument("--num_samples", type=int, default=3)

@@ -4,9 +4,9 @@
     torchrun --standalone --nproc_per_node=8 train.py config/...     # DDP on one node
     python train.py --help                                           # every key
 
-The configuration (configurator.py) is checked, and so are the data, the world size, out_dir and any
+The configuration (marsgpt/config.py) is checked, and so are the data, the world size, out_dir and any
 checkpoint, before any work starts; a mistake prints `error: ...` and exits 2, on every rank at once.
-What init_from, resume and relaunch mean for out_dir is launch.py's; this file is the run: its state, one
+What init_from, resume and relaunch mean for out_dir is marsgpt/launch.py's; this file is the run: its state, one
 optimizer step, evaluation, saving, the loop and main().
 
 Data parallelism: gradient_accumulation_steps counts the micro-batches of one optimizer step across ALL
@@ -32,18 +32,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import launch
-import memplan
-import metrics
-import optim
-from checkpoint import CheckpointError, CheckpointWriter, RNGState
-from configurator import config_to_dict, load_config, print_help, wants_help
-from launch import CHECKPOINT_PARTS, USER_ERRORS
-from metrics import LogWindow, MetricsLog
-from optim import build_optimizer, is_sharded, set_lr
-from runtime import SetupError, agree, exit_process, set_deterministic, setup_distributed, setup_precision, wrap_ddp
-from tokens import TokenData
+from marsgpt import checkpoint, launch, memory_plan, metrics, optimizers
+from marsgpt.checkpoint import CheckpointError, CheckpointWriter, RNGState
+from marsgpt.config import config_to_dict, load_config, print_help, wants_help
+from marsgpt.launch import CHECKPOINT_PARTS, USER_ERRORS
+from marsgpt.memory_plan import MemoryPlan
+from marsgpt.metrics import LogWindow, MetricsLog
+from marsgpt.optimizers import build_optimizer, is_sharded, set_lr
+from marsgpt.runtime import (
+    SetupError,
+    agree,
+    exit_process,
+    set_deterministic,
+    setup_distributed,
+    setup_precision,
+    wrap_ddp,
+)
+from marsgpt.tokens import TokenData
 
 
 class TrainingStopped(Exception):
@@ -80,7 +85,7 @@ class Run:
     eval_model: torch.nn.Module  # compiled, without DDP
     model_args: dict
     optimizer: object
-    look_ahead: optim.LookAhead | None  # exact MARS's extra pass, else None
+    look_ahead: optimizers.LookAhead | None  # exact MARS's extra pass, else None
     scaler: torch.amp.GradScaler
     autocast: object
     rng: RNGState
@@ -91,7 +96,7 @@ class Run:
     hellaswag_examples: list | None
     metrics: MetricsLog
     writer: CheckpointWriter
-    memory_plan: memplan.MemoryPlan | None = None  # rank 0's, printed by launch.describe()
+    memory_plan: MemoryPlan | None = None  # rank 0's, printed by launch.describe()
 
     @property
     def sharded(self):
@@ -145,7 +150,7 @@ def setup(cfg, dist_info):
         model_args=model_args,
         optimizer=optimizer,
         scaler=scaler,
-        look_ahead=optim.look_ahead(optimizer, cfg),
+        look_ahead=optimizers.look_ahead(optimizer, cfg),
         autocast=autocast,
         rng=rng,
         train_data=train_data,
@@ -153,7 +158,7 @@ def setup(cfg, dist_info):
         metrics=launch.open_metrics(cfg, dist_info, progress, resumed),
         hellaswag_examples=hellaswag_examples,
         writer=CheckpointWriter(),
-        memory_plan=memplan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
+        memory_plan=memory_plan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
     return run, progress, resumed
 
@@ -184,7 +189,7 @@ def forward_backward(run, step):
 
     Each loss is divided by this rank's number of micro-batches and DDP averages across ranks, so the
     gradient is the mean over all gradient_accumulation_steps micro-batches, times grad_multiplier (the
-    paper's gradient scale, see configurator.py; the returned loss stays the mean). DDP all-reduces only in
+    paper's gradient scale, see marsgpt/config.py; the returned loss stays the mean). DDP all-reduces only in
     the last micro-batch's backward (no_sync before it). Nothing here waits for the device.
     """
     cfg, info = run.cfg, run.dist
@@ -242,7 +247,7 @@ def unscale_by_hand(run):
 def train_step(run, it):
     """Optimizer step `it`: gradients of its micro-batches, clipping, and the update.
 
-    With a look-ahead (exact MARS, see optim.LookAhead) the NEXT step's batch goes first, at the current
+    With a look-ahead (exact MARS, see optimizers.LookAhead) the NEXT step's batch goes first, at the current
     parameters, and its clipped gradient is stored before this step's own backward pass.
 
     A non-finite gradient norm (from a non-finite loss, or an overflow) skips the update: parameters,
@@ -268,7 +273,7 @@ def train_step(run, it):
         if scaler.is_enabled():
             scaler.update()  # float16: an overflow lowers the loss scale, as scaler.step would
     else:
-        optim.step(optimizer, run.look_ahead, scaler)
+        optimizers.step(optimizer, run.look_ahead, scaler)
     zero_grad(run)
     clipped = not skipped and cfg.grad_clip > 0 and grad_norm > cfg.grad_clip
     non_finite = non_finite_norms(norm_values) if skipped else ""
@@ -327,14 +332,14 @@ def stamp(progress, time_s):
 
 def log_train(run, progress, window, result, time_s):
     """A train line: mean loss of the window's steps (all ranks take part in its all-reduce), and the norms
-    the optimizer logs (optim.state_norms)."""
+    the optimizer logs (optimizers.state_norms)."""
     loss = None
     if window.losses:
         loss = all_reduce_sum(run, window.loss_sum / window.losses) / run.dist.world_size
     state_norms = {}
     if run.sharded or run.dist.is_master:  # sharded state: every rank adds its share; else rank 0's is all
         sum_over_ranks = (lambda t: all_reduce_sum(run, t)) if run.sharded else None
-        state_norms = optim.state_norms(run.optimizer, run.cfg, sum_over_ranks)
+        state_norms = optimizers.state_norms(run.optimizer, run.cfg, sum_over_ranks)
     if not run.dist.is_master:
         return
     dt = (time.perf_counter() - window.t0) / window.steps
@@ -389,7 +394,7 @@ def evaluate_and_save(run, progress, time_s):
 
 
 def evaluate_hellaswag(run, progress, time_s):
-    import hellaswag
+    from marsgpt import hellaswag
 
     result = hellaswag.evaluate(
         run.model,
@@ -455,7 +460,7 @@ def step_and_log(run, progress, window, time_s, first=False):
         log_train(run, progress, window, result, time_s())
         window.restart()
     if progress.iter_num == MEMORY_REPORT_STEP and run.memory_plan and run.dist.device_type == "cuda":
-        print(memplan.measured_peak(run.memory_plan, MEMORY_REPORT_STEP), flush=True)
+        print(memory_plan.measured_peak(run.memory_plan, MEMORY_REPORT_STEP), flush=True)
 
 
 def record_skip(run, progress, result, time_s):
@@ -492,7 +497,7 @@ def main(argv=None):
     try:
         cfg = load_config(argv)
         if cfg.dry_run:
-            return memplan.dry_run(cfg)
+            return memory_plan.dry_run(cfg)
         dist_info = setup_distributed(cfg)
         run, progress, resumed = setup(cfg, dist_info)
         if dist_info.is_master:

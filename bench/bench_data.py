@@ -1,7 +1,7 @@
 """FineWeb-Edu prepare: tokens/s against tiktoken's ceiling and an HF datasets pipeline; peak memory.
 
-    python bench/bench_data.py            # 32 MB corpus for speed; memory at 32 MB and 128 MB
-    python bench/bench_data.py --quick    # 8 MB for speed; memory at 8 MB and 32 MB
+    python -m bench.bench_data            # 32 MB corpus for speed; memory at 32 MB and 128 MB
+    python -m bench.bench_data --quick    # 8 MB for speed; memory at 8 MB and 32 MB
 
 The corpus is generated deterministically (no network): the first 8 MB of the running Python's
 standard-library .py files in sorted order, repeated to the size asked, as one parquet file.
@@ -30,10 +30,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench.common import print_table, row
+from marsgpt.tokens import EOT_TOKEN, get_gpt2_encoding, write_shard
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from bench.common import print_table, row  # noqa: E402
-from tokens import EOT_TOKEN, get_gpt2_encoding, write_shard  # noqa: E402
 
 PREPARE = os.path.join(REPO, "data", "fineweb_edu", "prepare.py")
 SHARD_SIZE = 2_000_000  # tokens: 4 MB shards, so every corpus here makes several

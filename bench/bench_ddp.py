@@ -1,7 +1,7 @@
 """DDP's gradient_as_bucket_view: the memory it saves and what it costs, measured on 2 gloo ranks (CPU).
 
-    python bench/bench_ddp.py            # 6 alternating rounds of 5 steps per setting
-    python bench/bench_ddp.py --quick    # 2 rounds
+    python -m bench.bench_ddp            # 6 alternating rounds of 5 steps per setting
+    python -m bench.bench_ddp --quick    # 2 rounds
 
 train.py wraps the model with gradient_as_bucket_view=True: each parameter's .grad is then a view into
 DDP's all-reduce bucket instead of a tensor of its own that DDP copies into the bucket and back. The bench
@@ -15,7 +15,6 @@ with the flag off and on, alternating round by round, and reports per setting
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -23,12 +22,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench.common import free_port, print_table, row
+from mars import MARS
+from marsgpt.runtime import exit_process
+from model import GPT, GPTConfig
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from bench.common import free_port, print_table, row  # noqa: E402
-from mars import MARS  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from runtime import exit_process  # noqa: E402
 
 CONFIG = dict(n_layer=4, n_head=12, n_embd=768, block_size=256, vocab_size=256, bias=False)
 BATCH = 4

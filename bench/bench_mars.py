@@ -1,7 +1,7 @@
 """MARS step time, memory traffic and optimizer-state memory on GPT-2 small's real parameter shapes.
 
-    python bench/bench_mars.py            # full: more repeats
-    python bench/bench_mars.py --quick    # fewer repeats
+    python -m bench.bench_mars            # full: more repeats
+    python -m bench.bench_mars --quick    # fewer repeats
 
 Shapes: on CPU the embeddings and 4 of GPT-2 small's 12 blocks (67.7M parameters, as issue 13 measured
 there); on CUDA all 12 blocks (124M). Every optimizer steps over the same parameters and gradients, one
@@ -25,16 +25,14 @@ gets its first step's time (the compile) and its host time per matrix on tiny te
 
 import functools
 import gc
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import print_table, row, time_it  # noqa: E402
-from mars import MARS  # noqa: E402
+from bench.common import print_table, row, time_it
+from mars import MARS
 
 
 def gpt2_small_shapes(n_layer=12, n_embd=768, vocab_size=50304, block_size=1024):

@@ -1,8 +1,8 @@
 """Forward+backward time of our GPT (attention through SDPA) against the same model computing attention
 as the paper's reference code does: softmax(QKᵀ/sqrt(d)) V with an explicit T×T matrix and mask.
 
-    python bench/bench_model.py            # 2 layers of GPT-2 small (768 wide, 12 heads), 4 x 1024 tokens
-    python bench/bench_model.py --quick    # the whole-model row at 4 x 256 tokens; 3 rounds, not 5
+    python -m bench.bench_model            # 2 layers of GPT-2 small (768 wide, 12 heads), 4 x 1024 tokens
+    python -m bench.bench_model --quick    # the whole-model row at 4 x 256 tokens; 3 rounds, not 5
 
 Rows: one attention layer alone at 4 x 1024 (where the two differ), then the whole model with its
 50304-way output layer and loss (which dominate on CPU, so the ratio there is closer to 1). Both
@@ -10,15 +10,13 @@ variants share the weights and scale_attn_by_inverse_layer_idx=True (the paper's
 attention computation differs. Target: ours no slower (ratio <= 1).
 """
 
-import os
 import sys
 
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import print_table, row, time_it  # noqa: E402
-from model import GPT, CausalSelfAttention, GPTConfig  # noqa: E402
+from bench.common import print_table, row, time_it
+from model import GPT, CausalSelfAttention, GPTConfig
 
 
 class ExplicitSoftmaxAttention(CausalSelfAttention):

@@ -1,7 +1,7 @@
 """Training-step throughput: train.py's loop against a loop built like the paper's reference train_mars.py.
 
-    python bench/bench_train.py            # CPU rows (8 rounds of 10 steps), CUDA rows when a GPU is present
-    python bench/bench_train.py --quick    # 2 rounds
+    python -m bench.bench_train            # CPU rows (8 rounds of 10 steps), CUDA rows when a GPU is present
+    python -m bench.bench_train --quick    # 2 rounds
 
 CPU, a 3.2M-parameter character GPT (config/quickstart.py's settings at 4 layers, 256 wide, 8 x 256 tokens
 a micro-batch, MARS) with 2 micro-batches a step, on a synthetic character corpus:
@@ -30,14 +30,14 @@ from collections import deque
 import numpy as np
 import torch
 
+import train
+from bench.bench_model import with_explicit_attention
+from bench.common import print_table, row, time_it
+from marsgpt.config import load_config
+from marsgpt.optimizers import scheduled_lr
+from marsgpt.tokens import write_bin, write_meta
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import train  # noqa: E402
-from bench.bench_model import with_explicit_attention  # noqa: E402
-from bench.common import print_table, row, time_it  # noqa: E402
-from configurator import load_config  # noqa: E402
-from optim import scheduled_lr  # noqa: E402
-from tokens import write_bin, write_meta  # noqa: E402
 
 LOG_INTERVAL = 10
 

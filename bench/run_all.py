@@ -1,8 +1,8 @@
 """Every benchmark in one command, one table: the numbers the README quotes come from here.
 
-    python bench/run_all.py            # full sizes (tens of minutes on a 2-core CPU)
-    python bench/run_all.py --quick    # smaller shapes and fewer repeats, a few minutes
-    python bench/run_all.py --only mars train
+    python -m bench.run_all            # full sizes (tens of minutes on a 2-core CPU)
+    python -m bench.run_all --quick    # smaller shapes and fewer repeats, a few minutes
+    python -m bench.run_all --only mars train
 
 Runs run(quick=...) of each bench/bench_*.py (optimizer step vs AdamW, model and train-step tokens/s vs
 the reference loop, data preparation tokens/s). A benchmark that fails to import or run becomes a row
@@ -16,9 +16,9 @@ import os
 import sys
 import time
 
+from bench.common import print_table, row
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from bench.common import print_table, row  # noqa: E402
 
 EXPECTED = ("mars", "model", "train", "data")  # the issues ask for these; run order follows this list
 

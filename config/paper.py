@@ -1,6 +1,6 @@
 """The paper's GPT-2 runs, composed from their parts: the model size (model.PRESETS), the 100k-step
 recipe every run shares, and the optimizer with its learning rates for that size. Each
-config/train_gpt2_<size>_<optimizer>.py is one call to paper_run; `python configurator.py <that file>`
+config/train_gpt2_<size>_<optimizer>.py is one call to paper_run; `python -m marsgpt.config <that file>`
 prints every key of the run.
 
 The numbers are the reference's (AGI-Arena/MARS at 4831e28: its config/train_gpt2_*.py over the

@@ -1,5 +1,5 @@
 # Quickstart: a 0.45M-parameter character-level GPT trained with MARS on the offline stdlib_char corpus
-# (python data/stdlib_char/prepare.py, no network), sized to end within 3 minutes on 2 CPU cores.
+# (python -m data.stdlib_char.prepare, no network), sized to end within 3 minutes on 2 CPU cores.
 # Measured with `time bash scripts/quickstart.sh` (prepare + train + sample, 2 CPU cores, Python 3.11.7's
 # stdlib): 2 min 28 s (2 min 39 s and 2 min 45 s with other work on the cores); ~20 ms a step; val loss
 # 4.42 -> 1.96 (step 1,750) -> 1.79 (3,500) -> 1.68 (5,250) -> 1.63 (7,000), the training split's to 1.01.

@@ -1,6 +1,6 @@
 # GPT-2 large (774M) with AdamW on OpenWebText: the paper's baseline.
 # Its numbers live in config/paper.py (model size, the 100k-step recipe, the optimizer's lrs);
-# `python configurator.py config/train_gpt2_large_adamw.py` prints every key.
+# `python -m marsgpt.config config/train_gpt2_large_adamw.py` prints every key.
 from config.paper import paper_run
 
 globals().update(paper_run("large", "adamw"))

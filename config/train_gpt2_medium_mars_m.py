@@ -1,6 +1,6 @@
 # GPT-2 medium (355M) with MARS-M (approximate) on OpenWebText: the MARS-M paper's run.
 # Its numbers live in config/paper.py (model size, the 100k-step recipe, the optimizer's lrs);
-# `python configurator.py config/train_gpt2_medium_mars_m.py` prints every key.
+# `python -m marsgpt.config config/train_gpt2_medium_mars_m.py` prints every key.
 from config.paper import paper_run
 
 globals().update(paper_run("medium", "mars_m"))

@@ -2,7 +2,7 @@
 readers of --data_files (local parquet or JSON-lines documents with a 'text' field: openwebtext,
 fineweb_edu), and the character-level corpus writer (stdlib_char, shakespeare_char).
 
-The token files themselves (their layouts, writers and reader) and the GPT-2 tokenizer are tokens.py's.
+The token files themselves (their layouts, writers and reader) and the GPT-2 tokenizer are marsgpt/tokens.py's.
 """
 
 import json
@@ -11,8 +11,8 @@ import sys
 
 import numpy as np
 
-from files import JSONLineError, json_lines
-from tokens import UINT16_IDS, DataError, write_bin, write_meta
+from marsgpt.files import JSONLineError, json_lines
+from marsgpt.tokens import UINT16_IDS, DataError, write_bin, write_meta
 
 
 def run_prepare(main):

@@ -36,16 +36,16 @@ from functools import partial
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import metrics  # noqa: E402
-from bench import bench_mars  # noqa: E402
-from checkpoint import CKPT_NAME, load_checkpoint  # noqa: E402
-from files import atomic_writer  # noqa: E402
-from model import GPT2_VOCAB_SIZE  # noqa: E402
-from tokens import write_bin  # noqa: E402
+from bench import bench_mars
+from marsgpt import metrics
+from marsgpt.checkpoint import CKPT_NAME, load_checkpoint
+from marsgpt.files import atomic_writer
+from marsgpt.tokens import write_bin
+from model import GPT2_VOCAB_SIZE
 
-WORKER = os.path.join(ROOT, "scripts", "gpu_check_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WORKER = ["-m", "scripts.gpu_check_worker"]  # run from ROOT, as every command here
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 DATASET = "synthetic"  # <work>/data/synthetic: train.bin and val.bin
 TRAIN_TOKENS, VAL_TOKENS = 2_000_000, 200_000
@@ -339,7 +339,7 @@ VERBS, THINGS = (
 
 def write_hellaswag_file(path, num_examples=HELLASWAG_EXAMPLES, seed=0):
     """A tiny file in the official HellaSwag format (ctx, four endings, label) of made-up sentences:
-    enough to run hellaswag.py end to end, not to measure anything."""
+    enough to run marsgpt/hellaswag.py end to end, not to measure anything."""
     rng = np.random.default_rng(seed)
     endings = [f"{verb} {thing}" for verb in VERBS for thing in THINGS]
     with atomic_writer(path, "w") as f:
@@ -351,8 +351,8 @@ def write_hellaswag_file(path, num_examples=HELLASWAG_EXAMPLES, seed=0):
 
 
 def check_data(ctx):
+    from marsgpt.tokens import TokenData
     from model import model_vocab_size
-    from tokens import TokenData
 
     data_dir = os.path.join(ctx.data_path, DATASET)
     make_synthetic_data(data_dir)
@@ -527,7 +527,7 @@ def optimizer_rows(bench_rows, command, cuda=True):
 
 
 def check_optimizer(ctx):
-    argv = [sys.executable, WORKER, "optimizer", ctx.result_path]
+    argv = [sys.executable, *WORKER, "optimizer", ctx.result_path]
     argv += [] if ctx.cuda else [str(OPTIMIZER_WIDTH_CPU)]
     finished = ctx.run(argv)
     command = "bench_mars.run(quick=True" + ("" if ctx.cuda else f", n_embd={OPTIMIZER_WIDTH_CPU}") + ")"
@@ -634,7 +634,7 @@ def memory_row(what, command, finished, budget_s, result):
 def check_memory(config, ctx):
     name = ctx.check.name
     train_args = ctx.train_args(name, [config], gradient_accumulation_steps=2, compile=False, eval_iters=1)
-    argv = [sys.executable, WORKER, "memory", ctx.result_path, *train_args]
+    argv = [sys.executable, *WORKER, "memory", ctx.result_path, *train_args]
     finished = ctx.run(argv)
     result = read_json(ctx.result_path) if finished.ok else {}
     command = "2 steps of " + ctx.short(["train.py", *train_args])
@@ -676,7 +676,7 @@ def check_sample(ctx):
 
 
 def check_hellaswag(ctx):
-    argv = [sys.executable, "hellaswag.py", "--ckpt", ctx.out_dir("single"), "--data", ctx.hellaswag_path]
+    argv = [sys.executable, "-m", "marsgpt.hellaswag", "--ckpt", ctx.out_dir("single"), "--data", ctx.hellaswag_path]
     argv += ["--device", "auto"]
     finished = ctx.run(argv)
     return [hellaswag_row(ctx.check.what, ctx.short(argv), finished, ctx.budget_s, HELLASWAG_EXAMPLES)]
@@ -709,7 +709,7 @@ CHECKS = (
     Check("torchrun", "torchrun, one process per GPU", 40, partial(check_launch, True), DATA),
     Check("resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)", 45, check_resume, DATA),
     Check("sample", "sample.py on the one-process run's model", 15, check_sample, ("single",)),
-    Check("hellaswag", "hellaswag.py --data on a tiny local file", 15, check_hellaswag, ("single",)),
+    Check("hellaswag", "marsgpt/hellaswag.py --data on a tiny local file", 15, check_hellaswag, ("single",)),
     # three compiles (MARS-AdamW, MARS-Lion, MARS-AdamW with a bfloat16 last_grad), ~10 s each cold
     Check("optimizer", "MARS step (bench/bench_mars.py)", 60, check_optimizer),
     # the first compile, eval graph then train graph (50-90 s cold), and two 2 GB checkpoints
@@ -824,7 +824,7 @@ def describe_device(ctx, info):
 def read_device_info(work, logs, budget_s):
     """torch's versions and the GPUs, read in a worker (the driver itself never touches a GPU)."""
     path = os.path.join(work, "device.json")
-    finished = run_command([sys.executable, WORKER, "device", path], os.path.join(logs, "device.log"), budget_s)
+    finished = run_command([sys.executable, *WORKER, "device", path], os.path.join(logs, "device.log"), budget_s)
     if not finished.ok:
         raise RuntimeError(f"reading the device failed: {failure(finished, budget_s)}")
     return read_json(path)

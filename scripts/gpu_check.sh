@@ -5,4 +5,4 @@
 #     bash scripts/gpu_check.sh [--out DIR] [--only CHECK ...] [--device=cpu]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-exec python scripts/gpu_check.py "$@"
+exec python -m scripts.gpu_check "$@"

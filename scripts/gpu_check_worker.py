@@ -1,8 +1,8 @@
 """The measurements scripts/gpu_check.py takes inside a fresh process, each written as JSON to RESULT.json.
 
-    python scripts/gpu_check_worker.py device RESULT.json                     # torch, CUDA and the GPUs
-    python scripts/gpu_check_worker.py optimizer RESULT.json [N_EMBD]         # bench/bench_mars.py's rows
-    python scripts/gpu_check_worker.py memory RESULT.json [train.py args]     # peak memory of 2 steps
+    python -m scripts.gpu_check_worker device RESULT.json                     # torch, CUDA and the GPUs
+    python -m scripts.gpu_check_worker optimizer RESULT.json [N_EMBD]         # bench/bench_mars.py's rows
+    python -m scripts.gpu_check_worker memory RESULT.json [train.py args]     # peak memory of 2 steps
 
 A process of its own for each: a crash or an out-of-memory error ends only that measurement, the CUDA
 peak-memory counters start from zero, and the driver can kill it when its time budget runs out.
@@ -15,9 +15,9 @@ import sys
 
 import torch
 
+from marsgpt.files import atomic_writer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from files import atomic_writer  # noqa: E402
 
 MEMORY_STEPS = 2
 
@@ -45,14 +45,14 @@ def bench_mars_rows(n_embd=None):
 
 
 def memory_plan(cfg, world_size):
-    """The memory plan's per-GPU estimate for this run (memplan.plan, what train.py prints at its start).
+    """The memory plan's per-GPU estimate for this run (memory_plan.plan, what train.py prints at its start).
     A plan that cannot be computed is reported in the row."""
-    import memplan
+    from marsgpt import memory_plan as plans
 
     try:
-        return dict(plan_bytes=int(memplan.plan(cfg, world_size=world_size).total_bytes), plan_note="")
+        return dict(plan_bytes=int(plans.plan(cfg, world_size=world_size).total_bytes), plan_note="")
     except Exception as e:  # the row says why and fails
-        return dict(plan_bytes=None, plan_note=f"memplan.plan failed: {type(e).__name__}: {e}", plan_error=True)
+        return dict(plan_bytes=None, plan_note=f"memory_plan.plan failed: {type(e).__name__}: {e}", plan_error=True)
 
 
 def peak_memory(train_argv):
@@ -63,7 +63,7 @@ def peak_memory(train_argv):
     On CUDA the peak is torch.cuda.max_memory_allocated; on CPU the process's peak resident set.
     """
     import train  # here, not at the top: the device read imports torch alone and answers in seconds
-    from configurator import load_config
+    from marsgpt.config import load_config
 
     cfg = load_config(train_argv)
     dist_info = train.setup_distributed(cfg)

@@ -1,20 +1,18 @@
 """The tables of docs/memory.md: the memory plan --dry_run=True prints for every paper run on 8 GPUs of 40 and
 80 GiB, plain DDP or ZeRO-1, with and without activation checkpointing.
 
-    python scripts/memory_table.py
+    python -m scripts.memory_table
 
 Each cell is what `python train.py config/<run>.py --dry_run=True --plan_world_size=8 --gpu_memory_gb=<40|80>
-[--zero_stage=1] [--activation_checkpointing=True]` prints on its total line (memplan.dry_run_plan).
+[--zero_stage=1] [--activation_checkpointing=True]` prints on its total line (memory_plan.dry_run_plan).
 """
 
 import os
-import sys
+
+from marsgpt import memory_plan
+from marsgpt.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import memplan  # noqa: E402
-from configurator import load_config  # noqa: E402
 
 GPUS = 8
 GPU_MEMORY_GB = (40, 80)
@@ -41,12 +39,12 @@ def paper_runs():
 
 def cell(plan):
     mark = "fits" if plan.fits else "**no**"
-    return f"{plan.total_bytes / memplan.GIB:.1f} {mark} ({plan.max_micro_batch})"
+    return f"{plan.total_bytes / memory_plan.GIB:.1f} {mark} ({plan.max_micro_batch})"
 
 
 def table(gpu_memory_gb, runs, plans):
     lines = [
-        f"**{GPUS} GPUs of {gpu_memory_gb} GiB** ({gpu_memory_gb * (1 - memplan.HEADROOM):.0f} GiB usable): "
+        f"**{GPUS} GPUs of {gpu_memory_gb} GiB** ({gpu_memory_gb * (1 - memory_plan.HEADROOM):.0f} GiB usable): "
         "GiB per GPU at the peak, whether it fits, (the largest micro-batch that fits)",
         "",
         "| run | micro-batch | " + " | ".join(VARIANTS) + " |",
@@ -68,8 +66,8 @@ def plan_runs(runs):
             for variant, overrides in VARIANTS.items():
                 argv = [path, "--dry_run=True", f"--plan_world_size={GPUS}", f"--gpu_memory_gb={gpu_memory_gb}"]
                 cfg = load_config(argv + overrides)
-                layout = layout or memplan.optimizer_layout(cfg, memplan.planned_model_args(cfg))
-                plans[path, gpu_memory_gb, variant] = memplan.dry_run_plan(cfg, layout)
+                layout = layout or memory_plan.optimizer_layout(cfg, memory_plan.planned_model_args(cfg))
+                plans[path, gpu_memory_gb, variant] = memory_plan.dry_run_plan(cfg, layout)
     return plans
 
 

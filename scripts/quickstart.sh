@@ -15,6 +15,6 @@ for arg in "$@"; do
         --out_dir=*) out_dir="${arg#--out_dir=}" ;;
     esac
 done
-python data/stdlib_char/prepare.py
+python -m data.stdlib_char.prepare
 python train.py config/quickstart.py --overwrite=True "$@"
 python sample.py --out_dir="$out_dir" --start="def " --num_samples=1 --max_new_tokens=400

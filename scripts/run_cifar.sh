@@ -36,6 +36,6 @@ elif [[ $# -gt 0 && "$1" != --* && ! -f "$1" ]]; then  # a typo of a dataset wou
   exit 2
 fi
 for lr in ${LRS:-1e-5 1e-4 1e-3 1e-2 1e-1}; do
-  ${DRY_RUN:+echo} python vision/train_cifar.py --dataset="$dataset" "${optimizer[@]}" --learning_rate="$lr" \
+  ${DRY_RUN:+echo} python -m vision.train_cifar --dataset="$dataset" "${optimizer[@]}" --learning_rate="$lr" \
     --out_dir="out-cifar/${dataset}_${name}_lr${lr}" --init_from=auto "$@"
 done

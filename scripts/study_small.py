@@ -2,8 +2,8 @@
 brackets, several seeds there, at two token budgets, on the offline stdlib_char corpus with a tiny GPT.
 
     bash scripts/study_small.sh                      # the whole study (prepares the corpus first)
-    python scripts/study_small.py --only AdamW --budgets 120 --seeds 1 --max_step 0 --out /tmp/probe   # one run
-    python scripts/study_small.py --dry_run          # the train.py commands the study needs next
+    python -m scripts.study_small --only AdamW --budgets 120 --seeds 1 --max_step 0 --out /tmp/probe   # one run
+    python -m scripts.study_small --dry_run          # the train.py commands the study needs next
 
 The method, per optimizer and budget (a budget is a number of steps of the same batch):
 - Learning rates sit on a factor-of-2 ladder around the optimizer's recommended values: step k scales ALL
@@ -44,11 +44,11 @@ import subprocess
 import sys
 import time
 
+from marsgpt import plot
+from marsgpt.config import ConfigError, load_config
+from marsgpt.metrics import read_metrics
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import plot  # noqa: E402
-from configurator import ConfigError, load_config  # noqa: E402
-from metrics import read_metrics  # noqa: E402
 
 TRAIN_PY = os.path.join(REPO, "train.py")
 

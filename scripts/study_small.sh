@@ -5,5 +5,5 @@
 # (--out DIR, --only ..., --budgets ..., --seeds N, --jobs N, --dry_run, --key=value for train.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-[ -f data/stdlib_char/train.bin ] || python data/stdlib_char/prepare.py
-python scripts/study_small.py "$@"
+[ -f data/stdlib_char/train.bin ] || python -m data.stdlib_char.prepare
+python -m scripts.study_small "$@"

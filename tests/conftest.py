@@ -7,7 +7,7 @@ import pytest
 import torch
 from train_helpers import make_char_data
 
-from checkpoint import save_checkpoint
+from marsgpt.checkpoint import save_checkpoint
 from model import GPT, GPTConfig
 
 

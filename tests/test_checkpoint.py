@@ -1,4 +1,4 @@
-"""checkpoint.py: atomic and background saves, safe and memory-mapped loads, the RNG part."""
+"""marsgpt/checkpoint.py: atomic and background saves, safe and memory-mapped loads, the RNG part."""
 
 import dataclasses
 import os
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+from marsgpt import checkpoint
 
 
 def state(value, iter_num=0):
@@ -127,8 +127,8 @@ def test_a_checkpoint_with_two_copies_of_the_tied_matrix_still_loads_tied(tmp_pa
 @pytest.mark.parametrize("optimizer_name", ["mars", "adamw", "muon"])
 def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer_name):
     """The model's tie is kept; the optimizer's state (which never aliases a parameter) stays apart."""
-    from configurator import TrainConfig
-    from optim import build_optimizer
+    from marsgpt.config import TrainConfig
+    from marsgpt.optimizers import build_optimizer
 
     model = tied_gpt()
     cfg = dataclasses.replace(TrainConfig(), optimizer_name=optimizer_name, n_layer=1, n_head=2, n_embd=32)

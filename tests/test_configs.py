@@ -9,7 +9,7 @@ import sys
 import pytest
 from reference_runs import PAPER_RUNS, reference_run
 
-from configurator import config_to_dict, load_config
+from marsgpt.config import config_to_dict, load_config
 from model import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

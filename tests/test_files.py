@@ -1,4 +1,4 @@
-"""files.py: a file appears under its final name only when it is complete."""
+"""marsgpt/files.py: a file appears under its final name only when it is complete."""
 
 import os
 import subprocess
@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from files import atomic_write_bytes, atomic_writer, remove_stale_temporaries
+from marsgpt.files import atomic_write_bytes, atomic_writer, remove_stale_temporaries
 
 
 def test_stale_temporaries_are_files_of_dead_processes_only(tmp_path):
-    """kill -9 during a write leaves <name>.tmp.<pid>; a live process's, a folder (export_hf.py's temporary
+    """kill -9 during a write leaves <name>.tmp.<pid>; a live process's, a folder (marsgpt/export_hf.py's temporary
     export) and other names stay."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

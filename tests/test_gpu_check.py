@@ -14,9 +14,8 @@ import pytest
 import torch
 from train_helpers import subprocess_env
 
-import hellaswag
-import launch
-from configurator import load_config
+from marsgpt import hellaswag, launch
+from marsgpt.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
@@ -386,8 +385,10 @@ def test_memory_rows_compare_the_peak_with_the_plan_within_its_tolerance():
     assert close.status == PASS and close.result.endswith("plan 44.0 GiB, measured/plan 1.10 (tolerance 15%)")
     far = gpu_check.memory_row("w", "c", OK, 55, cuda_memory(plan_bytes=30 * 2**30, plan_note=""))
     assert far.status == FAIL and "measured/plan 1.61" in far.result
-    broken = gpu_check.memory_row("w", "c", OK, 55, cuda_memory(plan_note="memplan.plan failed: x", plan_error=True))
-    assert broken.status == FAIL and broken.result.endswith("plan: memplan.plan failed: x")
+    broken = gpu_check.memory_row(
+        "w", "c", OK, 55, cuda_memory(plan_note="memory_plan.plan failed: x", plan_error=True)
+    )
+    assert broken.status == FAIL and broken.result.endswith("plan: memory_plan.plan failed: x")
 
 
 def test_memory_rows_fail_on_out_of_memory_or_a_crash_and_report_host_memory_on_cpu():
@@ -416,18 +417,18 @@ def test_sample_and_hellaswag_rows_read_the_tools_output():
 
 
 def test_the_memory_plan_row_reads_memplan_and_reports_its_failure(monkeypatch):
-    import memplan
+    from marsgpt import memory_plan
 
     cfg = load_config(["config/train_gpt2_xl_mars.py"])
-    expected = memplan.plan(cfg, world_size=8).total_bytes
+    expected = memory_plan.plan(cfg, world_size=8).total_bytes
     assert worker.memory_plan(cfg, 8) == dict(plan_bytes=int(expected), plan_note="")
 
     def broken(cfg, world_size):
         raise ValueError("no plan")
 
-    monkeypatch.setattr(memplan, "plan", broken)
+    monkeypatch.setattr(memory_plan, "plan", broken)
     assert worker.memory_plan(cfg, 8) == dict(
-        plan_bytes=None, plan_note="memplan.plan failed: ValueError: no plan", plan_error=True
+        plan_bytes=None, plan_note="memory_plan.plan failed: ValueError: no plan", plan_error=True
     )
 
 

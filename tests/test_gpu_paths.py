@@ -16,13 +16,12 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 
-import metrics
 import model
-import runtime
 import train
-from configurator import TrainConfig
-from metrics import LogWindow
-from tokens import write_bin
+from marsgpt import metrics, runtime
+from marsgpt.config import TrainConfig
+from marsgpt.metrics import LogWindow
+from marsgpt.tokens import write_bin
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

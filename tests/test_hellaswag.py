@@ -9,8 +9,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-import hellaswag
-from tokens import get_gpt2_encoding
+from marsgpt import hellaswag
+from marsgpt.tokens import get_gpt2_encoding
 
 PADDED_VOCAB = 50304
 
@@ -144,7 +144,7 @@ class PrefixMeanModel(nn.Module):
 
 
 def direct_mean_losses(model, example, block_size):
-    """The 4 mean ending losses computed one sequence at a time, independently of hellaswag.py."""
+    """The 4 mean ending losses computed one sequence at a time, independently of marsgpt/hellaswag.py."""
     enc = get_gpt2_encoding()
     losses = []
     for ending in example["endings"]:

@@ -99,7 +99,7 @@ def reference_run(x0s, grads, lookaheads, *, is_approx, g0="zero", eps=HP["eps"]
 
 
 # ---------------------------------------------------------------------------------------------------
-# MARS-M here, built as optim.py builds it for the trainer.
+# MARS-M here, built as marsgpt/optimizers.py builds it for the trainer.
 
 
 def mars_m_run(x0s, grads, lookaheads, *, is_approx, eps_1d_uncorrected=True, eps=HP["eps"], **path):

@@ -151,7 +151,7 @@ def test_state_dict_uses_nanogpt_names():
 
 
 def test_loads_reference_checkpoints_with_causal_mask_buffer():
-    import checkpoint
+    from marsgpt import checkpoint
 
     gpt = tiny_gpt()
     state_dict = gpt.state_dict()

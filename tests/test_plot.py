@@ -3,8 +3,7 @@ import os
 
 import pytest
 
-import metrics
-import plot
+from marsgpt import metrics, plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

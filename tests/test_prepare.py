@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import tokens
 from data.prepare_common import write_char_corpus
-from tokens import EOT_TOKEN, DataError, TokenData
+from marsgpt import tokens
+from marsgpt.tokens import EOT_TOKEN, DataError, TokenData
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -305,9 +305,9 @@ def run_openwebtext(tmp_path, texts):
     """data/openwebtext/prepare.py on a local parquet file of texts, offline, in a subprocess."""
     pq.write_table(pa.table(dict(text=texts)), tmp_path / "owt.parquet")
     env = dict(os.environ, HF_DATASETS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    script = os.path.join(REPO, "data", "openwebtext", "prepare.py")
     args = ["--data_files", str(tmp_path / "owt.parquet"), "--output_dir", str(tmp_path / "out"), "--num_proc", "1"]
-    return subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True)
+    command = [sys.executable, "-m", "data.openwebtext.prepare", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
 
 
 @pytest.mark.slow
@@ -343,8 +343,8 @@ def test_openwebtext_corpus_too_small_to_split_is_one_error_line(tmp_path):
 def run_script(tmp_path, name, *args):
     """data/<name>/prepare.py in a subprocess, offline, with datasets' cache under tmp_path."""
     env = dict(os.environ, HF_DATASETS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    script = os.path.join(REPO, "data", name, "prepare.py")
-    return subprocess.run([sys.executable, script, *map(str, args)], env=env, capture_output=True, text=True)
+    command = [sys.executable, "-m", f"data.{name}.prepare", *map(str, args)]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
 
 
 def assert_error_line(result, *parts):

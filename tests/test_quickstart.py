@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from metrics import ITER, VAL_LOSS
+from marsgpt.metrics import ITER, VAL_LOSS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART_FILES = [
@@ -26,7 +26,8 @@ SHORT_RUN = ["--max_iters=2", "--eval_iters=1", "--log_interval=1", "--device=cp
 
 def copy_of_the_code(tree):
     """The top-level modules and the quickstart's own files under `tree`."""
-    paths = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "*.py"))] + QUICKSTART_FILES
+    top_level = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "marsgpt", "*.py"))
+    paths = [os.path.relpath(p, ROOT) for p in top_level] + QUICKSTART_FILES
     for path in paths:
         os.makedirs(os.path.join(tree, os.path.dirname(path)), exist_ok=True)
         shutil.copy(os.path.join(ROOT, path), os.path.join(tree, path))

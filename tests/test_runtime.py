@@ -1,4 +1,4 @@
-"""runtime.py: the device each launch path runs on, the process group's arguments, precision, determinism,
+"""marsgpt/runtime.py: the device each launch path runs on, the process group's arguments, precision, determinism,
 and setup decisions that every rank takes together. CUDA is simulated: the logic is what is tested."""
 
 import multiprocessing
@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 
-import runtime
 from bench.common import free_port
-from configurator import TrainConfig
+from marsgpt import runtime
+from marsgpt.config import TrainConfig
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import sample
-from checkpoint import save_checkpoint
-from tokens import get_gpt2_encoding, write_meta
+from marsgpt.checkpoint import save_checkpoint
+from marsgpt.tokens import get_gpt2_encoding, write_meta
 
 CHARS = sorted(set("def main():\n    return 42\n"))
 

@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 
-from configurator import config_to_dict, load_config
+from marsgpt.config import config_to_dict, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "scripts", "slurm_mars_small.sbatch")

@@ -13,9 +13,8 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import study_small as study  # noqa: E402
-from study_small import Bracket, Run, Score, bracket, order_changes, plan, ranks  # noqa: E402
+from scripts import study_small as study
+from scripts.study_small import Bracket, Run, Score, bracket, order_changes, plan, ranks
 
 
 def settle(optimizer, loss_of, budgets=(10, 40), seeds=(1, 2, 3), max_step=5):
@@ -214,10 +213,12 @@ def test_a_stopped_study_stops_its_runs_also_when_started_in_the_background(tmp_
     (nohup ... &) starts with SIGINT ignored; the rerun resumes them."""
     (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
     calls = tmp_path / "calls.jsonl"
-    env = dict(os.environ, FAKE_CALLS=str(calls), FAKE_HANG="1")
+    env = dict(
+        os.environ, FAKE_CALLS=str(calls), FAKE_HANG="1", PYTHONPATH=os.path.dirname(os.path.dirname(study.__file__))
+    )
     argv = [f"--out={tmp_path / 'out'}", "--only", "AdamW"]
     script = (
-        f"import sys; sys.path.insert(0, {os.path.dirname(study.__file__)!r}); import study_small; "
+        f"import sys; from scripts import study_small; "
         f"sys.exit(study_small.main({argv!r}, {str(tmp_path / 'fake_train.py')!r}))"
     )
     process = subprocess.Popen(

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import tokens
+from marsgpt import tokens
+from marsgpt.tokens import DataError, TokenData, shard_token_count, write_bin, write_meta, write_shard
 from model import GPT2_VOCAB_SIZE
-from tokens import DataError, TokenData, shard_token_count, write_bin, write_meta, write_shard
 
 
 def test_shard_round_trip_and_header(tmp_path):
@@ -121,7 +121,7 @@ def test_windows_stay_inside_one_shard_and_cover_all(tmp_path):
 _READ_UNDER_A_LOW_FILE_LIMIT = """
 import resource, sys
 import torch  # before the limit: importing opens files
-from tokens import TokenData
+from marsgpt.tokens import TokenData
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 data = TokenData(sys.argv[1], "train")

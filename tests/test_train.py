@@ -13,14 +13,12 @@ import pytest
 import torch
 from train_helpers import make_char_data, tiny_args
 
-import checkpoint
-import memplan
-import runtime
 import train
 from bench.common import free_port
+from marsgpt import checkpoint, memory_plan, runtime
+from marsgpt.optimizers import scheduled_lr
+from marsgpt.tokens import TokenData, write_shard
 from model import GPT, GPTConfig, model_args_from_config
-from optim import scheduled_lr
-from tokens import TokenData, write_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -272,7 +270,7 @@ def test_consecutive_non_finite_steps_stop_the_run_keeping_the_last_checkpoint(
 
 @pytest.mark.slow
 def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
-    from tokens import write_bin
+    from marsgpt.tokens import write_bin
 
     data_dir = tmp_path / "bpe"
     data_dir.mkdir()
@@ -308,8 +306,8 @@ def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
     )
     scores = [r for r in read_metrics(out) if "hellaswag/acc_norm" in r]
     assert [r["iter"] for r in scores] == [0, 2]
-    # the score at step 2 is the one hellaswag.py gives the model the step-2 checkpoint holds
-    import hellaswag
+    # the score at step 2 is the one marsgpt/hellaswag.py gives the model the step-2 checkpoint holds
+    from marsgpt import hellaswag
 
     model, _ = checkpoint.load_model(out)
     expected = hellaswag.evaluate(model, hellaswag.load_examples(str(examples)), "cpu")
@@ -338,7 +336,7 @@ def truncated_shard_data(tmp_path):
 
 def out_of_vocab_data(tmp_path):
     make_char_data(tmp_path, name="tiny")
-    from tokens import write_bin
+    from marsgpt.tokens import write_bin
 
     write_bin(tmp_path / "tiny" / "val.bin", [0, 1, 2, 200] * 50)
     return dict(data_path=str(tmp_path), dataset="tiny")
@@ -388,7 +386,7 @@ def corrupt_checkpoint(tmp_path):
         (lambda p: dict(batch_size="many"), "batch_size must be int"),
         (
             lambda p: dict(data_path=str(p), dataset="openwebtext"),
-            "openwebtext not found; run: python data/openwebtext/prepare.py",
+            "openwebtext not found; run: python -m data.openwebtext.prepare",
         ),
         (truncated_shard_data, "fineweb_train_000001.bin: header says 300 tokens"),
         (out_of_vocab_data, "token id 200 at position 3 is >= the model's vocabulary size"),
@@ -560,7 +558,7 @@ def test_init_from_auto_starts_fresh_then_continues_exactly(data_path, tmp_path)
 def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
     """init_from=gpt2 builds OpenAI's shape (biases, the unpadded 50257 tokens), not the configuration's: a
     resume rebuilds the checkpoint's model. A tiny stand-in for GPT-2 replaces the download."""
-    from tokens import write_bin
+    from marsgpt.tokens import write_bin
 
     def tiny_gpt2(name, override_args, offline):
         assert offline  # the hub is unreachable (below): the cache at once, no retries
@@ -689,7 +687,7 @@ def bucket_worker(rank, port, data_path, out, report_path):
     train.forward_backward = forward_backward
     for it in range(3):
         train.train_step(run, it)
-    plan = memplan.plan(cfg, 2, model_args=run.model_args)
+    plan = memory_plan.plan(cfg, 2, model_args=run.model_args)
     report = dict(storages=storages, n_params=len(params), plan_gradient_bytes=plan.gradient_bytes)
     torch.save(report, f"{report_path}.{rank}")
     torch.distributed.destroy_process_group()
@@ -714,7 +712,7 @@ def test_ddp_gradients_stay_in_the_buckets_through_accumulation(data_path, tmp_p
 
 def test_an_error_that_is_not_the_repositorys_keeps_its_traceback(data_path, tmp_path, monkeypatch):
     """A ValueError or OSError from a researcher's own change is a bug to see whole, not an `error:` line."""
-    import launch
+    from marsgpt import launch
 
     def broken_build_model(cfg, vocab_size, ckpt):
         raise ValueError("a bug in my model change")

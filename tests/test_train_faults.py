@@ -14,9 +14,9 @@ import pytest
 import torch
 from train_helpers import ROOT, launch, subprocess_env, tiny_args, wait_for_line
 
-import metrics
 import train
 from bench.common import free_port
+from marsgpt import metrics
 
 pytestmark = pytest.mark.slow
 
@@ -268,7 +268,7 @@ def test_a_hung_rank_times_out_instead_of_hanging(data_path, tmp_path):
 
 def gpt2_token_data(root):
     """A GPT-2-tokenized dataset 'bpe' (no meta.pkl) and a one-example HellaSwag file under root."""
-    from tokens import write_bin
+    from marsgpt.tokens import write_bin
 
     os.makedirs(os.path.join(root, "bpe"))
     ids = torch.randint(0, 50257, (4000,), generator=torch.Generator().manual_seed(0)).numpy()

@@ -24,8 +24,8 @@ import torch
 from PIL import Image
 from train_helpers import wait_for_line
 
-import checkpoint
-from configurator import load_config
+from marsgpt import checkpoint
+from marsgpt.config import load_config
 from vision import bench_loader, cifar, cpu_study, train_cifar
 from vision.bench_loader import PerImageCifar, pil_crop_and_flip, pil_to_normalized_tensor
 from vision.cifar import DATASETS, CifarData, crop_and_flip, read_cifar, write_binary_split
@@ -472,11 +472,11 @@ def test_bad_input_is_one_line_and_exit_2(cifar10_dir, tmp_path, capsys, break_d
     assert not os.path.exists(os.path.join(out, "ckpt.pt"))
 
 
-def test_the_script_runs_from_any_directory(tmp_path):
-    """python vision/train_cifar.py finds the repository's modules (its sys.path line) and reports errors."""
+def test_the_module_reports_a_bad_key_in_one_line():
+    """python -m vision.train_cifar from the repository root: a wrong value is one error line."""
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "vision", "train_cifar.py"), "--dataset=mnist"],
-        cwd=tmp_path,
+        [sys.executable, "-m", "vision.train_cifar", "--dataset=mnist"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -561,8 +561,8 @@ def test_run_cifar_sh_runs_the_paper_grid_with_valid_keys():
     )
     assert result.returncode == 0, result.stderr
     commands = [line.split() for line in result.stdout.splitlines()]
-    assert [c[:2] for c in commands] == [["python", "vision/train_cifar.py"]] * 5
-    configs = [load_config(c[2:], train_cifar.CifarConfig) for c in commands]
+    assert [c[:3] for c in commands] == [["python", "-m", "vision.train_cifar"]] * 5
+    configs = [load_config(c[3:], train_cifar.CifarConfig) for c in commands]
     assert [c.learning_rate for c in configs] == [1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
     assert {(c.dataset, c.optimizer_name, c.mars_routing, c.init_from, c.device, c.epochs) for c in configs} == {
         ("cifar100", "mars", "nd", "auto", "cuda:1", 200)
@@ -661,10 +661,11 @@ def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_to_the_same_parameters(
 
 
 def test_sigint_to_the_script_prints_no_traceback(cifar10_dir, tmp_path):
-    """A real Ctrl-C (SIGINT) to python vision/train_cifar.py, after its first epoch: one line, status 130."""
+    """A real Ctrl-C (SIGINT) to python -m vision.train_cifar, after its first epoch: one line, status 130."""
     out = str(tmp_path / "out")
     trainer = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "vision", "train_cifar.py"), *tiny_args(cifar10_dir, out, epochs=1000)],
+        [sys.executable, "-m", "vision.train_cifar", *tiny_args(cifar10_dir, out, epochs=1000)],
+        cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -760,7 +761,7 @@ def test_run_cifar_sh_help_and_a_wrong_dataset(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Runs and out_dir: launch.py's policy, as train.py applies it
+# Runs and out_dir: marsgpt/launch.py's policy, as train.py applies it
 
 
 @pytest.fixture

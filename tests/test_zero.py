@@ -1,4 +1,4 @@
-"""ZeRO-1 (optim.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
+"""ZeRO-1 (optimizers.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
 process for every optimizer, about half the state on each rank (exactly what memplan plans), and a
 checkpoint format that moves between sharded and unsharded optimizers.
 
@@ -16,12 +16,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import memplan
 from bench.common import free_port
-from checkpoint import cpu_copy
-from configurator import TrainConfig
+from marsgpt import memory_plan
+from marsgpt.checkpoint import cpu_copy
+from marsgpt.config import TrainConfig
+from marsgpt.optimizers import ChainedOptimizer, build_optimizer
 from model import GPT, GPTConfig
-from optim import ChainedOptimizer, build_optimizer
 
 pytestmark = pytest.mark.slow
 
@@ -184,7 +184,7 @@ def worker(rank, port, report_path):
                 (p.detach().clone(), q.detach().clone())
                 for p, q in zip(model.parameters(), models[original].parameters())
             ]
-        planned = memplan.plan(cfg, WORLD_SIZE, model_args=MODEL)
+        planned = memory_plan.plan(cfg, WORLD_SIZE, model_args=MODEL)
         report[name] = dict(
             initial=initial,
             params=params,

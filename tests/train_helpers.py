@@ -3,7 +3,7 @@
     python tests/train_helpers.py [train.py arguments]
 
 runs train.main with the faults the environment asks for -- test-only hooks patched in from outside,
-so train.py and checkpoint.py carry no test code:
+so train.py and marsgpt/checkpoint.py carry no test code:
 
     TEST_SLOW_SAVE=N       the N-th rename of a finished ckpt.pt prints 'renaming <path>' and sleeps
                            60 s first (the test kills the process in that window)
@@ -52,7 +52,7 @@ WORDS = (
 
 def make_char_data(root, name="tiny", train_chars=40_000, val_chars=6_000, seed=0):
     """A word-salad character corpus in nanoGPT's layout (train.bin, val.bin, meta.pkl) under root/name."""
-    from tokens import write_bin, write_meta  # the repository root is on sys.path: pyproject, or PYTHONPATH
+    from marsgpt.tokens import write_bin, write_meta  # the repository root is on sys.path: pyproject, or PYTHONPATH
 
     rng = np.random.default_rng(seed)
     text = " ".join(rng.choice(WORDS, size=(train_chars + val_chars) // 3))
@@ -128,8 +128,8 @@ def wait_for_line(proc, prefix, timeout=120):
 
 
 def _install_hooks():
-    import checkpoint
     import train
+    from marsgpt import checkpoint
 
     slow_save = int(os.environ.get("TEST_SLOW_SAVE", "0"))
     if slow_save:

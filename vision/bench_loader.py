@@ -1,6 +1,6 @@
 """Images per second: the trainer's on-device augmentation vs a torchvision-style DataLoader pipeline.
 
-    python vision/bench_loader.py [--device=cpu|cuda] [--images=10000] [--rounds=5] [--workers=N] [--threads=N]
+    python -m vision.bench_loader [--device=cpu|cuda] [--images=10000] [--rounds=5] [--workers=N] [--threads=N]
 
 Both produce the same training batches (normalised float [128, 3, 32, 32] with labels, on --device):
 
@@ -23,16 +23,14 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
+from PIL import Image, ImageOps
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image, ImageOps  # noqa: E402
-
-from configurator import device_check  # noqa: E402
-from runtime import resolve_device  # noqa: E402
-from vision.cifar import CROP_PADDING, DATASETS, CifarData  # noqa: E402
-from vision.cli import ArgumentParser, UsageError  # noqa: E402
+from marsgpt.config import device_check
+from marsgpt.runtime import resolve_device
+from vision.cifar import CROP_PADDING, DATASETS, CifarData
+from vision.cli import ArgumentParser, UsageError
 
 
 def pil_crop_and_flip(image, top, left, flip):

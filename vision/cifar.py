@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from files import atomic_writer
-from runtime import network_reachable
-from tokens import DataError
+from marsgpt.files import atomic_writer
+from marsgpt.runtime import network_reachable
+from marsgpt.tokens import DataError
 
 IMAGE_SHAPE = (3, 32, 32)
 IMAGE_BYTES = 3 * 32 * 32

@@ -1,6 +1,6 @@
 """A CPU-sized look at the paper's open question: MARS on the convolutions vs MARS as the paper routes it.
 
-    python vision/cpu_study.py [--out=out-cifar-study] [--epochs=15] [--plot=PNG] [--fashion_mnist_dir=DIR]
+    python -m vision.cpu_study [--out=out-cifar-study] [--epochs=15] [--plot=PNG] [--fashion_mnist_dir=DIR]
 
 CIFAR-10 cannot be downloaded on the machine this was written on, and no Python package ships it, so
 the images are Fashion-MNIST's (Debian's dataset-fashion-mnist package puts its IDX files in
@@ -29,14 +29,12 @@ import gzip
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from metrics import read_records  # noqa: E402
-from vision import train_cifar  # noqa: E402
-from vision.cifar import write_binary_split  # noqa: E402
-from vision.cli import ArgumentParser, UsageError  # noqa: E402
+from marsgpt.metrics import read_records
+from vision import train_cifar
+from vision.cifar import write_binary_split
+from vision.cli import ArgumentParser, UsageError
 
 RUNS = {
     "adamw": ["--optimizer_name=adamw"],
@@ -114,7 +112,7 @@ def run(name, args, data_dir, out):
         if done:
             return 0
         argv.append("--init_from=resume")
-    print(f"== {name}: python vision/train_cifar.py {' '.join(argv)}", flush=True)
+    print(f"== {name}: python -m vision.train_cifar {' '.join(argv)}", flush=True)
     return train_cifar.main(argv)  # it printed its one line when it failed
 
 

@@ -1,6 +1,6 @@
 """Train a CIFAR ResNet with MARS, AdamW or Muon: the paper's vision experiments (arXiv:2411.10438, §4.3).
 
-    python vision/train_cifar.py --dataset=cifar10 --data_dir=data/cifar --optimizer_name=mars \
+    python -m vision.train_cifar --dataset=cifar10 --data_dir=data/cifar --optimizer_name=mars \
         --learning_rate=1e-3 --epochs=200 --device=cuda --out_dir=out-cifar/mars
 
 Defaults are the reference trainer's (AGI-Arena/MARS, MARS/train_CV.py with utils/cv_utils.py):
@@ -38,19 +38,14 @@ import sys
 import time
 from typing import Literal
 
-# `python vision/train_cifar.py` puts vision/ first on sys.path; the trainer imports mars, optim,
-# checkpoint and tokens from the repository root, and its own modules as vision.*.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import checkpoint  # noqa: E402
-import launch  # noqa: E402
-import optim  # noqa: E402
-from checkpoint import CheckpointError, RNGState  # noqa: E402
-from configurator import (  # noqa: E402
+from mars import MARS
+from marsgpt import checkpoint, launch, optimizers
+from marsgpt.checkpoint import CheckpointError, RNGState
+from marsgpt.config import (
     ConfigError,
     betas,
     config_to_dict,
@@ -63,15 +58,14 @@ from configurator import (  # noqa: E402
     print_help,
     wants_help,
 )
-from files import atomic_writer  # noqa: E402
-from mars import MARS  # noqa: E402
-from metrics import MetricsLog  # noqa: E402
-from optim import ChainedOptimizer, with_settings  # noqa: E402
-from runtime import resolve_device  # noqa: E402
-from tokens import DataError  # noqa: E402
-from vision.cifar import CifarData  # noqa: E402
-from vision.muon import Muon  # noqa: E402
-from vision.resnet import ResNet  # noqa: E402
+from marsgpt.files import atomic_writer
+from marsgpt.metrics import MetricsLog
+from marsgpt.optimizers import ChainedOptimizer, with_settings
+from marsgpt.runtime import resolve_device
+from marsgpt.tokens import DataError
+from vision.cifar import CifarData
+from vision.muon import Muon
+from vision.resnet import ResNet
 
 # The reference's ResNets of BasicBlocks (model_CNN.py), by depth.
 NETS = {"resnet10": (1, 1, 1, 1), "resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}
@@ -155,7 +149,7 @@ def model_args(cfg, num_classes):
 
 def group_settings(cfg):
     """The hyperparameters cfg sets in each parameter group, by the group's name: build_optimizer makes the
-    groups with them, and a resume writes them over the checkpoint's (optim.load_state)."""
+    groups with them, and a resume writes them over the checkpoint's (optimizers.load_state)."""
     adamw = dict(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     if cfg.optimizer_name == "mars":
         mars = dict(lr=cfg.learning_rate, betas=tuple(cfg.mars_betas), weight_decay=cfg.weight_decay, gamma=cfg.gamma)
@@ -272,7 +266,7 @@ def setup(cfg):
     progress = Progress()
     if ckpt is not None:
         # the moments and step counts are the checkpoint's, the hyperparameters this configuration's
-        optim.load_state(run.optimizer, ckpt["optimizer"], cfg, group_settings(cfg))
+        optimizers.load_state(run.optimizer, ckpt["optimizer"], cfg, group_settings(cfg))
         run.rng.load_state_dict(ckpt["rng"])
         progress.load_state_dict(ckpt["progress"])
         run.saved_epoch = progress.epoch
@@ -421,7 +415,7 @@ def interrupted(run):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
-        print_help(CifarConfig, usage="python vision/train_cifar.py [config/file.py ...] [--key=value ...]")
+        print_help(CifarConfig, usage="python -m vision.train_cifar [config/file.py ...] [--key=value ...]")
         return 0
     try:
         cfg = load_config(argv, CifarConfig)

@@ -1,8 +1,8 @@
 """FineWeb-Edu -> GPT-2 token shards in llm.c's format, streamed, parallel and resumable.
 
-    python data/fineweb_edu/prepare.py                          # sample-10BT from the Hub, streamed
-    python data/fineweb_edu/prepare.py --subset sample-100BT    # what the paper trained on
-    python data/fineweb_edu/prepare.py --data_files shards/*.parquet   # local files, no network
+    python -m data.fineweb_edu.prepare                          # sample-10BT from the Hub, streamed
+    python -m data.fineweb_edu.prepare --subset sample-100BT    # what the paper trained on
+    python -m data.fineweb_edu.prepare --data_files shards/*.parquet   # local files, no network
 
 Every document is preceded by <|endoftext|> and documents keep their order; a document may continue
 into the next shard. The first shard is fineweb_val_000000.bin, then fineweb_train_000001.bin, ...
@@ -20,13 +20,11 @@ import collections
 import json
 import multiprocessing
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+from tqdm import tqdm
 
-from data.prepare_common import (  # noqa: E402
+from data.prepare_common import (
     add_data_files,
     add_output_dir,
     check_data_files,
@@ -37,9 +35,9 @@ from data.prepare_common import (  # noqa: E402
     read_error,
     run_prepare,
 )
-from files import atomic_write_bytes, remove_stale_temporaries  # noqa: E402
-from runtime import network_reachable  # noqa: E402
-from tokens import (  # noqa: E402
+from marsgpt.files import atomic_write_bytes, remove_stale_temporaries
+from marsgpt.runtime import network_reachable
+from marsgpt.tokens import (
     EOT_TOKEN,
     HEADER_BYTES,
     DataError,

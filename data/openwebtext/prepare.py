@@ -1,7 +1,7 @@
 """OpenWebText -> train.bin / val.bin: headerless uint16 GPT-2 tokens, nanoGPT's layout and split.
 
-    python data/openwebtext/prepare.py                               # Skylion007/openwebtext from the Hub
-    python data/openwebtext/prepare.py --data_files owt/*.parquet    # local parquet/jsonl, no network
+    python -m data.openwebtext.prepare                               # Skylion007/openwebtext from the Hub
+    python -m data.openwebtext.prepare --data_files owt/*.parquet    # local parquet/jsonl, no network
 
 The split is nanoGPT's (train_test_split(test_size=0.0005, seed=2357), 'test' renamed 'val') and
 <|endoftext|> follows every document, so the bins match nanoGPT's and the MARS reference code's
@@ -11,15 +11,13 @@ when complete.
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.compute as pc  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from tqdm import tqdm
 
-from data.prepare_common import (  # noqa: E402
+from data.prepare_common import (
     add_data_files,
     add_output_dir,
     check_data_files,
@@ -28,9 +26,9 @@ from data.prepare_common import (  # noqa: E402
     read_error,
     run_prepare,
 )
-from files import atomic_writer  # noqa: E402
-from runtime import network_reachable  # noqa: E402
-from tokens import EOT_TOKEN, DataError, get_gpt2_encoding  # noqa: E402
+from marsgpt.files import atomic_writer
+from marsgpt.runtime import network_reachable
+from marsgpt.tokens import EOT_TOKEN, DataError, get_gpt2_encoding
 
 HUB_DATASET = "Skylion007/openwebtext"
 WRITE_BATCH = 1 << 16  # documents per write

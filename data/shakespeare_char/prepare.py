@@ -1,20 +1,18 @@
 """Tiny Shakespeare, character-level: train.bin / val.bin (uint16) and meta.pkl, as nanoGPT's.
 
-python data/shakespeare_char/prepare.py                   # downloads input.txt (1.1 MB) when online
-python data/shakespeare_char/prepare.py --input PATH      # a local copy, no network
+python -m data.shakespeare_char.prepare                   # downloads input.txt (1.1 MB) when online
+python -m data.shakespeare_char.prepare --input PATH      # a local copy, no network
 """
 
 import argparse
 import http.client
 import os
-import sys
 import urllib.request
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from data.prepare_common import add_output_dir, run_prepare, write_char_corpus  # noqa: E402
-from files import atomic_write_bytes  # noqa: E402
-from runtime import network_reachable  # noqa: E402
-from tokens import DataError  # noqa: E402
+from data.prepare_common import add_output_dir, run_prepare, write_char_corpus
+from marsgpt.files import atomic_write_bytes
+from marsgpt.runtime import network_reachable
+from marsgpt.tokens import DataError
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -24,7 +22,7 @@ def download(path):
         raise DataError(
             f"cannot reach raw.githubusercontent.com to download tiny Shakespeare; fetch {URL} "
             f"elsewhere and pass --input PATH (or use the offline quickstart: "
-            f"python data/stdlib_char/prepare.py)"
+            f"python -m data.stdlib_char.prepare)"
         )
     try:
         with urllib.request.urlopen(URL, timeout=30) as response:

@@ -5,17 +5,15 @@ left out) in sorted path order until --chars characters, then splits 90/10 by po
 shakespeare_char. Writes train.bin and val.bin (headerless uint16) and meta.pkl (the ~100-character
 vocabulary) beside this file, or in --output_dir.
 
-    python data/stdlib_char/prepare.py
+    python -m data.stdlib_char.prepare
 """
 
 import argparse
 import os
-import sys
 import sysconfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from data.prepare_common import add_output_dir, run_prepare, write_char_corpus  # noqa: E402
-from tokens import DataError  # noqa: E402
+from data.prepare_common import add_output_dir, run_prepare, write_char_corpus
+from marsgpt.tokens import DataError
 
 SKIPPED_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 

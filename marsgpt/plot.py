@@ -1,7 +1,7 @@
 """Loss curves of one or more runs from their metrics.jsonl: training and validation loss against
 tokens and against wall-clock time, one line per run -- the figures the MARS paper compares optimizers by.
 
-    python plot.py out_mars out_adamw --out curves.png [--labels MARS AdamW] [--ylim 1.0 2.5]
+    python -m marsgpt.plot out_mars out_adamw --out curves.png [--labels MARS AdamW] [--ylim 1.0 2.5]
 """
 
 import argparse
@@ -13,8 +13,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed on a cluster node
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from metrics import LOSS_SERIES as SERIES  # noqa: E402
-from metrics import read_metrics  # noqa: E402
+from marsgpt.metrics import LOSS_SERIES as SERIES  # noqa: E402
+from marsgpt.metrics import read_metrics  # noqa: E402
 
 
 def default_labels(run_dirs):

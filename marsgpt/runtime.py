@@ -1,7 +1,7 @@
 """Where a run executes: the device, the process group, the autocast precision, determinism, how ranks
 take setup decisions together, and whether the network can be reached.
 
-train.py, sample.py and hellaswag.py share these, so "auto" means the same device and dtype everywhere.
+train.py, sample.py and marsgpt/hellaswag.py share these, so "auto" means the same device and dtype everywhere.
 """
 
 import contextlib
@@ -165,7 +165,7 @@ def network_reachable(host, port=443, timeout=3.0):
 
 
 def add_device_arguments(parser):
-    """--device and --dtype for the tools after training (sample.py, hellaswag.py), meaning what they mean
+    """--device and --dtype for the tools after training (sample.py, marsgpt/hellaswag.py), meaning what they mean
     to train.py."""
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N or mps")
     parser.add_argument(

@@ -29,9 +29,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import metrics
 from mars import MARS, lr_1d_factor
+from marsgpt import checkpoint, metrics
 from model import hidden_matrix_params, matrix_params, param_groups
 
 

@@ -12,7 +12,7 @@ quoted literal). Key names and defaults are those of the paper's reference train
 
 Any mistake -- an unknown key, a wrong type, a missing file, a value outside its allowed set -- raises
 ConfigError with a one-line message; entry points print it as `error: ...` and exit 2.
-`python configurator.py [args]` prints the effective configuration (itself a valid config file).
+`python -m marsgpt.config [args]` prints the effective configuration (itself a valid config file).
 
 The machinery (load_config, print_help) works on any dataclass whose fields are declared with key():
 vision/train_cifar.py uses it for its own configuration.
@@ -129,7 +129,9 @@ class TrainConfig:
     )
     # --- optimizer
     optimizer_name: Literal["mars", "adamw", "muon", "moonlight"] = key(
-        "mars", "the optimizer (optim.py); moonlight: MARS-M's baseline, Muon scaled to AdamW's update RMS", fixed=True
+        "mars",
+        "the optimizer (marsgpt/optimizers.py); moonlight: MARS-M's baseline, Muon scaled to AdamW's update RMS",
+        fixed=True,
     )
     learning_rate: float = key(
         6e-4,
@@ -185,7 +187,7 @@ class TrainConfig:
         "hidden = the blocks' matrices only, AdamW takes embeddings and head at weight_decay",
         fixed=True,
     )
-    # --- learning-rate schedule (optim.scheduled_lr)
+    # --- learning-rate schedule (optimizers.scheduled_lr)
     decay_lr: bool = key(True, "False: constant learning_rate from step 0, no warmup")
     warmup_iters: int = key(2000, "linear warmup steps", non_negative)
     lr_decay_iters: int = key(600000, "cosine reaches min_lr at this step (~= max_iters)", non_negative)
@@ -213,7 +215,7 @@ class TrainConfig:
         "slower. CPU runs are deterministic anyway",
     )
     ddp_timeout_s: int = key(600, "collective timeout: a dead rank ends the job instead of hanging it", positive)
-    # --- memory (memplan.py, docs/memory.md). None of these changes the training math: a resume may change them.
+    # --- memory (memory_plan.py, docs/memory.md). None of these changes the training math: a resume may change them.
     zero_stage: int = key(
         0,
         "1 = ZeRO-1: each DDP rank keeps the optimizer state of ~1/world_size of the parameters (the checkpoint "
@@ -430,7 +432,7 @@ def print_lines(lines, out):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
-        print_help(usage="python configurator.py [config/file.py ...] [--key=value ...]")
+        print_help(usage="python -m marsgpt.config [config/file.py ...] [--key=value ...]")
         return 0
     try:
         cfg = load_config(argv)

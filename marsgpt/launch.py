@@ -22,17 +22,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import memplan
-import metrics
-import optim
-from checkpoint import CheckpointError
-from configurator import ConfigError, TrainConfig, config_to_dict, fixed_keys, unused_keys
-from files import atomic_writer, remove_stale_temporaries
-from metrics import MetricsLog
+from marsgpt import checkpoint, memory_plan, metrics, optimizers
+from marsgpt.checkpoint import CheckpointError
+from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys, unused_keys
+from marsgpt.files import atomic_writer, remove_stale_temporaries
+from marsgpt.metrics import MetricsLog
+from marsgpt.runtime import SetupError, agree, decide_on_master
+from marsgpt.tokens import DataError, TokenData
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
-from runtime import SetupError, agree, decide_on_master
-from tokens import DataError, TokenData
 
 # The errors a user's input or a missing file can cause: each is one `error:` line and exit status 2.
 USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError)
@@ -225,8 +222,8 @@ def build_model(cfg, vocab_size, ckpt):
 
 def restore(ckpt, cfg, dist_info, optimizer, scaler, rng, progress):
     """Load a resumed run's parts from its checkpoint: the optimizer under this run's hyperparameters
-    (optim.load_state), the loss scale where float16 uses one, every rank's RNG state, the progress."""
-    optim.load_state(optimizer, ckpt["optimizer"], cfg)
+    (optimizers.load_state), the loss scale where float16 uses one, every rank's RNG state, the progress."""
+    optimizers.load_state(optimizer, ckpt["optimizer"], cfg)
     if scaler.is_enabled() and ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     rng.load_state_dict(ckpt["rng"], dist_info.world_size)
@@ -266,7 +263,7 @@ def setup_hellaswag(cfg, train_data, dist_info):
     """
     if cfg.hellaswag_interval == 0:
         return None
-    import hellaswag
+    from marsgpt import hellaswag
 
     reason = None
     if train_data.meta is not None:
@@ -326,12 +323,12 @@ def describe(run, progress):
     if note:
         print(note)
     plan = run.memory_plan
-    print("\n".join(memplan.format_plan(plan)))
+    print("\n".join(memory_plan.format_plan(plan)))
     if plan.fits is False:
         print(
-            f"warning: the memory plan ({plan.total_bytes / memplan.GIB:.1f} GiB per GPU) exceeds the "
-            f"{plan.usable_bytes / memplan.GIB:.1f} GiB usable on this GPU: the run may stop with CUDA out of "
-            f"memory; try {memplan.advice(plan)}",
+            f"warning: the memory plan ({plan.total_bytes / memory_plan.GIB:.1f} GiB per GPU) exceeds the "
+            f"{plan.usable_bytes / memory_plan.GIB:.1f} GiB usable on this GPU: the run may stop with CUDA out of "
+            f"memory; try {memory_plan.advice(plan)}",
             file=sys.stderr,
         )
     if run.dist.device_type == "cuda" and peak_flops(run.dist.device) is None:

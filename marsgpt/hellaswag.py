@@ -6,7 +6,7 @@ acc_norm picks the ending with the lowest MEAN loss per token, acc the lowest SU
 numbers the GPT-2 / llm.c evaluations report (GPT-2 124M: acc_norm 0.2955 on the 10,042 validation
 examples). Used standalone on a checkpoint and by train.py every `hellaswag_interval` steps.
 
-    python hellaswag.py --ckpt out [--data hellaswag_val.jsonl] [--device cpu] [--limit 500]
+    python -m marsgpt.hellaswag --ckpt out [--data hellaswag_val.jsonl] [--device cpu] [--limit 500]
 """
 
 import argparse
@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, load_model, load_pretrained
-from files import JSONLineError, atomic_writer, json_lines
-from runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
-from tokens import DataError, get_gpt2_encoding
+from marsgpt.checkpoint import CheckpointError, load_model, load_pretrained
+from marsgpt.files import JSONLineError, atomic_writer, json_lines
+from marsgpt.runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
+from marsgpt.tokens import DataError, get_gpt2_encoding
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
-CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
+CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "hellaswag")
 NUM_ENDINGS = 4
 MISSING_ADVICE = (
     "train a model first (python train.py ...), or pass --ckpt the out_dir or checkpoint file of a trained run"

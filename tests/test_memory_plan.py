@@ -1,4 +1,4 @@
-"""memplan.py: exact parameter, gradient and optimizer-state bytes; the activation formula against the bytes a
+"""memory_plan.py: exact parameter, gradient and optimizer-state bytes; the activation formula against the bytes a
 forward and backward pass allocates on the CPU; the largest micro-batch; --dry_run and the plan of a real run.
 (Each rank's share under ZeRO-1 is checked against real sharded optimizers in test_zero.py.)"""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from train_helpers import ROOT, tiny_args
 
-import memplan
 import train
-from configurator import TrainConfig
+from marsgpt import memory_plan
+from marsgpt.config import TrainConfig
+from marsgpt.optimizers import build_optimizer
 from model import GPT, GPTConfig, model_args_from_config
-from optim import build_optimizer
 
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 OPTIMIZERS = [
@@ -63,7 +63,7 @@ def test_parameter_gradient_and_state_bytes_are_those_allocated(optimizer, bias)
         opt.update_last_grad()
     states = opt.optimizers if hasattr(opt, "optimizers") else [opt]
     state = [t for o in states for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
-    plan = memplan.plan(cfg, model_args=dict(MODEL, bias=bias))
+    plan = memory_plan.plan(cfg, model_args=dict(MODEL, bias=bias))
     assert plan.parameter_bytes == tensor_bytes(model.parameters())
     assert plan.gradient_bytes == tensor_bytes(p.grad for p in model.parameters())
     assert plan.state_bytes == tensor_bytes(state) > 0
@@ -127,7 +127,7 @@ def test_activation_formula_is_the_cpu_allocators_peak(shape, dtype, checkpointi
     model.activation_checkpointing = checkpointing
     x = torch.randint(0, shape["vocab_size"], (batch_size, shape["block_size"]))
     peak = measured_peak(model, x, dtype)
-    _, parts = memplan.activations_for(shape, dtype).peak(batch_size * shape["block_size"], checkpointing)
+    _, parts = memory_plan.activations_for(shape, dtype).peak(batch_size * shape["block_size"], checkpointing)
     # within 0.5%: what the formula leaves out is the loss's scalars and, with checkpointing, the CPU RNG
     # state each block keeps for its recomputation (5 KB; host memory on a GPU)
     assert sum(parts.values()) == pytest.approx(peak, rel=5e-3)
@@ -140,35 +140,35 @@ def test_calibration_gpt2_xl_on_an_h200():
     cfg = dataclasses.replace(
         TrainConfig(), n_layer=48, n_head=25, n_embd=1600, bias=False, batch_size=5, optimizer_name="mars"
     )
-    plan = memplan.plan(cfg, dtype="bfloat16")
+    plan = memory_plan.plan(cfg, dtype="bfloat16")
     held_logits = 2 * 50304 * 5 * 1024
-    assert (plan.total_bytes + held_logits) / memplan.GIB == pytest.approx(48.4, rel=0.01)
+    assert (plan.total_bytes + held_logits) / memory_plan.GIB == pytest.approx(48.4, rel=0.01)
 
 
 def test_the_largest_micro_batch_that_fits_is_the_boundary():
     cfg = config(optimizer_name="mars", dtype="bfloat16")
-    plan = memplan.plan(cfg, gpu_memory_gb=0.01, model_args=MODEL)
+    plan = memory_plan.plan(cfg, gpu_memory_gb=0.01, model_args=MODEL)
     b = plan.max_micro_batch
     assert b > 1
     fits = [
-        memplan.plan(dataclasses.replace(cfg, batch_size=n), gpu_memory_gb=0.01, model_args=MODEL).fits
+        memory_plan.plan(dataclasses.replace(cfg, batch_size=n), gpu_memory_gb=0.01, model_args=MODEL).fits
         for n in (b, b + 1)
     ]
     assert fits == [True, False]
-    assert memplan.plan(cfg, gpu_memory_gb=1e-6, model_args=MODEL).max_micro_batch == 0
+    assert memory_plan.plan(cfg, gpu_memory_gb=1e-6, model_args=MODEL).max_micro_batch == 0
 
 
 def test_sharding_and_checkpointing_lower_the_plan():
     cfg = dataclasses.replace(TrainConfig(), n_layer=24, n_head=16, n_embd=1024, batch_size=15)
-    layout = memplan.optimizer_layout(cfg, model_args_from_config(cfg))
-    plain = memplan.plan(cfg, 8, layout=layout)
-    sharded = memplan.plan(dataclasses.replace(cfg, zero_stage=1), 8, layout=layout)
-    recomputing = memplan.plan(dataclasses.replace(cfg, activation_checkpointing=True), 8, layout=layout)
+    layout = memory_plan.optimizer_layout(cfg, model_args_from_config(cfg))
+    plain = memory_plan.plan(cfg, 8, layout=layout)
+    sharded = memory_plan.plan(dataclasses.replace(cfg, zero_stage=1), 8, layout=layout)
+    recomputing = memory_plan.plan(dataclasses.replace(cfg, activation_checkpointing=True), 8, layout=layout)
     assert sharded.total_state_bytes == plain.state_bytes
     # the fullest rank holds the token embedding (50304 x 1024, 15% of the parameters) on top of its share
     assert plain.state_bytes / 8 <= sharded.state_bytes < plain.state_bytes / 3
     assert sum(recomputing.peak_parts.values()) < sum(plain.peak_parts.values()) / 2
-    assert memplan.plan(dataclasses.replace(cfg, zero_stage=1), 1, layout=layout).state_bytes == plain.state_bytes
+    assert memory_plan.plan(dataclasses.replace(cfg, zero_stage=1), 1, layout=layout).state_bytes == plain.state_bytes
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS[:4] + OPTIMIZERS[5:7], ids=lambda o: "-".join(map(str, o.values())))
@@ -188,19 +188,21 @@ def test_a_sharded_save_adds_the_largest_state_tensor_rank_0_receives_through_it
     others = [  # the parameters ZeRO gives ranks 1..7, in each torch optimizer of the run
         p
         for o in inner
-        for share in memplan.zero_partition([[(p.numel(), p) for p in g["params"]] for g in o.param_groups], 8)[1:]
+        for share in memory_plan.zero_partition([[(p.numel(), p) for p in g["params"]] for g in o.param_groups], 8)[1:]
         for _, p in share
     ]
     largest = max(t.numel() * t.element_size() for o in inner for p in others for t in o.state[p].values())
-    plan = memplan.plan(cfg, 8, model_args=MODEL)
+    plan = memory_plan.plan(cfg, 8, model_args=MODEL)
     assert plan.save_bytes == largest
-    assert f"  checkpoint save  {memplan.gib(largest):>11}  (on rank 0 between steps" in "\n".join(
-        memplan.format_plan(plan)
+    assert f"  checkpoint save  {memory_plan.gib(largest):>11}  (on rank 0 between steps" in "\n".join(
+        memory_plan.format_plan(plan)
     )
-    over_gloo = memplan.plan(dataclasses.replace(cfg, backend="gloo"), 8, model_args=MODEL)
+    over_gloo = memory_plan.plan(dataclasses.replace(cfg, backend="gloo"), 8, model_args=MODEL)
     assert over_gloo.save_bytes == 0  # host buffers only
-    unsharded = memplan.plan(dataclasses.replace(cfg, zero_stage=0), 8, model_args=MODEL)
-    assert unsharded.save_bytes == 0 and not any("checkpoint save" in line for line in memplan.format_plan(unsharded))
+    unsharded = memory_plan.plan(dataclasses.replace(cfg, zero_stage=0), 8, model_args=MODEL)
+    assert unsharded.save_bytes == 0 and not any(
+        "checkpoint save" in line for line in memory_plan.format_plan(unsharded)
+    )
 
 
 def test_a_sharded_save_is_not_the_peak_of_gpt2_xl_on_two_gpus():
@@ -209,7 +211,7 @@ def test_a_sharded_save_is_not_the_peak_of_gpt2_xl_on_two_gpus():
     cfg = dataclasses.replace(
         TrainConfig(), n_layer=48, n_head=25, n_embd=1600, batch_size=5, zero_stage=1, activation_checkpointing=True
     )
-    plan = memplan.plan(cfg, 2)
+    plan = memory_plan.plan(cfg, 2)
     assert plan.peak_moment != "checkpoint save" and "state_transfer" not in plan.peak_parts
     assert plan.save_bytes == 1600 * 6400 * 4
 

@@ -1,4 +1,4 @@
-"""configurator.py: config files, overrides and their order, every error, --help."""
+"""marsgpt/config.py: config files, overrides and their order, every error, --help."""
 
 import dataclasses
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from configurator import ConfigError, TrainConfig, config_to_dict, load_config, main, unused_keys
+from marsgpt.config import ConfigError, TrainConfig, config_to_dict, load_config, main, unused_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +46,7 @@ def test_files_apply_in_order_then_overrides(tmp_path):
 def test_config_files_run_in_their_own_namespace(tmp_path):
     a = write(tmp_path, "a.py", "batch_size = 3\n")
     load_config([a])
-    assert "batch_size" not in vars(sys.modules["configurator"])
+    assert "batch_size" not in vars(sys.modules["marsgpt.config"])
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_file_errors_name_the_file(tmp_path, text, message):
     ],
 )
 def test_command_line_error_is_one_line_and_exit_2(argv, message):
-    run = subprocess.run([sys.executable, "configurator.py", *argv], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "marsgpt.config", *argv], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 2
     assert run.stdout == ""
     assert run.stderr.startswith(message) and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
@@ -160,7 +160,8 @@ def test_help_lists_every_key_with_type_default_and_meaning():
 
 
 @pytest.mark.parametrize(
-    "argv", [["train.py", "--help"], ["configurator.py", "--help"], ["configurator.py", "config/quickstart.py"]]
+    "argv",
+    [["train.py", "--help"], ["-m", "marsgpt.config", "--help"], ["-m", "marsgpt.config", "config/quickstart.py"]],
 )
 def test_output_into_a_closed_pipe_ends_quietly(argv):
     """`python train.py --help | head`: a reader gone before the output is written is no traceback."""
@@ -175,7 +176,7 @@ def test_output_into_a_closed_pipe_ends_quietly(argv):
 def test_any_dataclass_declared_with_key_parses_and_checks(tmp_path):
     from typing import Literal
 
-    from configurator import key, positive
+    from marsgpt.config import key, positive
 
     @dataclasses.dataclass
     class Small:

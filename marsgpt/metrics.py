@@ -1,6 +1,6 @@
 """The run's metrics: the record names (defined here once), out_dir/metrics.jsonl, wandb, and its readers.
 
-train.py writes the records; plot.py and scripts/study_small.py read them back with read_metrics,
+train.py writes the records; marsgpt/plot.py and scripts/study_small.py read them back with read_metrics,
 scripts/gpu_check.py and vision/cpu_study.py with read_records. Every record has `iter`, `tokens` and
 `time_s` (the x axes) and some of the names below; the same records go to wandb, plotted against `iter`.
 """
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from files import atomic_writer
+from marsgpt.files import atomic_writer
 
 # The x axes, in every record.
 ITER, TOKENS, TIME_S = "iter", "tokens", "time_s"
@@ -38,7 +38,7 @@ EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"
 # first optimizer step took (a record of its own); the first of each includes compiling its graph.
 EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"
 
-LOSS_SERIES = (TRAIN_LOSS, VAL_LOSS)  # what plot.py draws
+LOSS_SERIES = (TRAIN_LOSS, VAL_LOSS)  # what marsgpt/plot.py draws
 FILE_NAME = "metrics.jsonl"
 
 

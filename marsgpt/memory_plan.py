@@ -8,7 +8,7 @@ plan(cfg, world_size, gpu_memory_gb) returns the numbers (a MemoryPlan), e.g. fo
 with torch.cuda.max_memory_allocated().
 
 Nothing large is built. The parameter, gradient and optimizer-state bytes are exact: the model is built on
-the meta device (shapes, no storage), the run's optimizer (optim.build_optimizer) takes one step there, and
+the meta device (shapes, no storage), the run's optimizer (optimizers.build_optimizer) takes one step there, and
 each parameter's state is whatever tensors the optimizer allocated, byte for byte -- so every optimizer,
 MARS variant and state dtype is counted by the optimizer itself. With ZeRO-1 (zero_stage=1 on more than
 one rank) each rank keeps the state of the parameters torch's ZeroRedundancyOptimizer assigns to it; the
@@ -70,7 +70,10 @@ import os
 
 import torch
 
-import optim
+from marsgpt import optimizers
+from marsgpt.optimizers import ChainedOptimizer, build_optimizer, is_sharded
+from marsgpt.runtime import resolve_dtype
+from marsgpt.tokens import DataError, TokenData
 from model import (
     GPT,
     GPT2_VOCAB_SIZE,
@@ -80,9 +83,6 @@ from model import (
     model_args_from_config,
     model_vocab_size,
 )
-from optim import ChainedOptimizer, build_optimizer, is_sharded
-from runtime import resolve_dtype
-from tokens import DataError, TokenData
 
 GIB = 2**30
 HEADROOM = 0.10  # of the GPU's memory, kept free for what the plan does not count (see above)
@@ -109,10 +109,10 @@ def optimizer_layout(cfg, model_args):
     optimizer = build_optimizer(model, cfg, "meta")
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    look_ahead = optim.look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's protocol included
+    look_ahead = optimizers.look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's protocol included
     if look_ahead is not None:
         look_ahead.store()
-    optim.step(optimizer, look_ahead)
+    optimizers.step(optimizer, look_ahead)
     inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
     def entry(p, state):
@@ -308,7 +308,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
     rank_state_bytes = tuple(sum(s for _, s, _, _ in share) for share in shares)
     state_bytes = max(rank_state_bytes)
     fullest = shares[rank_state_bytes.index(state_bytes)]
-    # A save gathers the state on rank 0 tensor by tensor (optim.ShardedOptimizer.state_dict); over NCCL each
+    # A save gathers the state on rank 0 tensor by tensor (optimizers.ShardedOptimizer.state_dict); over NCCL each
     # tensor of another rank's share passes through a buffer of its size on rank 0's GPU, over gloo none does.
     staged = [largest for share in shares[1:] for _, _, _, largest in share] if cfg.backend != "gloo" else []
     save_bytes = max(staged, default=0)

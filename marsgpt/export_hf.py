@@ -1,6 +1,6 @@
 """Write a trained checkpoint as a Hugging Face GPT-2 folder, for lm-evaluation-harness and the hub.
 
-    python export_hf.py out/ hf/            # out_dir's ckpt.pt (or name a checkpoint file)
+    python -m marsgpt.export_hf out/ hf/            # out_dir's ckpt.pt (or name a checkpoint file)
     python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('hf/')"
 
 The folder holds config.json and model.safetensors (the tied embedding stored once, the vocabulary
@@ -20,8 +20,8 @@ import os
 import shutil
 import sys
 
-from checkpoint import CheckpointError, iteration, load_model
-from files import fsync_directory
+from marsgpt.checkpoint import CheckpointError, iteration, load_model
+from marsgpt.files import fsync_directory
 from model import GPT2_VOCAB_SIZE, hf_from_gpt
 
 # What an export holds (save_pretrained shards a large model into model-0000i-of-0000n.safetensors)

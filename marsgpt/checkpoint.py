@@ -4,10 +4,10 @@ A checkpoint is one torch.save'd dict that torch.load(weights_only=True) accepts
 run code: every value is a tensor, a number, a string or a list/tuple/dict of them. It holds
 
     model_args    the GPTConfig fields the model was built with
-    config        the run's full configuration (configurator.config_to_dict)
+    config        the run's full configuration (config.config_to_dict)
     <part>        the state_dict() of each stateful part train.py names in checkpoint_parts():
                   model, optimizer, scaler, rng (RNGState), progress (train.Progress); the optimizer's is
-                  the unsharded optimizer's format also under ZeRO-1 (optim.ShardedOptimizer gathers every
+                  the unsharded optimizer's format also under ZeRO-1 (optimizers.ShardedOptimizer gathers every
                   rank's share on rank 0), so any number of ranks, sharded or not, resumes it
 
 and nothing else: what a resume restores is exactly what was saved, part by part. The batches need no
@@ -27,7 +27,7 @@ import zipfile
 import numpy as np
 import torch
 
-from files import atomic_path, atomic_writer
+from marsgpt.files import atomic_path, atomic_writer
 
 CKPT_NAME = "ckpt.pt"
 BEST_NAME = "best.pt"
@@ -63,7 +63,7 @@ def keep_copy(src, dst):
 
     A hard link costs no I/O and stays valid after `src` is replaced by the next save (the rename
     gives `src` a new inode); filesystems without hard links get a real copy. Either is renamed into
-    place and made durable as every write is (files.py).
+    place and made durable as every write is (marsgpt/files.py).
     """
     try:
         try:
@@ -250,18 +250,18 @@ def load_model_state(model, state_dict, path):
 
 
 def load_pretrained(name, override_args=None):
-    """GPT.from_pretrained(name) for train.py, sample.py and hellaswag.py: where the Hugging Face hub cannot
+    """GPT.from_pretrained(name) for train.py, sample.py and marsgpt/hellaswag.py: where the Hugging Face hub cannot
     be reached (a compute node without internet), the local cache at once instead of retries."""
+    from marsgpt.runtime import network_reachable
     from model import GPT, HF_CHECKPOINTS, HF_HUB_HOST  # here, as in load_model
-    from runtime import network_reachable
 
     offline = name in HF_CHECKPOINTS and not network_reachable(HF_HUB_HOST)
     return GPT.from_pretrained(name, override_args, offline=offline)
 
 
 def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):
-    """(GPT, checkpoint dict): the trained model in eval mode, for sample.py, hellaswag.py, export_hf.py."""
-    from model import GPT, GPTConfig  # here, so checkpoint.py stays importable without model.py's cost
+    """(GPT, checkpoint dict): the trained model in eval mode, for sample.py and the hellaswag and export_hf tools."""
+    from model import GPT, GPTConfig  # here, so this module stays importable without model.py's cost
 
     path = checkpoint_path(path_or_out_dir)
     ckpt = load_checkpoint(path, missing_advice=missing_advice)

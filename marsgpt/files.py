@@ -50,7 +50,7 @@ def remove_stale_temporaries(directory):
     for name in sorted(os.listdir(directory)):
         stem, sep, pid = name.rpartition(".tmp.")
         path = os.path.join(directory, name)
-        # Files only: export_hf.py's temporary folder beside its export is its own to clean up.
+        # Files only: marsgpt/export_hf.py's temporary folder beside its export is its own to clean up.
         if not (stem and sep and pid.isdigit()) or not os.path.isfile(path) or _process_alive(int(pid)):
             continue
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove: left as it is

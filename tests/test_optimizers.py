@@ -1,4 +1,4 @@
-"""optim.py: every group's lr against the reference's get_lr, each optimizer built as the reference builds
+"""marsgpt/optimizers.py: every group's lr against the reference's get_lr, each optimizer built as the reference builds
 it (the Muon split on GPT-2 small by name), torch's Muon against the reference's, group_hyperparameters."""
 
 import copy
@@ -12,10 +12,10 @@ import torch
 from reference_runs import PAPER_RUNS, reference_get_lr, reference_run
 
 import mars
-from configurator import ConfigError, TrainConfig, load_config
 from mars import MARS
+from marsgpt.config import ConfigError, TrainConfig, load_config
+from marsgpt.optimizers import ChainedOptimizer, build_optimizer, group_hyperparameters, scheduled_lr, set_lr
 from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, param_groups
-from optim import ChainedOptimizer, build_optimizer, group_hyperparameters, scheduled_lr, set_lr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

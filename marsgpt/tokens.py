@@ -22,9 +22,11 @@ import tempfile
 import numpy as np
 import torch
 
-from files import atomic_write_bytes, atomic_writer
-from runtime import network_reachable
+from marsgpt.files import atomic_write_bytes, atomic_writer
+from marsgpt.runtime import network_reachable
 
+# The repository's root, where data/<name>/prepare.py live.
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOT_TOKEN = 50256  # <|endoftext|>: delimits documents, and the last of GPT-2's ids
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -196,10 +198,10 @@ def _headerless_token_count(path):
 
 def _prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", name, "prepare.py")
+    script = os.path.join(REPOSITORY, "data", name, "prepare.py")
     if os.path.exists(script):
-        return f"run: python data/{name}/prepare.py"
-    return "run a data/<name>/prepare.py (the quickstart: python data/stdlib_char/prepare.py)"
+        return f"run: python -m data.{name}.prepare"
+    return "run a data/<name>/prepare.py (the quickstart: python -m data.stdlib_char.prepare)"
 
 
 class TokenData:
