@@ -268,7 +268,8 @@ class GPT(nn.Module):
         palm  -- 6N for the matmuls plus 12·L·H·Q·T for attention, N without the position embeddings (PaLM,
                  Chowdhery et al. 2022, Appendix B; nanoGPT's estimate_mfu).
         llm.c -- 6N plus 6·L·C·T, N every parameter: llm.c's gpt2_estimate_mfu, which counts the causal
-                 attention's half of the scores. For GPT-2 small (biases on, as OpenAI's) at T=1024, palm's count is 1.065x llm.c's.
+                 attention's half of the scores.
+        For GPT-2 small (biases on, as OpenAI's) at T=1024, palm's count is 1.065x llm.c's.
         """
         cfg = self.config
         if convention == "palm":

@@ -158,7 +158,14 @@ OK = Finished(0, "world size 1 on cuda:0\n")
 
 
 def train_line(**values):
-    line = {"iter": 15, "train/loss": 10.9, "tokens_per_sec": 469_123.0, "step_ms": 262.0, "mfu": 40.46, "mfu_llmc": 38.01}
+    line = {
+        "iter": 15,
+        "train/loss": 10.9,
+        "tokens_per_sec": 469_123.0,
+        "step_ms": 262.0,
+        "mfu": 40.46,
+        "mfu_llmc": 38.01,
+    }
     return dict(line, **values)
 
 
