@@ -262,17 +262,29 @@ class GPT(nn.Module):
             idx = torch.cat((idx, next_token), dim=1)
         return idx
 
-    def estimate_mfu(self, tokens_per_iter, dt):
-        """Model FLOPs utilisation: achieved FLOP/s over the peak of the GPU the model is on, or None
-        where that peak is unknown (CPU, other GPUs). FLOPs per token are 6N for the matmuls forward
-        and backward plus 12·L·H·Q·T for attention (PaLM, Chowdhery et al. 2022, Appendix B)."""
+    def flops_per_token(self, convention="palm"):
+        """Training FLOPs per token, forward and backward, as one of two conventions counts them:
+
+        palm  -- 6N for the matmuls plus 12·L·H·Q·T for attention, N without the position embeddings (PaLM,
+                 Chowdhery et al. 2022, Appendix B; nanoGPT's estimate_mfu).
+        llm.c -- 6N plus 6·L·C·T, N every parameter: llm.c's gpt2_estimate_mfu, which counts the causal
+                 attention's half of the scores.
+        For GPT-2 small (biases on, as OpenAI's) at T=1024, palm's count is 1.065x llm.c's.
+        """
+        cfg = self.config
+        if convention == "palm":
+            return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        if convention == "llm.c":
+            return 6 * self.get_num_params(non_embedding=False) + 6 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        raise ValueError(f"convention must be 'palm' or 'llm.c', got {convention!r}")
+
+    def estimate_mfu(self, tokens_per_iter, dt, convention="palm"):
+        """Model FLOPs utilisation: achieved FLOP/s (flops_per_token under `convention`) over the peak of the
+        GPU the model is on, or None where that peak is unknown (CPU, other GPUs)."""
         peak = peak_flops(self.lm_head.weight.device)
         if peak is None:
             return None
-        cfg = self.config
-        head_dim = cfg.n_embd // cfg.n_head
-        flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.block_size
-        return flops_per_token * tokens_per_iter / dt / peak
+        return self.flops_per_token(convention) * tokens_per_iter / dt / peak
 
     @classmethod
     def from_pretrained(cls, name, override_args=None, offline=False):

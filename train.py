@@ -348,7 +348,8 @@ def log_train(run, progress, window, result, time_s):
     param_norm = torch.nn.utils.get_total_norm(list(run.model.parameters()))
     values = torch.stack([v.float() for v in (loss, param_norm, *state_norms.values())]).tolist()
     passes = run.look_ahead.passes if run.look_ahead else 1
-    mfu = run.model.estimate_mfu(run.tokens_per_step // run.dist.world_size * passes, dt)
+    tokens_per_rank = run.tokens_per_step // run.dist.world_size * passes
+    mfu, mfu_llmc = (run.model.estimate_mfu(tokens_per_rank, dt, convention) for convention in ("palm", "llm.c"))
     record = {
         **stamp(progress, time_s),
         metrics.TRAIN_LOSS: values[0],
@@ -358,11 +359,12 @@ def log_train(run, progress, window, result, time_s):
         metrics.TOKENS_PER_SEC: run.tokens_per_step / dt,
         metrics.STEP_MS: dt * 1000,
         metrics.MFU: None if mfu is None else mfu * 100,
+        metrics.MFU_LLMC: None if mfu_llmc is None else mfu_llmc * 100,
         metrics.PARAM_NORM: values[1],
         metrics.SKIPPED_STEPS: progress.skipped_steps,
         **dict(zip(state_norms, values[2:])),
     }
-    mfu_text = "" if mfu is None else f", mfu {mfu * 100:.1f}%"
+    mfu_text = "" if mfu is None else f", mfu {mfu * 100:.1f}% (llm.c's count {mfu_llmc * 100:.1f}%)"
     print(
         f"iter {progress.iter_num}: loss {values[0]:.4f}, lr {record[metrics.LR]:.3e}, "
         f"grad_norm {result.grad_norm:.3f}, {dt * 1000:.1f} ms/step, "

@@ -22,10 +22,13 @@ ITER, TOKENS, TIME_S = "iter", "tokens", "time_s"
 VAL_LOSS, EVAL_TRAIN_LOSS, HELLASWAG = "val/loss", "eval/train_loss", "hellaswag/acc_norm"
 # A train line: the mean loss of the steps since the previous one, and how they went.
 TRAIN_LOSS, LR, GRAD_NORM, CLIP_RATE = "train/loss", "lr", "grad_norm", "clip_rate"
-TOKENS_PER_SEC, STEP_MS, MFU, PARAM_NORM, SKIPPED_STEPS = (
+# mfu: model FLOPs utilisation in percent as PaLM and nanoGPT count the FLOPs, mfu_llmc as llm.c counts them
+# (model.GPT.flops_per_token).
+TOKENS_PER_SEC, STEP_MS, MFU, MFU_LLMC, PARAM_NORM, SKIPPED_STEPS = (
     "tokens_per_sec",
     "step_ms",
     "mfu",
+    "mfu_llmc",
     "param_norm",
     "skipped_steps",
 )

@@ -68,6 +68,13 @@ def resolve_device(device, ddp=False, local_rank=0):
                 f"device={device!r} under torchrun: each rank uses cuda:LOCAL_RANK; give --device=cuda and "
                 "choose the GPUs with CUDA_VISIBLE_DEVICES"
             )
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise SetupError(
+                f"this node's rank LOCAL_RANK={local_rank} has no GPU: only {visible} CUDA device(s) are visible; "
+                f"start at most --nproc_per_node={visible} ranks per node (or make more GPUs visible with "
+                "CUDA_VISIBLE_DEVICES)"
+            )
         return f"cuda:{local_rank}"
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
@@ -89,6 +96,7 @@ def setup_distributed(cfg):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.device, ddp, local_rank)
     if device.startswith("cuda"):
+        use_expandable_segments()
         if cfg.deterministic:
             # cuBLAS reads the variable when torch creates its handle, at the first cuBLAS call on a device:
             # it is in the environment before this process does any CUDA work.
@@ -113,6 +121,20 @@ def setup_distributed(cfg):
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s), **kwargs)
     return info
+
+
+# The caching allocator's settings: the first variable is torch's current name, the second its older one.
+ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def use_expandable_segments():
+    """Let the CUDA caching allocator grow its segments instead of reserving new fixed-size blocks, unless the
+    user configured the allocator: with fixed blocks a run's reserved memory sits well above what it
+    allocates (8% on the GPT-2 XL memory calibration, against the plan's 10% headroom), and the difference is
+    fragmentation that can end a run that fits. The allocator reads the setting at its first allocation, so
+    this runs before the process touches CUDA."""
+    if not any(os.environ.get(name) for name in ALLOCATOR_VARIABLES):
+        os.environ[ALLOCATOR_VARIABLES[0]] = "expandable_segments:True"
 
 
 def wrap_ddp(model, dist_info):

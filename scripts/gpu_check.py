@@ -416,7 +416,12 @@ def throughput_row(what, command, finished, budget_s, records):
     loss, tokens_per_sec, mfu = last.get(metrics.TRAIN_LOSS), last[metrics.TOKENS_PER_SEC], last.get(metrics.MFU)
     if not finite(loss) or not finite(tokens_per_sec) or tokens_per_sec <= 0:
         return Row(what, command, f"exit 0, but the last train line has loss {loss}, {tokens_per_sec} tokens/s", FAIL)
-    mfu_text = f"MFU {mfu:.1f}%" if finite(mfu) else "MFU n/a (no peak FLOP/s known for this device)"
+    mfu_llmc = last.get(metrics.MFU_LLMC)
+    mfu_text = (
+        f"MFU {mfu:.1f}% ({mfu_llmc:.1f}% as llm.c counts)"
+        if finite(mfu) and finite(mfu_llmc)
+        else "MFU n/a (no peak FLOP/s known for this device)"
+    )
     result = (
         f"{tokens_per_sec:,.0f} tokens/s, {mfu_text}, {last[metrics.STEP_MS]:.0f} ms/step "
         f"(steps to {last[metrics.ITER]}), loss {loss:.3f}"

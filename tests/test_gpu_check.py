@@ -158,7 +158,14 @@ OK = Finished(0, "world size 1 on cuda:0\n")
 
 
 def train_line(**values):
-    line = {"iter": 15, "train/loss": 10.9, "tokens_per_sec": 469_123.0, "step_ms": 262.0, "mfu": 40.46}
+    line = {
+        "iter": 15,
+        "train/loss": 10.9,
+        "tokens_per_sec": 469_123.0,
+        "step_ms": 262.0,
+        "mfu": 40.46,
+        "mfu_llmc": 38.01,
+    }
     return dict(line, **values)
 
 
@@ -166,7 +173,7 @@ def test_throughput_reports_the_last_train_line():
     records = [{"iter": 0, "val/loss": 10.9}, train_line(iter=5, tokens_per_sec=1.0), train_line()]
     row = gpu_check.throughput_row("w", "c", OK, 100, records)
     assert row.status == PASS
-    assert row.result == "469,123 tokens/s, MFU 40.5%, 262 ms/step (steps to 15), loss 10.900"
+    assert row.result == "469,123 tokens/s, MFU 40.5% (38.0% as llm.c counts), 262 ms/step (steps to 15), loss 10.900"
     unknown_gpu = gpu_check.throughput_row("w", "c", OK, 100, [train_line(mfu=None)])
     assert unknown_gpu.status == PASS and "MFU n/a" in unknown_gpu.result
 

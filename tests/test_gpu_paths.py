@@ -71,7 +71,7 @@ def gpu_machine(monkeypatch):
         monkeypatch.setattr(runtime.dist, "init_process_group", init_process_group)
         return calls
 
-    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUBLAS_WORKSPACE_CONFIG"):
+    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUBLAS_WORKSPACE_CONFIG", *runtime.ALLOCATOR_VARIABLES):
         monkeypatch.delenv(key, raising=False)
     return install
 
@@ -102,6 +102,28 @@ def test_a_torchrun_rank_on_a_gpu_node_joins_nccl_on_its_own_gpu(gpu_machine, mo
     assert init["timeout"].total_seconds() == 45
     assert init["environment"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
     assert torch.cuda.is_bf16_supported(including_emulation=False)  # the mock answers as an H100 does
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize("variable", runtime.ALLOCATOR_VARIABLES)
+def test_an_allocator_setting_the_user_chose_is_kept(gpu_machine, monkeypatch, variable):
+    gpu_machine("NVIDIA H100 80GB HBM3", count=1)
+    monkeypatch.setenv(variable, "max_split_size_mb:512")
+    runtime.setup_distributed(TrainConfig(device="cuda"))
+    assert {name: os.environ.get(name) for name in runtime.ALLOCATOR_VARIABLES} == {
+        name: "max_split_size_mb:512" if name == variable else None for name in runtime.ALLOCATOR_VARIABLES
+    }
+
+
+def test_more_ranks_on_a_node_than_gpus_is_one_line(gpu_machine, monkeypatch):
+    """torchrun --nproc_per_node=8 on a node with 4 GPUs: ranks 4-7 say so, before CUDA or NCCL fail on them."""
+    calls = gpu_machine("NVIDIA A100-SXM4-80GB", count=4)
+    monkeypatch.setenv("RANK", "6")
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(runtime.SetupError, match=r"^this node's rank LOCAL_RANK=6 has no GPU: only 4 CUDA device"):
+        runtime.setup_distributed(TrainConfig(device="auto", gradient_accumulation_steps=8))
+    assert calls.set_device == [] and calls.init == []
 
 
 # ---------------------------------------------------------------------------------------------------

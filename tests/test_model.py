@@ -227,6 +227,22 @@ def test_estimate_mfu(monkeypatch):
     monkeypatch.setattr(model_module, "peak_flops", lambda device: 1e9)
     flops_per_token = 6 * gpt.get_num_params() + 12 * 3 * 4 * 8 * 16
     assert gpt.estimate_mfu(tokens_per_iter=1000, dt=2.0) == pytest.approx(flops_per_token * 500 / 1e9)
+    llmc_flops_per_token = 6 * gpt.get_num_params(non_embedding=False) + 6 * 3 * 32 * 16
+    assert gpt.estimate_mfu(1000, 2.0, "llm.c") == pytest.approx(llmc_flops_per_token * 500 / 1e9)
+
+
+def test_the_two_flop_counts_of_gpt2_small():
+    """PaLM's count (nanoGPT's) against llm.c's for GPT-2 small at 1024 tokens: 6 x 124M matmul FLOPs either
+    way, attention counted whole or causally halved, the position embeddings out or in."""
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304))
+    n, L, C, T = 124_475_904, 12, 768, 1024  # every parameter, the tied matrix once
+    assert gpt.get_num_params(non_embedding=False) == n
+    assert gpt.flops_per_token("llm.c") == 6 * n + 6 * L * C * T
+    assert gpt.flops_per_token("palm") == 6 * (n - T * C) + 12 * L * C * T
+    assert gpt.flops_per_token("palm") / gpt.flops_per_token("llm.c") == pytest.approx(1.0646, abs=1e-4)
+    with pytest.raises(ValueError, match="convention must be 'palm' or 'llm.c'"):
+        gpt.flops_per_token("6N")
 
 
 @pytest.mark.parametrize(
