@@ -106,6 +106,67 @@ def model_args_from_config(cfg, vocab_size=GPTConfig.vocab_size):
     return shape | {"vocab_size": vocab_size}
 
 
+# The scores of the output layer cross_entropy_in_chunks computes at once: 2**25 (128 MiB in float32), about
+# 670 rows with GPT-2's vocabulary, instead of a whole micro-batch's (15 x 1024 rows: 3.1 GB in float32).
+LOSS_CHUNK_SCORES = 2**25
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits x @ weight^T against targets (-1: not scored), a chunk of rows at a
+    time. The gradients with respect to x and weight are computed in the forward pass, chunk by chunk, and
+    kept for the backward pass: the logits of the whole micro-batch, and the float32 log-softmax and
+    gradient that F.cross_entropy keeps of them, never exist. Under autocast the matmuls run in its dtype
+    and the log-softmax in float32, as they do through nn.Linear and F.cross_entropy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, rows_per_chunk):
+        want_grad_x, want_grad_weight = ctx.needs_input_grad[:2]
+        scored = targets != -1
+        count = scored.sum()
+        loss_dtype = torch.promote_types(weight.dtype, torch.float32)  # F.cross_entropy's under autocast
+        loss_sum = torch.zeros((), dtype=loss_dtype, device=x.device)
+        grad_x = torch.empty_like(x) if want_grad_x else None
+        grad_weight = torch.zeros_like(weight, dtype=loss_dtype) if want_grad_weight else None
+        vocabulary = torch.arange(weight.size(0), device=x.device)
+        for start in range(0, x.size(0), rows_per_chunk):
+            rows = slice(start, start + rows_per_chunk)
+            x_rows, targets_rows = x[rows], targets[rows]
+            logits = F.linear(x_rows, weight)
+            log_probs = torch.log_softmax(logits.to(loss_dtype), dim=-1)
+            loss_sum += F.nll_loss(log_probs, targets_rows, ignore_index=-1, reduction="sum")
+            if not (want_grad_x or want_grad_weight):
+                continue
+            # d(mean loss)/d(logits) = (softmax - one_hot(target)) / count on scored rows, 0 elsewhere. The
+            # one-hot is a comparison, not a scatter: no op here is one CUDA runs non-deterministically.
+            grad_logits = log_probs.exp_().sub_((targets_rows[:, None] == vocabulary).to(loss_dtype))
+            grad_logits.mul_((scored[rows].to(loss_dtype) / count)[:, None])
+            grad_logits = grad_logits.to(logits.dtype)
+            if want_grad_x:
+                grad_x[rows] = grad_logits @ weight.to(logits.dtype)
+            if want_grad_weight:
+                grad_weight += grad_logits.T @ x_rows.to(logits.dtype)
+        ctx.save_for_backward(grad_x, grad_weight)
+        return loss_sum / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_weight = ctx.saved_tensors
+        return (
+            None if grad_x is None else grad_x * grad_loss.to(grad_x.dtype),
+            None if grad_weight is None else grad_weight * grad_loss,
+            None,
+            None,
+        )
+
+
+def cross_entropy_in_chunks(x, weight, targets, chunk_scores=LOSS_CHUNK_SCORES):
+    """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1) for x (N, C), weight (V, C), targets (N,),
+    holding at most about chunk_scores logits at a time (_ChunkedCrossEntropy): the loss without the (N, V)
+    logits."""
+    rows_per_chunk = max(1, chunk_scores // weight.size(0))
+    return _ChunkedCrossEntropy.apply(x, weight, targets, rows_per_chunk)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -212,9 +273,11 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, return_logits=True):
         """idx: (B, T) token ids. Returns (logits, loss): with targets, logits for every position and the
-        mean cross-entropy over targets != -1; without, logits for the last position only, loss None."""
+        mean cross-entropy over targets != -1; without, logits for the last position only, loss None.
+        With targets and return_logits=False: (None, the same loss), computed a chunk of positions at a time
+        (cross_entropy_in_chunks), so the (B, T, vocabulary) logits never exist -- what training uses."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(
@@ -234,6 +297,8 @@ class GPT(nn.Module):
         if targets is None:
             # generation needs only the next token: skip the (B, T, vocab) output matmul
             return self.lm_head(x[:, [-1], :]), None
+        if not return_logits:
+            return None, cross_entropy_in_chunks(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss

@@ -207,8 +207,8 @@ def forward_backward(run, step):
             if cfg.dropout > 0:
                 torch.manual_seed(dropout_seed(cfg.seed, step, k))
             with run.autocast:
-                # only the loss: the (micro-batch, block, vocabulary) logits are freed before the backward pass
-                loss = run.train_model(x, y)[1] / len(micro_steps)
+                # only the loss: the (micro-batch, block, vocabulary) logits never exist (model.cross_entropy_in_chunks)
+                loss = run.train_model(x, y, return_logits=False)[1] / len(micro_steps)
             if not last:
                 x, y = fetch(micro_steps[i + 1])  # while the device works on this forward
             run.scaler.scale(loss * cfg.grad_multiplier).backward()
@@ -304,7 +304,7 @@ def evaluate(run, batches):
     for x, y in batches:
         x, y = to_device(x, y, run.dist.device)
         with run.autocast:
-            _, loss = run.eval_model(x, y)
+            _, loss = run.eval_model(x, y, return_logits=False)
         loss_sum += loss.float()
     run.eval_model.train()
     return all_reduce_sum(run, loss_sum).item() / run.cfg.eval_iters

@@ -342,3 +342,79 @@ def test_activation_checkpointing_keeps_loss_and_gradients_and_saves_less(dropou
     if dropout:
         torch.manual_seed(8)
         assert not torch.equal(plain(x, torch.roll(x, -1, dims=1))[1].detach(), loss_plain)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loss a chunk of positions at a time: what training computes instead of the whole (B, T, V) logits.
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rows_per_chunk", [48, 7, 1])  # all rows at once, a last chunk cut short, row by row
+def test_cross_entropy_in_chunks_is_cross_entropy_in_value_and_gradients(dtype, rows_per_chunk):
+    torch.manual_seed(0)
+    vocab = 50
+    x = torch.randn(48, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, 16, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (48,))
+    targets[3:9] = -1  # not scored
+    expected = F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1)
+    expected_grads = torch.autograd.grad(expected, (x, weight))
+    loss = model_module.cross_entropy_in_chunks(x, weight, targets, chunk_scores=rows_per_chunk * vocab)
+    grads = torch.autograd.grad(3.0 * loss, (x, weight))  # a scale from above reaches both gradients
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss, expected, **tolerance)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, 3.0 * expected_grad, **tolerance)
+    with torch.no_grad():  # evaluation: the loss alone, no gradient work
+        torch.testing.assert_close(model_module.cross_entropy_in_chunks(x, weight, targets, 7 * vocab), expected)
+
+
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16])
+def test_training_loss_without_logits_equals_the_loss_with_them(autocast_dtype):
+    """GPT(x, y, return_logits=False), train.py's call: the same loss and parameter gradients, the tied output
+    layer's included, in float32 and under bfloat16 autocast (where the matmuls round as nn.Linear's do)."""
+    with_logits, without = tiny_gpt(), tiny_gpt()
+    idx, targets = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        logits, loss = with_logits(idx, targets)
+        no_logits, chunked_loss = without(idx, targets, return_logits=False)
+    assert logits.shape == (2, 16, 50) and no_logits is None
+    loss.backward()
+    chunked_loss.backward()
+    tolerance = 1e-6 if autocast_dtype is None else 2e-3
+    torch.testing.assert_close(chunked_loss, loss, rtol=tolerance, atol=tolerance)
+    for (name, p), q in zip(with_logits.named_parameters(), without.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=tolerance, atol=tolerance, msg=name)
+
+
+def test_the_chunked_loss_keeps_no_vocabulary_sized_activation():
+    """What the backward pass keeps of the loss: the plain path saves float32 (positions x vocabulary) tensors,
+    the chunked one only gradients the size of the output layer's input and weight."""
+    gpt = tiny_gpt(vocab_size=2000)
+    idx, targets = torch.randint(0, 2000, (4, 16)), torch.randint(0, 2000, (4, 16))
+
+    def saved_sizes(**kwargs):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            gpt(idx, targets, **kwargs)
+        return sizes
+
+    positions_by_vocab = 4 * 16 * 2000
+    assert max(saved_sizes()) >= positions_by_vocab
+    assert max(saved_sizes(return_logits=False)) == gpt.lm_head.weight.numel() < positions_by_vocab
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_chunked_loss_compiles_into_one_graph(backend):
+    gpt = tiny_gpt()
+    idx, targets = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+    compiled = torch.compile(gpt, fullgraph=True, backend=backend)  # a graph break raises
+    loss = compiled(idx, targets, return_logits=False)[1]
+    loss.backward()
+    grads = [p.grad.clone() for p in gpt.parameters()]
+    gpt.zero_grad()
+    eager_loss = gpt(idx, targets, return_logits=False)[1]
+    eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss)
+    for grad, p in zip(grads, gpt.parameters()):
+        torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-6)
