@@ -71,7 +71,7 @@ import os
 import torch
 
 from marsgpt import optimizers
-from marsgpt.optimizers import ChainedOptimizer, build_optimizer, is_sharded
+from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer, is_sharded
 from marsgpt.runtime import resolve_dtype
 from marsgpt.tokens import DataError, TokenData
 from model import (
@@ -109,9 +109,9 @@ def optimizer_layout(cfg, model_args):
     optimizer = build_optimizer(model, cfg, "meta")
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    look_ahead = optimizers.look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's protocol included
+    look_ahead = OPTIMIZERS.entry(cfg).look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's too
     if look_ahead is not None:
-        look_ahead.store()
+        look_ahead.update_previous_grad()
     optimizers.step(optimizer, look_ahead)
     inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
@@ -334,7 +334,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
         notes = ("zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks",)
     moment, parts = peak(cfg.batch_size)
     return MemoryPlan(
-        description=describe_optimizer(cfg),
+        description=OPTIMIZERS.entry(cfg).label(cfg),
         n_params=sum(n for n, _, _, _ in parameters),
         world_size=world_size,
         sharded=sharded,
@@ -366,12 +366,6 @@ def largest(fits, limit=1 << 20):
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
-
-
-def describe_optimizer(cfg):
-    if cfg.optimizer_name == "mars":
-        return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
-    return {"adamw": "AdamW", "muon": "Muon + AdamW", "moonlight": "Moonlight (Muon + AdamW)"}[cfg.optimizer_name]
 
 
 def gib(n):
