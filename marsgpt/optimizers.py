@@ -142,7 +142,7 @@ class ShardedOptimizer:
 
         Each state tensor reaches rank 0's host once, one tensor at a time: over gloo straight into its host
         tensor; over NCCL from its owner's device into a buffer of its size on rank 0's device, then to the
-        host. A save therefore adds at most the largest state tensor to rank 0's GPU (memplan's "checkpoint
+        host. A save therefore adds at most the largest state tensor to rank 0's GPU (memory_plan's "checkpoint
         save") and one copy of the state to its host. (torch's consolidate_state_dict moves each rank's whole
         share through the GPU as serialized bytes and keeps two host copies of it, one pinned.)
         """

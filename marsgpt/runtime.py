@@ -177,11 +177,9 @@ def add_device_arguments(parser):
 
 
 def exit_process(code):
-    """End this process with `code`. A torchrun rank leaves without the interpreter's teardown: on torch
-    2.13's CPU build, DDP over gloo aborts that teardown now and then ("terminate called without an active
-    exception"; 4 of 20 two-rank runs of a ten-line DDP script here, 0 of 20 with this), which turns a
-    finished run into a failed one for torchrun and the scheduler. Everything is written and closed by
-    the time a rank gets here."""
+    """End this process with `code`. A torchrun rank leaves without the interpreter's teardown, which DDP over
+    gloo sometimes aborts, failing a finished run (docs/training.md, "Checkpoints and faults"). Everything is
+    written and closed by the time a rank gets here."""
     sys.stdout.flush()
     sys.stderr.flush()
     if "RANK" in os.environ:

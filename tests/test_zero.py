@@ -1,5 +1,5 @@
 """ZeRO-1 (optimizers.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
-process for every optimizer, about half the state on each rank (exactly what memplan plans), and a
+process for every optimizer, about half the state on each rank (exactly what memory_plan plans), and a
 checkpoint format that moves between sharded and unsharded optimizers.
 
 The 2-rank part runs once, in two spawned processes, for all optimizers; the tests read its report.
