@@ -288,7 +288,7 @@ class Registry:
         name = cfg.optimizer_name
         entry = self._by_name.get((name, cfg.mars_type)) or self._by_name.get((name, None))
         if entry is None:
-            offered = ", ".join(entry.selected_by for entry in self.entries)
+            offered = ", ".join(e.selected_by for e in self.entries)
             raise ValueError(f"optimizer_name={name!r}, mars_type={cfg.mars_type!r} is none of: {offered}")
         return entry
 
