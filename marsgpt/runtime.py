@@ -118,7 +118,7 @@ def setup_distributed(cfg):
 def wrap_ddp(model, dist_info):
     """model under DDP with gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of
     beside them, one gradient-sized copy less (6.2 GB on GPT-2 XL). That holds only while they stay there:
-    train.zero_grad zeroes them in place instead of setting them to None, and they exist before DDP is built,
+    train.train_step zeroes them in place instead of setting them to None, and they exist before DDP is built,
     so DDP places them in its buckets at once -- else the no_sync micro-batches of the first step would
     accumulate into gradients of their own beside the buckets."""
     for p in model.parameters():
