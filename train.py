@@ -38,7 +38,7 @@ from marsgpt.config import config_to_dict, load_config, print_help, wants_help
 from marsgpt.launch import CHECKPOINT_PARTS, USER_ERRORS
 from marsgpt.memory_plan import MemoryPlan
 from marsgpt.metrics import LogWindow, MetricsLog
-from marsgpt.optimizers import build_optimizer, is_sharded, set_lr
+from marsgpt.optimizers import OPTIMIZERS, build_optimizer, is_sharded, set_lr
 from marsgpt.runtime import (
     SetupError,
     agree,
@@ -85,7 +85,7 @@ class Run:
     eval_model: torch.nn.Module  # compiled, without DDP
     model_args: dict
     optimizer: object
-    look_ahead: optimizers.LookAhead | None  # exact MARS's extra pass, else None
+    look_ahead: torch.optim.Optimizer | None  # exact MARS: the MARS that takes the look-ahead gradient, else None
     scaler: torch.amp.GradScaler
     autocast: object
     rng: RNGState
@@ -123,7 +123,7 @@ def setup(cfg, dist_info):
     hellaswag_examples = launch.setup_hellaswag(cfg, train_data, dist_info)
     model, model_args = agree(dist_info, lambda: launch.build_model(cfg, vocab_size, ckpt), USER_ERRORS)
     if dist_info.is_master:
-        launch.prepare_out_dir(cfg, ckpt)
+        launch.prepare_out_dir(cfg, ckpt, OPTIMIZERS.entry(cfg))
     set_deterministic(cfg.deterministic, dist_info.device_type)
     model.to(dist_info.device)
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -136,7 +136,8 @@ def setup(cfg, dist_info):
     resumed = ckpt is not None
     ckpt = None  # with mmap, this unmaps the file: everything is in the model and optimizer now
 
-    eval_model = torch.compile(model) if launch.resolve_compile(cfg, dist_info.device_type) else model
+    compile_model = cfg.compile if cfg.compile is not None else dist_info.device_type == "cuda"
+    eval_model = torch.compile(model) if compile_model else model
     train_model = wrap_ddp(eval_model, dist_info) if dist_info.ddp else eval_model
 
     run = Run(
@@ -150,7 +151,7 @@ def setup(cfg, dist_info):
         model_args=model_args,
         optimizer=optimizer,
         scaler=scaler,
-        look_ahead=optimizers.look_ahead(optimizer, cfg),
+        look_ahead=OPTIMIZERS.entry(cfg).look_ahead(optimizer, cfg),
         autocast=autocast,
         rng=rng,
         train_data=train_data,
@@ -161,12 +162,6 @@ def setup(cfg, dist_info):
         memory_plan=memory_plan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
     return run, progress, resumed
-
-
-def zero_grad(run):
-    """Clear the gradients for the next backward pass: in place under DDP (they are views of its buckets,
-    see runtime.wrap_ddp), else set to None, which frees them until the backward pass needs them again."""
-    run.optimizer.zero_grad(set_to_none=not run.dist.ddp)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -247,22 +242,26 @@ def unscale_by_hand(run):
 def train_step(run, it):
     """Optimizer step `it`: gradients of its micro-batches, clipping, and the update.
 
-    With a look-ahead (exact MARS, see optimizers.LookAhead) the NEXT step's batch goes first, at the current
-    parameters, and its clipped gradient is stored before this step's own backward pass.
+    With a look-ahead (exact MARS, see the MARS entries' look_ahead in marsgpt/optimizers.py) the NEXT step's
+    batch goes first, at the current parameters, and its clipped gradient is stored before this step's own
+    backward pass.
 
     A non-finite gradient norm (from a non-finite loss, or an overflow) skips the update: parameters,
     optimizer state and MARS's last gradient stay as they were. The decision uses the all-reduced norm,
     so every rank takes the same one. This reads one number from the device per step.
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
+    # Gradients are cleared in place under DDP (they are views of its buckets, see runtime.wrap_ddp), else set
+    # to None, which frees them until the backward pass needs them again.
+    set_to_none = not run.dist.ddp
     set_lr(optimizer, it, cfg)
     norms = []
     if run.look_ahead is not None:
         forward_backward(run, it + 1)
         unscale_by_hand(run)
         norms.append(clip_gradients(run))
-        run.look_ahead.store()
-        zero_grad(run)
+        run.look_ahead.update_previous_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
     loss = forward_backward(run, it)
     scaler.unscale_(optimizer)
     norms.append(clip_gradients(run))
@@ -274,7 +273,7 @@ def train_step(run, it):
             scaler.update()  # float16: an overflow lowers the loss scale, as scaler.step would
     else:
         optimizers.step(optimizer, run.look_ahead, scaler)
-    zero_grad(run)
+    optimizer.zero_grad(set_to_none=set_to_none)
     clipped = not skipped and cfg.grad_clip > 0 and grad_norm > cfg.grad_clip
     non_finite = non_finite_norms(norm_values) if skipped else ""
     return StepResult(loss=loss, grad_norm=grad_norm, skipped=skipped, clipped=clipped, non_finite=non_finite)
@@ -332,14 +331,14 @@ def stamp(progress, time_s):
 
 def log_train(run, progress, window, result, time_s):
     """A train line: mean loss of the window's steps (all ranks take part in its all-reduce), and the norms
-    the optimizer logs (optimizers.state_norms)."""
+    the optimizer logs (its registry entry's state_norms)."""
     loss = None
     if window.losses:
         loss = all_reduce_sum(run, window.loss_sum / window.losses) / run.dist.world_size
     state_norms = {}
     if run.sharded or run.dist.is_master:  # sharded state: every rank adds its share; else rank 0's is all
         sum_over_ranks = (lambda t: all_reduce_sum(run, t)) if run.sharded else None
-        state_norms = optimizers.state_norms(run.optimizer, run.cfg, sum_over_ranks)
+        state_norms = OPTIMIZERS.entry(run.cfg).state_norms(run.optimizer, sum_over_ranks)
     if not run.dist.is_master:
         return
     dt = (time.perf_counter() - window.t0) / window.steps
@@ -347,7 +346,7 @@ def log_train(run, progress, window, result, time_s):
         loss = torch.full((), math.nan, device=run.dist.device)
     param_norm = torch.nn.utils.get_total_norm(list(run.model.parameters()))
     values = torch.stack([v.float() for v in (loss, param_norm, *state_norms.values())]).tolist()
-    passes = run.look_ahead.passes if run.look_ahead else 1
+    passes = 2 if run.look_ahead else 1  # forward and backward passes per step: exact MARS's look-ahead adds one
     tokens_per_rank = run.tokens_per_step // run.dist.world_size * passes
     mfu, mfu_llmc = (run.model.estimate_mfu(tokens_per_rank, dt, convention) for convention in ("palm", "llm.c"))
     record = {

@@ -29,6 +29,8 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+from marsgpt.optimizers import OPTIMIZERS
+
 
 class ConfigError(ValueError):
     """A configuration mistake; the message is the one line the user sees."""
@@ -39,10 +41,12 @@ class ConfigError(ValueError):
 # end of the message "<key> <what>, got <value>".
 
 
-def key(default, help, check=None, fixed=False):
-    """A config field with its one-line meaning (for --help), an optional value check, and whether it is
-    fixed for the life of a run (a resume that changes it is refused: the model's shape, the optimizer)."""
-    return dataclasses.field(default=default, metadata={"help": help, "check": check, "fixed": fixed})
+def key(default, help, check=None, fixed=False, choices=None):
+    """A config field with its one-line meaning (for --help), an optional value check, whether it is fixed
+    for the life of a run (a resume that changes it is refused: the model's shape, the optimizer), and for a
+    key with a set of values, `choices`: {value: its one-line meaning}, which --help lists under the key."""
+    metadata = {"help": help, "check": check, "fixed": fixed, "choices": choices or {}}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def positive(value):
@@ -128,10 +132,8 @@ class TrainConfig:
         True, "divide layer i's attention logits by i + 1 (the paper's)", fixed=True
     )
     # --- optimizer
-    optimizer_name: Literal["mars", "adamw", "muon", "moonlight"] = key(
-        "mars",
-        "the optimizer (marsgpt/optimizers.py); moonlight: MARS-M's baseline, Muon scaled to AdamW's update RMS",
-        fixed=True,
+    optimizer_name: Literal[tuple(OPTIMIZERS.optimizer_names())] = key(
+        "mars", "the optimizer (marsgpt/optimizers.py)", fixed=True, choices=OPTIMIZERS.optimizer_names()
     )
     learning_rate: float = key(
         6e-4,
@@ -164,11 +166,8 @@ class TrainConfig:
         3e-3, "MARS: AdamW lr of the 1-D tensors (optimize_1d=False); follows the schedule", non_negative
     )
     is_approx: bool = key(True, "MARS: False = exact MARS, an extra forward/backward per step", fixed=True)
-    mars_type: Literal["mars-adamw", "mars-lion", "mars-shampoo", "mars-m"] = key(
-        "mars-adamw",
-        "MARS: the preconditioner; mars-m trains the blocks' matrices, AdamW (betas_1d, learning_rate, "
-        "weight_decay) the embeddings, head and 1-D tensors, as its reference",
-        fixed=True,
+    mars_type: Literal[tuple(OPTIMIZERS.mars_types())] = key(
+        "mars-adamw", "MARS: its variant", fixed=True, choices=OPTIMIZERS.mars_types()
     )
     optimize_1d: bool = key(False, "MARS: apply MARS to the 1-D tensors too (else AdamW)", fixed=True)
     weight_decay_1d: float = key(0.1, "MARS: weight decay of the 1-D tensors", non_negative)
@@ -177,6 +176,13 @@ class TrainConfig:
     )
     last_grad_dtype: Literal["float32", "bfloat16"] = key(
         "float32", "MARS: dtype of its stored previous gradient; bfloat16 saves half a parameter copy", fixed=True
+    )
+    mars_fused: bool = key(
+        False,
+        "MARS: its compiled step (mars.MARS(fused=True): torch.compile, with a C++ compiler on CPU, Triton on "
+        "CUDA; the first step compiles for seconds). Faster on a CPU: MARS-AdamW's step 1.85x fused AdamW's "
+        "against 2.69x (python -m bench.run_all --quick --only mars, docs/mars.md); on CUDA "
+        "scripts/gpu_check.sh's optimizer row says which path to take",
     )
     # --- Muon baseline: torch.optim.Muon on matrices, AdamW on the rest (defaults: the reference's)
     muon_lr: float = key(2e-2, "Muon: lr of the matrices", non_negative)
@@ -237,11 +243,9 @@ class TrainConfig:
         """The checks that involve more than one key."""
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if self.optimizer_name == "mars" and self.mars_type == "mars-m" and self.optimize_1d:
-            raise ConfigError(
-                "optimize_1d=True does not apply to mars_type=mars-m: it trains the embeddings, head and 1-D "
-                "tensors with AdamW, as its reference; drop optimize_1d"
-            )
+        problem = OPTIMIZERS.entry(self).check(self)
+        if problem:
+            raise ConfigError(problem)
         if self.decay_lr and self.schedule == "cosine" and self.lr_decay_iters <= self.warmup_iters:
             raise ConfigError(
                 f"lr_decay_iters={self.lr_decay_iters} must exceed warmup_iters={self.warmup_iters} "
@@ -374,36 +378,6 @@ def config_to_dict(cfg):
     return dataclasses.asdict(cfg)
 
 
-# The keys only one optimizer reads: a value given for one of them changes nothing in another's run.
-MARS_KEYS = (
-    "gamma",
-    "lr_1d",
-    "is_approx",
-    "mars_type",
-    "optimize_1d",
-    "weight_decay_1d",
-    "betas_1d",
-    "last_grad_dtype",
-)
-MUON_KEYS = ("muon_lr", "muon_adamw_lr", "muon_matrices")
-
-
-def unused_keys(cfg):
-    """The TrainConfig keys cfg's optimizer does not read (Muon's AdamW part takes muon_adamw_lr, not
-    learning_rate; MARS-M's and Moonlight's AdamW part takes learning_rate and weight_decay); another config
-    class answers with its own unused_keys()."""
-    if hasattr(cfg, "unused_keys"):
-        return cfg.unused_keys()
-    if cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
-        return set(MUON_KEYS) | {"lr_1d", "weight_decay_1d", "optimize_1d"}
-    return {
-        "mars": set(MUON_KEYS),
-        "adamw": set(MARS_KEYS + MUON_KEYS),
-        "muon": set(MARS_KEYS) | {"learning_rate"},
-        "moonlight": (set(MARS_KEYS) - {"betas_1d"}) | set(MUON_KEYS) | {"beta2"},
-    }[cfg.optimizer_name]
-
-
 def wants_help(argv):
     return any(arg in ("-h", "--help") for arg in argv)
 
@@ -418,6 +392,9 @@ def print_help(cls=TrainConfig, usage="python train.py [config/file.py ...] [--k
         kind = "str" if want is str else _type_name(want)
         lines.append(f"  --{name}={defaults[name]!r}  [{kind}]")
         lines.append(f"      {f.metadata.get('help', '')}")
+        choices = f.metadata.get("choices", {})
+        width = max(map(len, choices), default=0)
+        lines += [f"        {value:<{width}}  {meaning}" for value, meaning in choices.items()]
     print_lines(lines, file or sys.stdout)
 
 

@@ -5,7 +5,7 @@ Runs and out_dir: init_from=scratch refuses an out_dir that already holds a run 
 first); init_from=resume continues out_dir's ckpt.pt; init_from=auto does whichever applies, so a preempted
 job relaunched with the same command continues. A resume applies the configuration it is given: changed
 hyperparameters (learning rates, weight decays, betas, clip, ...) take effect, each printed as
-`resume: key old -> new`; keys that cannot change mid-run (configurator's fixed keys: the model shape, the
+`resume: key old -> new`; keys that cannot change mid-run (config's fixed keys: the model shape, the
 optimizer and its MARS variant) are refused, and a key the run's optimizer does not read is neither.
 
 Every check on the user's input happens before the first step and before any file in out_dir changes.
@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from marsgpt import checkpoint, memory_plan, metrics, optimizers
 from marsgpt.checkpoint import CheckpointError
-from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys, unused_keys
+from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys
 from marsgpt.files import atomic_writer, remove_stale_temporaries
 from marsgpt.metrics import MetricsLog
+from marsgpt.optimizers import OPTIMIZERS
 from marsgpt.runtime import SetupError, agree, decide_on_master
 from marsgpt.tokens import DataError, TokenData
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
@@ -99,17 +100,17 @@ def resolve_run(cfg, dist_info):
     return cfg, ckpt
 
 
-def prepare_out_dir(cfg, ckpt, at=None):
+def prepare_out_dir(cfg, ckpt, optimizer_entry, at=None):
     """Rank 0, once every check has passed: what a killed save left goes, --overwrite=True removes the old
     run, and a resume says where it continues (`at`; by default the checkpoint's iteration) and what its
-    configuration changes."""
+    configuration changes (config_changes, for the run's optimizers.OptimizerEntry)."""
     remove_stale_temporaries(cfg.out_dir)
     if cfg.overwrite and cfg.init_from != "resume":
         remove_previous_run(cfg)
     if ckpt is not None:
         at = at or f"iter {ckpt['progress']['iter_num']:,}"
         print(f"resuming {checkpoint.checkpoint_path(cfg.out_dir)} at {at}", flush=True)
-        for line in config_changes(ckpt["config"], cfg):
+        for line in config_changes(ckpt["config"], cfg, optimizer_entry):
             print(line, flush=True)
 
 
@@ -123,7 +124,7 @@ def load_resume_checkpoint(cfg, device_type):
             f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
             f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
         )
-    changed = fixed_changes(ckpt["config"], cfg)
+    changed = fixed_changes(ckpt["config"], cfg, OPTIMIZERS.entry(cfg))
     if changed:
         key, old, new = changed[0]
         raise CheckpointError(
@@ -133,16 +134,16 @@ def load_resume_checkpoint(cfg, device_type):
     return ckpt
 
 
-def fixed_changes(saved, cfg):
+def fixed_changes(saved, cfg, optimizer_entry):
     """(key, saved value, new value) for each key of cfg's class declared fixed=True that cfg changes from the
     checkpoint's configuration `saved`: the resume rule. Every other key may change (config_changes names
-    them), and so may a fixed key this run's optimizer does not read (mars_type in a Muon run)."""
-    unused = unused_keys(cfg)
+    them), and so may a fixed key the run's optimizer (optimizer_entry) does not read (mars_type in a Muon
+    run)."""
     changes = []
     for key in fixed_keys(type(cfg)):
         new = getattr(cfg, key)
         old = saved_value(saved, key, new)
-        if old != new and key not in unused:
+        if old != new and key not in optimizer_entry.unused_keys:
             changes.append((key, old, new))
     return changes
 
@@ -154,33 +155,33 @@ def saved_value(saved, key, new):
     return tuple(old) if isinstance(new, tuple) else old
 
 
-def config_changes(saved, cfg):
-    """`resume: key old -> new` for every key the resumed run's configuration changes (a key this optimizer
-    does not read says so)."""
-    lines, unused = [], unused_keys(cfg)
+def config_changes(saved, cfg, optimizer_entry):
+    """`resume: key old -> new` for every key the resumed run's configuration changes (a key the run's
+    optimizer, optimizer_entry, does not read says so)."""
+    lines = []
     for key, new in config_to_dict(cfg).items():
         old = saved_value(saved, key, new)
         if key not in ("init_from", "overwrite") and old != new:
-            note = f" (not used by optimizer_name={cfg.optimizer_name})" if key in unused else ""
+            note = f" (not used by {optimizer_entry.selected_by})" if key in optimizer_entry.unused_keys else ""
             lines.append(f"resume: {key} {old!r} -> {new!r}{note}")
     return lines
 
 
 def ignored_settings(cfg):
     """A note naming the keys set away from their defaults that this run's optimizer does not read, or None.
-    Muon's learning_rate is exempt where it mirrors muon_adamw_lr (the paper configs set both: the
-    reference calls the AdamW part's lr learning_rate)."""
-    defaults = TrainConfig()
+    A key the optimizer entry calls an alias is exempt where it has the value of the key it stands for (Muon's
+    learning_rate = muon_adamw_lr in the paper configs: the reference's name for the AdamW part's lr)."""
+    entry, defaults = OPTIMIZERS.entry(cfg), TrainConfig()
     ignored = [
         f"{key}={getattr(cfg, key)!r}"
-        for key in sorted(unused_keys(cfg))
+        for key in sorted(entry.unused_keys)
         if getattr(cfg, key) != getattr(defaults, key)
-        and not (key == "learning_rate" and cfg.learning_rate == cfg.muon_adamw_lr)
+        and not (key in entry.aliases and getattr(cfg, key) == getattr(cfg, entry.aliases[key]))
     ]
     if not ignored:
         return None
-    hint = " (Muon's lrs are muon_lr and muon_adamw_lr)" if cfg.optimizer_name == "muon" else ""
-    return f"note: optimizer_name={cfg.optimizer_name} does not use {', '.join(ignored)}{hint}"
+    hint = f" ({entry.unused_hint})" if entry.unused_hint else ""
+    return f"note: {entry.selected_by} does not use {', '.join(ignored)}{hint}"
 
 
 def build_model(cfg, vocab_size, ckpt):
@@ -223,7 +224,7 @@ def build_model(cfg, vocab_size, ckpt):
 def restore(ckpt, cfg, dist_info, optimizer, scaler, rng, progress):
     """Load a resumed run's parts from its checkpoint: the optimizer under this run's hyperparameters
     (optimizers.load_state), the loss scale where float16 uses one, every rank's RNG state, the progress."""
-    optimizers.load_state(optimizer, ckpt["optimizer"], cfg)
+    optimizers.load_state(optimizer, ckpt["optimizer"], OPTIMIZERS.entry(cfg), cfg)
     if scaler.is_enabled() and ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     rng.load_state_dict(ckpt["rng"], dist_info.world_size)
@@ -277,10 +278,6 @@ def setup_hellaswag(cfg, train_data, dist_info):
     if dist_info.is_master:
         print(f"warning: HellaSwag evaluation disabled: {reason}", file=sys.stderr)
     return None
-
-
-def resolve_compile(cfg, device_type):
-    return cfg.compile if cfg.compile is not None else device_type == "cuda"
 
 
 def gather_rng(dist_info):

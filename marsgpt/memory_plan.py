@@ -2,67 +2,16 @@
 
     python train.py config/train_gpt2_xl_mars.py --dry_run=True --gpu_memory_gb=40 --plan_world_size=8
 
-train.py prints the plan at the start of every run (and warns when it does not fit); --dry_run=True prints
-it and exits, reading no data and needing no GPU. docs/memory.md explains it and tabulates the paper runs.
-plan(cfg, world_size, gpu_memory_gb) returns the numbers (a MemoryPlan), e.g. for a GPU check to compare
-with torch.cuda.max_memory_allocated().
-
-Nothing large is built. The parameter, gradient and optimizer-state bytes are exact: the model is built on
-the meta device (shapes, no storage), the run's optimizer (optimizers.build_optimizer) takes one step there, and
-each parameter's state is whatever tensors the optimizer allocated, byte for byte -- so every optimizer,
-MARS variant and state dtype is counted by the optimizer itself. With ZeRO-1 (zero_stage=1 on more than
-one rank) each rank keeps the state of the parameters torch's ZeroRedundancyOptimizer assigns to it; the
-plan reproduces that assignment and reports the fullest rank.
-
-Activations, logits, autocast's weight copies and the backward pass's gradient buffers follow the formula
-below (bytes, eager mode); on the CPU a forward and backward pass allocates exactly this much at its peak
-(tests/test_memplan.py measures it with the profiler: within 0.5% for GPT-2's proportions). With T tokens
-per micro-batch (batch_size x block_size), L layers, width C, H heads, vocabulary V, a bytes per element of
-the autocast dtype (2 for bfloat16/float16, 4 for float32), and cast = 1 when a < 4:
-
-    per block and token   8C            the float32 residual stream entering each LayerNorm (2 x 4C)
-                        + 14aC          LayerNorm outputs as the Linears see them (2aC), q, k, v (3aC),
-                                        attention output (aC), MLP hidden before and after GELU (8aC)
-                        + 4H + 16       attention's log-sum-exp (float32) and the LayerNorms' mean and rstd
-                        + 2C            dropout masks (1 byte per element, CUDA), when dropout > 0
-    after the blocks      4C + aC + 8   final LayerNorm's input and statistics, the output layer's input
-                        + C             the embedding's dropout mask, when dropout > 0
-    logits                12V           per token, at the start of the backward pass: cross-entropy's
-                                        float32 log-softmax (saved) and the gradients into and out of it
-    weight copies         aW cast       autocast's 16-bit copy of every Linear weight (W elements, the
-                                        tied output layer included), saved for the backward pass
-    gradient buffers      (4C + 4aC)T   in a block's backward pass: the residual stream's and the MLP
-                        + 4C^2 (4 + a cast)   hidden layer's gradients, one weight's gradient before it
-                        + 4VC                 is added to .grad, and the output layer's gradient of the
-                                              tied embedding, held until the embedding's own arrives
-
-The peak is the largest of these moments. Without activation checkpointing: the start of the backward pass
-(all blocks' activations, the rest after the blocks, 12V per token, the weight copies) -- for GPT-2 runs
-always this one --, the backward pass of the last block, and the end of the backward pass (the tied
-embedding's two gradients and, in float32, their sum: 4VC (3 - cast)). With checkpointing each block
-keeps only its input (4C per token) and the moments are: the end of the forward pass (the block inputs,
-autocast's cache of every Linear weight and bias, cross-entropy's forward buffers, (a + 4 + 4 cast) V per
-token, and the final LayerNorm's float32 output when cast), the start of the backward pass (the block
-inputs and 12V per token), the recomputation of a block (the block inputs, that block's activations and
-weight copies, the gradient buffers), and the end of the backward pass.
-
-Outside the forward and backward pass: exact MARS (is_approx=False) allocates one buffer the size of its
-MARS tensors' gradients during the step, and a checkpoint save under ZeRO-1 gathers the state on rank 0
-tensor by tensor: over NCCL each tensor of another rank's share passes through a buffer of its size on
-rank 0's GPU, over gloo through host memory only. The largest tensor, the token embedding, is rank 0's own
-(copied straight to the host), so for GPT-2 XL that buffer is one MLP matrix's moment, 0.04 GiB. The total
-is parameters + gradients + state + the largest moment of all.
-
-The fit: a plan fits when its total is at most 90% of the GPU's memory. The other 10% is for what the plan
-does not count: the CUDA context, NCCL's buffers, cuBLAS workspaces and the caching allocator's
-fragmentation (the calibration run below reserved 8% more than it allocated).
-
-Calibration: GPT-2 XL, MARS-AdamW, micro-batch 5 x 1024, bfloat16, uncompiled, one H200 peaked at
-48.4 GiB allocated. That train.py held each micro-batch's logits through its backward pass (2 bytes x V per
-token more than the 12V above); the formula with that term gives 48.5 GiB. Not yet compared on a GPU:
-small and medium (see docs/memory.md). torch.compile fuses and recomputes elementwise operations, so a
-compiled run may save less than this eager formula counts (not measured). For a character-level model
-(vocabulary smaller than the width) the formula is within 16% of the CPU's peak, not 0.5%.
+plan(cfg, world_size, gpu_memory_gb) returns the numbers (a MemoryPlan); train.py prints them (format_plan)
+at the start of every run, and --dry_run=True prints them and exits, reading no data and needing no GPU.
+Parameters, gradients and optimizer state are exact: optimizer_layout builds the model on the meta device
+and lets the run's own optimizer take one step there, so each parameter's state is what the optimizer
+allocated; under ZeRO-1, zero_partition replays torch's assignment of parameters to ranks. Activations,
+logits, autocast's weight copies and the backward pass's gradient buffers follow a formula (Activations:
+bytes per token and per model, eager mode); the peak is the largest of a few moments of the forward and
+backward pass, of the optimizer step and of a ZeRO-1 checkpoint save. docs/memory.md gives the formula
+term by term, the moments, and how close the plan comes to measured peaks. A plan fits when its total is
+at most 1 - HEADROOM of the GPU's memory.
 """
 
 import dataclasses
@@ -71,7 +20,7 @@ import os
 import torch
 
 from marsgpt import optimizers
-from marsgpt.optimizers import ChainedOptimizer, build_optimizer, is_sharded
+from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer, is_sharded
 from marsgpt.runtime import resolve_dtype
 from marsgpt.tokens import DataError, TokenData
 from model import (
@@ -85,7 +34,7 @@ from model import (
 )
 
 GIB = 2**30
-HEADROOM = 0.10  # of the GPU's memory, kept free for what the plan does not count (see above)
+HEADROOM = 0.10  # of the GPU's memory, for what the plan does not count (docs/memory.md)
 AUTO_DTYPE = "bfloat16"  # dtype=auto on any GPU from the A100 on
 
 
@@ -109,9 +58,9 @@ def optimizer_layout(cfg, model_args):
     optimizer = build_optimizer(model, cfg, "meta")
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    look_ahead = optimizers.look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's protocol included
+    look_ahead = OPTIMIZERS.entry(cfg).look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's too
     if look_ahead is not None:
-        look_ahead.store()
+        look_ahead.update_previous_grad()
     optimizers.step(optimizer, look_ahead)
     inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
@@ -145,7 +94,8 @@ def zero_partition(groups, world_size):
 
 @dataclasses.dataclass(frozen=True)
 class Activations:
-    """The formula's per-token and fixed terms for one model and dtype (see the module docstring)."""
+    """The formula's per-token and fixed terms for one model and dtype (docs/memory.md, "How the plan is
+    computed")."""
 
     cfg: GPTConfig
     element_bytes: int  # a
@@ -334,7 +284,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
         notes = ("zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks",)
     moment, parts = peak(cfg.batch_size)
     return MemoryPlan(
-        description=describe_optimizer(cfg),
+        description=OPTIMIZERS.entry(cfg).label(cfg),
         n_params=sum(n for n, _, _, _ in parameters),
         world_size=world_size,
         sharded=sharded,
@@ -366,12 +316,6 @@ def largest(fits, limit=1 << 20):
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
-
-
-def describe_optimizer(cfg):
-    if cfg.optimizer_name == "mars":
-        return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
-    return {"adamw": "AdamW", "muon": "Muon + AdamW", "moonlight": "Moonlight (Muon + AdamW)"}[cfg.optimizer_name]
 
 
 def gib(n):

@@ -34,9 +34,6 @@ TOKENS_PER_SEC, STEP_MS, MFU, MFU_LLMC, PARAM_NORM, SKIPPED_STEPS = (
 )
 # MARS only: the norms of its moments, as the reference train_mars.py logs them.
 MOMENTUM_NORM, MOMENTUM_NORM_SQ, MOMENTUM_DIV = "momentum_norm", "momentum_norm_sq", "momentum_div"
-# Seconds of each evaluation, and of the process's first optimizer step (its own record): the first of each compiles.
-EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"
-
 # A compiled model's timings: the seconds each evaluation took (on its validation record) and the process's
 # first optimizer step took (a record of its own); the first of each includes compiling its graph.
 EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"

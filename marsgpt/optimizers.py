@@ -1,29 +1,44 @@
-"""Builds the optimizer a TrainConfig names, and the learning-rate schedule.
+"""The optimizers train.py offers, one registry entry each, and what a training step does with them.
 
-mars  -- mars.MARS over model.param_groups, constructed as the paper's reference code does
-         (MARS/train_mars.py + its model's configure_optimizers): the two weight-decay groups,
-         lr=learning_rate, betas=(beta1, beta2) and the MARS keys; 1-D tensors take lr_1d.
+OPTIMIZERS holds an OptimizerEntry per optimizer: MARS-AdamW, MARS-Lion, MARS-Shampoo and MARS-M
+(optimizer_name=mars, the variant by mars_type), AdamW, Muon and Moonlight. An entry is all the other
+modules know of an optimizer: the configuration keys it reads, its named parameter groups (which
+parameters, which settings), its factory, what it adds to a step (exact MARS's look-ahead), the state norms
+of its train line, its one-line description. No other module but mars.py compares optimizer_name or
+mars_type with a name: adding an optimizer is an entry here (and its keys in config.TrainConfig if it reads
+new ones) with its tests.
+
+Each optimizer is built as the paper's reference code builds it (AGI-Arena/MARS at 4831e28):
+
+mars-adamw, mars-lion, mars-shampoo -- mars.MARS as MARS/train_mars.py and its model's configure_optimizers:
+         the two weight-decay groups, lr=learning_rate, betas=(beta1, beta2) and the MARS keys; 1-D tensors
+         take lr_1d.
+mars-m -- as MARS_M/train_mars_m.py: mars.MARS on the blocks' matrices and its AdamW part (routing="none",
+         betas_1d) on the embeddings, the tied head and the 1-D tensors, every tensor at lr=learning_rate
+         and weight_decay, momentum beta1.
 adamw -- torch.optim.AdamW over the same two groups, betas=(beta1, beta2), fused on CUDA.
 muon  -- torch.optim.Muon (lr muon_lr, weight decay 0) chained with AdamW (lr muon_adamw_lr,
          betas=(beta1, beta2), weight_decay), as one object. muon_matrices="all", as the reference
          MARS/train_muon.py: Muon takes every 2-D tensor -- the token and position embeddings and the
          tied head included -- and AdamW the 1-D ones; "hidden": Muon takes only the blocks' matrices.
-mars, mars_type="mars-m" -- as MARS_M/train_mars_m.py: mars.MARS on the blocks' matrices and its AdamW part
-         (routing="none", betas_1d) on the embeddings, the tied head and the 1-D tensors, every tensor at
-         lr=learning_rate and weight_decay, momentum beta1.
 moonlight -- MARS-M's baseline, as MARS_M/train_moonlight.py: torch.optim.Muon (Nesterov, momentum beta1,
          update scaled by 0.2 sqrt(max(rows, cols)): adjust_lr_fn="match_rms_adamw") on the blocks' matrices,
          chained with AdamW (betas_1d) on the rest, both at learning_rate and weight_decay.
 
-Every hyperparameter the configuration sets is written into the groups by group_hyperparameters, at
-construction and again after a resume's load_state_dict. Each group keeps its peak lr as 'initial_lr';
-set_lr(optimizer, it, cfg) applies the schedule to every group.
+Every hyperparameter the configuration sets is written into the groups, at construction and again after a
+resume's load_state_dict (load_state). Each group keeps its peak lr as 'initial_lr'; set_lr(optimizer, it,
+cfg) applies the schedule to every group. ZeRO-1 (zero_stage=1 with more than one rank, see is_sharded):
+every torch optimizer above becomes a ShardedOptimizer, and each DDP rank keeps the state of about
+1/world_size of the parameters.
 
-ZeRO-1 (zero_stage=1 with more than one rank, see is_sharded): every torch optimizer above becomes a
-ShardedOptimizer, and each DDP rank keeps the state of about 1/world_size of the parameters.
+The machinery is any trainer's, through plain arguments: Registry, OptimizerEntry, Placement, build,
+group_hyperparameters, load_state, ChainedOptimizer (vision/train_cifar.py has a Registry of its own).
 """
 
+import collections
+import dataclasses
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -92,8 +107,8 @@ class ShardedOptimizer:
       any number of ranks, sharded or not, and readers that know nothing of sharding read it;
     - load_state_dict() takes that format and loads this rank's share through optimizer_class's own
       load_state_dict, which places each state tensor as that class wants it (fused AdamW's step counts on
-      the device, for instance);
-    - MARS's exact-mode calls reach the rank's optimizer.
+      the device, for instance).
+    Exact MARS's look-ahead calls go to `local`, the rank's own MARS (see the MARS entries' look_ahead).
     """
 
     def __init__(self, params, optimizer_class, **defaults):
@@ -127,7 +142,7 @@ class ShardedOptimizer:
 
         Each state tensor reaches rank 0's host once, one tensor at a time: over gloo straight into its host
         tensor; over NCCL from its owner's device into a buffer of its size on rank 0's device, then to the
-        host. A save therefore adds at most the largest state tensor to rank 0's GPU (memplan's "checkpoint
+        host. A save therefore adds at most the largest state tensor to rank 0's GPU (memory_plan's "checkpoint
         save") and one copy of the state to its host. (torch's consolidate_state_dict moves each rank's whole
         share through the GPU as serialized bytes and keeps two host copies of it, one pinned.)
         """
@@ -170,12 +185,6 @@ class ShardedOptimizer:
             first += len(local["params"])
         self.local.load_state_dict({"state": local_state, "param_groups": local_groups})
 
-    def update_previous_grad(self, inverse_scale=None):
-        self.local.update_previous_grad(inverse_scale)
-
-    def update_last_grad(self):
-        self.local.update_last_grad()
-
 
 def transfer(op, tensor, peer, group):
     """One isend or irecv of `tensor` with global rank `peer`, finished. Through batch_isend_irecv, which on
@@ -192,61 +201,155 @@ def received(like, source, group, device):
     return buffer.to("cpu")
 
 
-def _group_settings(cfg):
-    """The hyperparameters cfg sets in each parameter group, by the group's name (build_optimizer names them;
-    a resume pairs the checkpoint's groups with these by name)."""
-    betas = (cfg.beta1, cfg.beta2)
-    if cfg.optimizer_name == "moonlight":
-        return {
-            "muon": dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, momentum=cfg.beta1),
-            "adamw": dict(lr=cfg.learning_rate, betas=tuple(cfg.betas_1d), weight_decay=cfg.weight_decay),
-        }
-    if cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
-        # The reference's one group: its AdamW part takes the same lr and weight decay as the matrices.
-        mars_m = dict(
-            lr=cfg.learning_rate,
-            betas=betas,
-            weight_decay=cfg.weight_decay,
-            gamma=cfg.gamma,
-            lr_1d=cfg.learning_rate,
-            betas_1d=tuple(cfg.betas_1d),
-            weight_decay_1d=cfg.weight_decay,
+# ---------------------------------------------------------------------------------------------------
+# The registry: a trainer's optimizers, each an entry that says everything about it.
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where an optimizer runs: its parameters' device type, and whether each torch optimizer in it keeps only
+    this rank's share of the state (ZeRO-1)."""
+
+    device_type: str
+    sharded: bool = False
+
+    def make(self, optimizer_class, groups, **options):
+        """optimizer_class over `groups`, a ShardedOptimizer of it when sharded."""
+        if self.sharded:
+            return ShardedOptimizer(groups, optimizer_class=optimizer_class, **options)
+        return optimizer_class(groups, **options)
+
+
+def no_look_ahead(optimizer, cfg):
+    return None
+
+
+def no_state_norms(optimizer, sum_over_ranks=None):
+    return {}
+
+
+def no_check(cfg):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerEntry:
+    """One optimizer a trainer offers. torchtitan's parameter-group rule holds: every trainable parameter
+    is in exactly one group (build checks it).
+
+    A configuration names the entry with optimizer_name, and with mars_type as well where one optimizer_name
+    has variants (MARS's update rules). Its parameter groups have names, by which a resume pairs a
+    checkpoint's groups with group_settings(cfg); split(model, cfg) returns each group's parameters in the
+    order of those names, and build(groups, cfg, placement) makes the optimizer over the groups, each torch
+    optimizer inside through placement.make (so ZeRO-1 can shard it).
+    """
+
+    optimizer_name: str
+    description: str  # one line, for --help
+    keys: frozenset  # the configuration keys it reads
+    group_settings: Callable  # cfg -> {group name: {hyperparameter: value}}, 'lr' the group's peak lr
+    split: Callable  # (model, cfg) -> one list of parameters per group
+    build: Callable  # (groups, cfg, placement) -> the optimizer
+    mars_type: str | None = None  # which variant of optimizer_name this entry is, where it has several
+    label: Callable | None = None  # cfg -> the run's optimizer in a few words (the memory plan's first line)
+    # What it adds to a step: None, or the optimizer that takes exact MARS's look-ahead gradient (mars.MARS's
+    # protocol: update_previous_grad() after a backward pass on the next batch, update_last_grad() after
+    # the step).
+    look_ahead: Callable = no_look_ahead  # (optimizer, cfg) -> that optimizer or None
+    state_norms: Callable = no_state_norms  # (optimizer, sum_over_ranks) -> {metrics name: 0-d tensor}
+    check: Callable = no_check  # cfg -> None, or why cfg's other keys do not go with this optimizer
+    # Keys it does not read that a configuration may set to the value of one it does, with no note (Muon's
+    # learning_rate = muon_adamw_lr: the reference calls its AdamW part's lr learning_rate).
+    aliases: dict = dataclasses.field(default_factory=dict)
+    unused_hint: str = ""  # what the note naming the keys it does not read adds
+    unused_keys: frozenset = frozenset()  # keys other entries of its Registry read and it does not (set there)
+
+    @property
+    def name(self):
+        return self.mars_type or self.optimizer_name
+
+    @property
+    def selected_by(self):
+        """How a configuration names it: 'optimizer_name=muon', 'optimizer_name=mars, mars_type=mars-m'."""
+        variant = f", mars_type={self.mars_type}" if self.mars_type else ""
+        return f"optimizer_name={self.optimizer_name}{variant}"
+
+
+class Registry:
+    """A trainer's optimizers by the keys that name them: torchtitan's name-to-factory table."""
+
+    def __init__(self, *entries):
+        read = frozenset().union(*(entry.keys for entry in entries))
+        self.entries = tuple(dataclasses.replace(entry, unused_keys=read - entry.keys) for entry in entries)
+        self._by_name = {(entry.optimizer_name, entry.mars_type): entry for entry in self.entries}
+
+    def entry(self, cfg):
+        """The entry cfg names: optimizer_name's variant mars_type where it has variants."""
+        name = cfg.optimizer_name
+        entry = self._by_name.get((name, cfg.mars_type)) or self._by_name.get((name, None))
+        if entry is None:
+            offered = ", ".join(e.selected_by for e in self.entries)
+            raise ValueError(f"optimizer_name={name!r}, mars_type={cfg.mars_type!r} is none of: {offered}")
+        return entry
+
+    def optimizer_names(self):
+        """{optimizer_name: its one-line description}: the key's values and its --help."""
+        names = {}
+        for entry in self.entries:
+            if entry.mars_type is None:
+                names[entry.optimizer_name] = entry.description
+            elif entry.optimizer_name not in names:
+                variants = [e.mars_type for e in self.entries if e.optimizer_name == entry.optimizer_name]
+                names[entry.optimizer_name] = f"its variants (mars_type): {', '.join(variants)}"
+        return names
+
+    def mars_types(self):
+        """{mars_type: its one-line description}: the key's values and its --help."""
+        return {entry.mars_type: entry.description for entry in self.entries if entry.mars_type}
+
+
+def build(entry, model, cfg, placement):
+    """entry's optimizer over model's trainable parameters, each group named and holding cfg's settings and
+    its peak lr as 'initial_lr' (the schedule's start, see set_lr)."""
+    settings = entry.group_settings(cfg)
+    parts = entry.split(model, cfg)
+    _check_split(entry, model, parts)
+    groups = [
+        dict(params=params, name=name, **values, initial_lr=values["lr"])
+        for (name, values), params in zip(settings.items(), parts, strict=True)
+    ]
+    return entry.build(groups, cfg, placement)
+
+
+def _check_split(entry, model, parts):
+    """Every trainable parameter of model in exactly one of the parts, and no tensor that is not model's."""
+    counts = collections.Counter(id(p) for part in parts for p in part)
+    named = list(model.named_parameters())  # a tied tensor once
+    missing = [name for name, p in named if p.requires_grad and not counts[id(p)]]
+    repeated = [name for name, p in named if counts[id(p)] > 1]
+    foreign = counts.keys() - {id(p) for _, p in named}
+    if missing or repeated or foreign:
+        raise ValueError(
+            f"{entry.name}'s parameter groups must hold every trainable parameter once: missing "
+            f"{missing or 'none'}; in more than one group {repeated or 'none'}; {len(foreign)} tensors not the "
+            "model's"
         )
-        # the blocks' matrices, and the rest in the AdamW part (build_optimizer)
-        return {"matrices": mars_m, "adamw": dict(mars_m, routing="none")}
-    if cfg.optimizer_name == "muon":
-        return {
-            "muon": dict(lr=cfg.muon_lr, weight_decay=0.0),  # the reference's muon_weight_decay
-            "adamw": dict(lr=cfg.muon_adamw_lr, betas=betas, weight_decay=cfg.weight_decay),
-        }
-    shared = dict(lr=cfg.learning_rate, betas=betas)
-    if cfg.optimizer_name == "mars":
-        shared.update(
-            gamma=cfg.gamma, lr_1d=cfg.lr_1d, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d
-        )
-    return {"decay": dict(shared, weight_decay=cfg.weight_decay), "no_decay": dict(shared, weight_decay=0.0)}
 
 
-def with_settings(name, params, settings):
-    """A parameter group as build_optimizer makes it: its name, its settings and its peak lr ('initial_lr')."""
-    return dict(params=params, name=name, **settings[name], initial_lr=settings[name]["lr"])
-
-
-def group_hyperparameters(optimizer, cfg, settings=None):
-    """Write every hyperparameter cfg sets into optimizer's groups after load_state_dict, which restores
-    the checkpoint's: lr and 'initial_lr' (the peak), weight decays, betas, MARS's gamma and 1-D settings,
-    each group by its name. set_lr then schedules the lr. Optimizer-internal constants (eps, Muon's
-    momentum) stay. `settings`: each group's hyperparameters by its name, for an optimizer another trainer
-    builds (vision/train_cifar.py); by default those build_optimizer gives a TrainConfig's groups."""
-    settings = _group_settings(cfg) if settings is None else settings
+def group_hyperparameters(optimizer, entry, cfg):
+    """Write every hyperparameter cfg sets into optimizer's groups, each group by its name, after
+    load_state_dict restored the checkpoint's: lr and 'initial_lr' (the peak), weight decays, betas, MARS's
+    gamma and 1-D settings. set_lr then schedules the lr. Optimizer-internal constants (eps, Muon's
+    momentum) stay."""
+    settings = entry.group_settings(cfg)
     groups = optimizer.param_groups
     if len(groups) != len(settings):
-        raise ValueError(f"{cfg.optimizer_name} has {len(settings)} parameter groups, this optimizer {len(groups)}")
+        raise ValueError(f"{entry.name} has {len(settings)} parameter groups, this optimizer {len(groups)}")
     for group in groups:
         setting = settings.get(group.get("name"))
         if setting is None:
             raise ValueError(
-                f"{cfg.optimizer_name}'s parameter groups are {', '.join(settings)}; this optimizer has a group "
+                f"{entry.name}'s parameter groups are {', '.join(settings)}; this optimizer has a group "
                 f"named {group.get('name')!r}"
             )
         group.update(setting, initial_lr=setting["lr"])
@@ -254,16 +357,266 @@ def group_hyperparameters(optimizer, cfg, settings=None):
             group["lr_1d_factor"] = lr_1d_factor(setting["lr"], setting["lr_1d"])
 
 
-def load_state(optimizer, state, cfg, settings=None):
+def load_state(optimizer, state, entry, cfg):
     """A checkpoint's optimizer state under this run's configuration: load_state_dict restores the moments,
     the step counts and each group's saved settings; group_hyperparameters then writes cfg's settings on top,
     so a resume with --learning_rate=1e-4 trains at 1e-4. Groups saved before they had names take the names
-    of this optimizer's groups in order (build_optimizer has always made them in the same order)."""
+    of this optimizer's groups in order (build has always made them in the same order)."""
     names = [group["name"] for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, name in zip(optimizer.param_groups, names):
         group.setdefault("name", name)
-    group_hyperparameters(optimizer, cfg, settings)
+    group_hyperparameters(optimizer, entry, cfg)
+
+
+def step(optimizer, look_ahead=None, scaler=None):
+    """One update as training makes it: through the GradScaler when there is one (it skips a step whose
+    gradients hold an inf and adjusts the loss scale), then the look-ahead's update_last_grad (exact MARS)."""
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+    if look_ahead is not None:
+        look_ahead.update_last_grad()
+
+
+# ---------------------------------------------------------------------------------------------------
+# train.py's optimizers.
+
+
+def _mars_settings(cfg):
+    """MARS-AdamW, -Lion, -Shampoo: the reference's two weight-decay groups (model.param_groups)."""
+    shared = dict(
+        lr=cfg.learning_rate,
+        betas=(cfg.beta1, cfg.beta2),
+        gamma=cfg.gamma,
+        lr_1d=cfg.lr_1d,
+        betas_1d=tuple(cfg.betas_1d),
+        weight_decay_1d=cfg.weight_decay_1d,
+    )
+    return {"decay": dict(shared, weight_decay=cfg.weight_decay), "no_decay": dict(shared, weight_decay=0.0)}
+
+
+def _mars_m_settings(cfg):
+    """MARS-M: the reference's one group, whose AdamW part takes the same lr and weight decay as the matrices;
+    here the blocks' matrices and the rest (in the AdamW part)."""
+    mars_m = dict(
+        lr=cfg.learning_rate,
+        betas=(cfg.beta1, cfg.beta2),
+        weight_decay=cfg.weight_decay,
+        gamma=cfg.gamma,
+        lr_1d=cfg.learning_rate,
+        betas_1d=tuple(cfg.betas_1d),
+        weight_decay_1d=cfg.weight_decay,
+    )
+    return {"matrices": mars_m, "adamw": dict(mars_m, routing="none")}
+
+
+def _adamw_settings(cfg):
+    shared = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+    return {"decay": dict(shared, weight_decay=cfg.weight_decay), "no_decay": dict(shared, weight_decay=0.0)}
+
+
+def _muon_settings(cfg):
+    return {
+        "muon": dict(lr=cfg.muon_lr, weight_decay=0.0),  # the reference's muon_weight_decay
+        "adamw": dict(lr=cfg.muon_adamw_lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay),
+    }
+
+
+def _moonlight_settings(cfg):
+    return {
+        "muon": dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, momentum=cfg.beta1),
+        "adamw": dict(lr=cfg.learning_rate, betas=tuple(cfg.betas_1d), weight_decay=cfg.weight_decay),
+    }
+
+
+def _decay_split(model, cfg):
+    return [group["params"] for group in param_groups(model, cfg.weight_decay)]
+
+
+def _muon_split(model, cfg):
+    return {"all": matrix_params, "hidden": hidden_matrix_params}[cfg.muon_matrices](model)
+
+
+def _hidden_matrix_split(model, cfg):
+    return hidden_matrix_params(model)
+
+
+def _mars_m(groups, cfg, placement, **options):
+    return placement.make(
+        MARS,
+        groups,
+        is_approx=cfg.is_approx,
+        mars_type=cfg.mars_type,
+        last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
+        # The memory plan steps on the meta device: the same state either way, and compiling would cost seconds.
+        fused=cfg.mars_fused and placement.device_type != "meta",
+        **options,
+    )
+
+
+def _mars(groups, cfg, placement):
+    """MARS-AdamW, -Lion, -Shampoo: MARS-M's options and optimize_1d, which MARS-M's reference does not have."""
+    return _mars_m(groups, cfg, placement, optimize_1d=cfg.optimize_1d)
+
+
+def _adamw(groups, cfg, placement):
+    return placement.make(torch.optim.AdamW, groups, fused=placement.device_type == "cuda")
+
+
+def _muon(groups, cfg, placement):
+    muon, adamw = groups
+    # The reference Muon (MARS/optimizers/muon.py, after modded-nanogpt) scales each update by
+    # sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original". Its other differences from torch's Muon
+    # are in the README's note.
+    return ChainedOptimizer(
+        placement.make(torch.optim.Muon, [muon], momentum=0.95, nesterov=True, adjust_lr_fn="original"),
+        _adamw([adamw], cfg, placement),
+    )
+
+
+def _moonlight(groups, cfg, placement):
+    muon, adamw = groups
+    # The reference Moonlight sums its momentum where torch's averages it; Newton-Schulz normalises that
+    # factor away (tests/test_optimizers.py holds the two to each other).
+    return ChainedOptimizer(
+        placement.make(torch.optim.Muon, [muon], nesterov=True, adjust_lr_fn="match_rms_adamw"),
+        _adamw([adamw], cfg, placement),
+    )
+
+
+def _exact_mars_look_ahead(optimizer, cfg):
+    """Exact MARS (is_approx=False), in the reference train_mars.py's order: before step t the loop runs a
+    backward pass on step t+1's batch at the current parameters, unscales and clips that gradient like any
+    other, and update_previous_grad() keeps it; after the step update_last_grad() makes it g_{t-1} of the
+    next step's correction. The loop then runs the step's own backward pass as usual. The MARS optimizer
+    that takes it: this rank's share's under ZeRO-1."""
+    if cfg.is_approx:
+        return None
+    return optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer
+
+
+def _norm(tensors, device):
+    return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros((), device=device)
+
+
+def _moment_norms(optimizer, sum_over_ranks=None, *, second_moment=False):
+    """The norms of MARS's state the reference train_mars.py logs, {metrics name: 0-d float tensor on the
+    parameters' device}: the norm of m over every tensor and, with second_moment (mars-adamw), that of v and
+    their ratio (Lion's, Shampoo's and MARS-M's matrices keep no v: only the 1-D tensors' would count).
+
+    sum_over_ranks: under ZeRO-1 each rank holds a share of the state; an all-reduce (sum) of a tensor, which
+    every rank must then call. Nothing here reads a number back to the host."""
+    device = optimizer.param_groups[0]["params"][0].device
+    states = [s for s in optimizer.state.values() if "exp_avg" in s]
+    m = _norm([s["exp_avg"] for s in states], device)
+    v = _norm([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s], device)
+    if sum_over_ranks is not None:
+        m, v = sum_over_ranks(torch.stack([m, v]).float() ** 2).sqrt()
+    norms = {metrics.MOMENTUM_NORM: m.float()}
+    if second_moment:
+        norms[metrics.MOMENTUM_NORM_SQ] = v.float()
+        norms[metrics.MOMENTUM_DIV] = m.float() / (v.float().sqrt() + 1e-8)  # as the reference logs it
+    return norms
+
+
+def _mars_label(cfg):
+    return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
+
+
+def _mars_m_check(cfg):
+    if cfg.optimize_1d:
+        return (
+            "optimize_1d=True does not apply to mars_type=mars-m: it trains the embeddings, head and 1-D tensors "
+            "with AdamW, as its reference; drop optimize_1d"
+        )
+    return None
+
+
+# What every MARS variant reads; MARS-M's AdamW part takes learning_rate and weight_decay where the others'
+# 1-D tensors take lr_1d and weight_decay_1d.
+_MARS_KEYS = frozenset(
+    {"learning_rate", "weight_decay", "beta1", "beta2", "gamma", "is_approx", "mars_type", "betas_1d"}
+    | {"last_grad_dtype", "mars_fused"}
+)
+_MARS_1D_KEYS = frozenset({"lr_1d", "weight_decay_1d", "optimize_1d"})
+
+
+def _mars_variant(mars_type, description, state_norms=_moment_norms):
+    """MARS-AdamW, -Lion or -Shampoo: the paper's MARS with that update rule (mars.py)."""
+    return OptimizerEntry(
+        optimizer_name="mars",
+        mars_type=mars_type,
+        description=description,
+        keys=_MARS_KEYS | _MARS_1D_KEYS,
+        group_settings=_mars_settings,
+        split=_decay_split,
+        build=_mars,
+        label=_mars_label,
+        look_ahead=_exact_mars_look_ahead,
+        state_norms=state_norms,
+    )
+
+
+OPTIMIZERS = Registry(
+    _mars_variant(
+        "mars-adamw",
+        "the paper's MARS: AdamW's update of the variance-reduced gradient on the 2-D tensors, AdamW on the rest",
+        partial(_moment_norms, second_moment=True),
+    ),
+    _mars_variant("mars-lion", "MARS with Lion's sign update on the 2-D tensors, AdamW on the rest"),
+    _mars_variant(
+        "mars-shampoo",
+        "MARS with Shampoo's update (Newton-Schulz of the momentum) on the 2-D tensors, AdamW on the rest",
+    ),
+    OptimizerEntry(
+        optimizer_name="mars",
+        mars_type="mars-m",
+        description="MARS-M (Liu et al. 2025): Newton-Schulz at AdamW's update RMS on the blocks' matrices, "
+        "AdamW (betas_1d, learning_rate, weight_decay) on the embeddings, head and 1-D tensors, as its reference",
+        keys=_MARS_KEYS,
+        group_settings=_mars_m_settings,
+        split=_hidden_matrix_split,
+        build=_mars_m,
+        label=_mars_label,
+        look_ahead=_exact_mars_look_ahead,
+        state_norms=_moment_norms,
+        check=_mars_m_check,
+    ),
+    OptimizerEntry(
+        optimizer_name="adamw",
+        description="torch.optim.AdamW over the reference's decay and no-decay groups, fused on CUDA",
+        keys=frozenset({"learning_rate", "weight_decay", "beta1", "beta2"}),
+        group_settings=_adamw_settings,
+        split=_decay_split,
+        build=_adamw,
+        label=lambda cfg: "AdamW",
+    ),
+    OptimizerEntry(
+        optimizer_name="muon",
+        description="torch.optim.Muon (muon_lr, no weight decay) on the matrices muon_matrices names, AdamW "
+        "(muon_adamw_lr, beta1, beta2, weight_decay) on the rest",
+        keys=frozenset({"weight_decay", "beta1", "beta2", "muon_lr", "muon_adamw_lr", "muon_matrices"}),
+        group_settings=_muon_settings,
+        split=_muon_split,
+        build=_muon,
+        label=lambda cfg: "Muon + AdamW",
+        aliases={"learning_rate": "muon_adamw_lr"},
+        unused_hint="Muon's lrs are muon_lr and muon_adamw_lr",
+    ),
+    OptimizerEntry(
+        optimizer_name="moonlight",
+        description="MARS-M's baseline: torch.optim.Muon scaled to AdamW's update RMS on the blocks' matrices, "
+        "AdamW (betas_1d) on the rest, both at learning_rate and weight_decay",
+        keys=frozenset({"learning_rate", "weight_decay", "beta1", "betas_1d"}),
+        group_settings=_moonlight_settings,
+        split=_hidden_matrix_split,
+        build=_moonlight,
+        label=lambda cfg: "Moonlight (Muon + AdamW)",
+    ),
+)
 
 
 def is_sharded(cfg, world_size):
@@ -272,73 +625,10 @@ def is_sharded(cfg, world_size):
 
 
 def build_optimizer(model, cfg, device_type, world_size=1):
-    """The optimizer cfg.optimizer_name names, over model's parameters (already on their device); sharded
-    over the default process group's world_size ranks when is_sharded (each torch optimizer a
-    ShardedOptimizer)."""
-    fused = device_type == "cuda"
-    settings = _group_settings(cfg)
-
-    def make(optimizer_class, groups, **kwargs):
-        if is_sharded(cfg, world_size):
-            return ShardedOptimizer(groups, optimizer_class=optimizer_class, **kwargs)
-        return optimizer_class(groups, **kwargs)
-
-    if cfg.optimizer_name == "muon":
-        split = matrix_params if cfg.muon_matrices == "all" else hidden_matrix_params
-        muon_params, adamw_params = split(model)
-        # The reference Muon (MARS/optimizers/muon.py, after modded-nanogpt) scales each update by
-        # sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original". Its other differences from
-        # torch's Muon are in the README's note.
-        optimizer = ChainedOptimizer(
-            make(
-                torch.optim.Muon,
-                [with_settings("muon", muon_params, settings)],
-                momentum=0.95,
-                nesterov=True,
-                adjust_lr_fn="original",
-            ),
-            make(torch.optim.AdamW, [with_settings("adamw", adamw_params, settings)], fused=fused),
-        )
-    elif cfg.optimizer_name == "moonlight":
-        muon_params, adamw_params = hidden_matrix_params(model)
-        # The reference Moonlight sums its momentum where torch's averages it; Newton-Schulz normalises
-        # that factor away (tests/test_optim.py holds the two to each other).
-        optimizer = ChainedOptimizer(
-            make(
-                torch.optim.Muon,
-                [with_settings("muon", muon_params, settings)],
-                nesterov=True,
-                adjust_lr_fn="match_rms_adamw",
-            ),
-            make(torch.optim.AdamW, [with_settings("adamw", adamw_params, settings)], fused=fused),
-        )
-    elif cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
-        matrices, adamw_params = hidden_matrix_params(model)
-        groups = [with_settings("matrices", matrices, settings), with_settings("adamw", adamw_params, settings)]
-        optimizer = make(
-            MARS,
-            groups,
-            is_approx=cfg.is_approx,
-            mars_type=cfg.mars_type,
-            last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
-        )
-    else:
-        decay, no_decay = (group["params"] for group in param_groups(model, cfg.weight_decay))
-        groups = [with_settings("decay", decay, settings), with_settings("no_decay", no_decay, settings)]
-        if cfg.optimizer_name == "mars":
-            optimizer = make(
-                MARS,
-                groups,
-                is_approx=cfg.is_approx,
-                mars_type=cfg.mars_type,
-                optimize_1d=cfg.optimize_1d,
-                last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
-            )
-        elif cfg.optimizer_name == "adamw":
-            optimizer = make(torch.optim.AdamW, groups, fused=fused)
-        else:
-            raise ValueError(f"optimizer_name={cfg.optimizer_name!r} is not one of: mars, adamw, muon, moonlight")
-    return optimizer
+    """The optimizer cfg names, over model's parameters (already on their device); sharded over the default
+    process group's world_size ranks when is_sharded (each torch optimizer a ShardedOptimizer)."""
+    placement = Placement(device_type, sharded=is_sharded(cfg, world_size))
+    return build(OPTIMIZERS.entry(cfg), model, cfg, placement)
 
 
 def scheduled_lr(it, cfg, peak):
@@ -377,69 +667,3 @@ def set_lr(optimizer, it, cfg):
     """Every group's lr at iteration `it`: the schedule from its 'initial_lr'."""
     for group in optimizer.param_groups:
         group["lr"] = scheduled_lr(it, cfg, group["initial_lr"])
-
-
-# ---------------------------------------------------------------------------------------------------
-# What an optimizer asks of a training step beyond backward() and step(), and what it adds to the log.
-
-
-class LookAhead:
-    """Exact MARS (is_approx=False), in the reference train_mars.py's order: before step t the loop runs a
-    backward pass on step t+1's batch at the current parameters, unscales and clips that gradient like any
-    other, and store() keeps it; after the step, after_step() makes it g_{t-1} of the next step's correction.
-    The loop then runs the step's own backward pass as usual."""
-
-    # forward and backward passes per optimizer step: the look-ahead pass, then the step's own
-    passes = 2
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    def store(self):
-        self.optimizer.update_previous_grad()
-
-    def after_step(self):
-        self.optimizer.update_last_grad()
-
-
-def look_ahead(optimizer, cfg):
-    """The LookAhead the run's optimizer needs (exact MARS), or None."""
-    return LookAhead(optimizer) if cfg.optimizer_name == "mars" and not cfg.is_approx else None
-
-
-def step(optimizer, look_ahead=None, scaler=None):
-    """One update as training makes it: through the GradScaler when there is one (it skips a step whose
-    gradients hold an inf and adjusts the loss scale), then the look-ahead's after_step."""
-    if scaler is None:
-        optimizer.step()
-    else:
-        scaler.step(optimizer)
-        scaler.update()
-    if look_ahead is not None:
-        look_ahead.after_step()
-
-
-def _norm(tensors, device):
-    return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros((), device=device)
-
-
-def state_norms(optimizer, cfg, sum_over_ranks=None):
-    """The norms of optimizer state the reference train_mars.py logs, {metrics name: 0-d float tensor on the
-    parameters' device}: for MARS the norm of m over every tensor and, for mars-adamw, that of v and their
-    ratio (Lion's and Shampoo's matrices keep no v: only the 1-D tensors' would count); {} otherwise.
-
-    sum_over_ranks: under ZeRO-1 each rank holds a share of the state; an all-reduce (sum) of a tensor, which
-    every rank must then call. Nothing here reads a number back to the host."""
-    if cfg.optimizer_name != "mars":
-        return {}
-    device = optimizer.param_groups[0]["params"][0].device
-    states = [s for s in optimizer.state.values() if "exp_avg" in s]
-    m = _norm([s["exp_avg"] for s in states], device)
-    v = _norm([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s], device)
-    if sum_over_ranks is not None:
-        m, v = sum_over_ranks(torch.stack([m, v]).float() ** 2).sqrt()
-    norms = {metrics.MOMENTUM_NORM: m.float()}
-    if cfg.mars_type == "mars-adamw":
-        norms[metrics.MOMENTUM_NORM_SQ] = v.float()
-        norms[metrics.MOMENTUM_DIV] = m.float() / (v.float().sqrt() + 1e-8)  # as the reference logs it
-    return norms

@@ -140,7 +140,7 @@ def use_expandable_segments():
 def wrap_ddp(model, dist_info):
     """model under DDP with gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of
     beside them, one gradient-sized copy less (6.2 GB on GPT-2 XL). That holds only while they stay there:
-    train.zero_grad zeroes them in place instead of setting them to None, and they exist before DDP is built,
+    train.train_step zeroes them in place instead of setting them to None, and they exist before DDP is built,
     so DDP places them in its buckets at once -- else the no_sync micro-batches of the first step would
     accumulate into gradients of their own beside the buckets."""
     for p in model.parameters():
@@ -199,11 +199,9 @@ def add_device_arguments(parser):
 
 
 def exit_process(code):
-    """End this process with `code`. A torchrun rank leaves without the interpreter's teardown: on torch
-    2.13's CPU build, DDP over gloo aborts that teardown now and then ("terminate called without an active
-    exception"; 4 of 20 two-rank runs of a ten-line DDP script here, 0 of 20 with this), which turns a
-    finished run into a failed one for torchrun and the scheduler. Everything is written and closed by
-    the time a rank gets here."""
+    """End this process with `code`. A torchrun rank leaves without the interpreter's teardown, which DDP over
+    gloo sometimes aborts, failing a finished run (docs/training.md, "Checkpoints and faults"). Everything is
+    written and closed by the time a rank gets here."""
     sys.stdout.flush()
     sys.stderr.flush()
     if "RANK" in os.environ:

@@ -1,13 +1,14 @@
 """marsgpt/config.py: config files, overrides and their order, every error, --help."""
 
 import dataclasses
+import io
 import os
 import subprocess
 import sys
 
 import pytest
 
-from marsgpt.config import ConfigError, TrainConfig, config_to_dict, load_config, main, unused_keys
+from marsgpt.config import ConfigError, TrainConfig, config_to_dict, load_config, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,6 +195,24 @@ def test_any_dataclass_declared_with_key_parses_and_checks(tmp_path):
         load_config(["--epoch=1"], Small)
 
 
+def test_help_lists_a_key_s_choices_with_their_meaning():
+    from typing import Literal
+
+    from marsgpt.config import key, print_help
+
+    @dataclasses.dataclass
+    class Small:
+        """A config of another tool."""
+
+        mode: Literal["a", "bb"] = key("a", "which mode", choices={"a": "the first", "bb": "the second"})
+
+    out = io.StringIO()
+    print_help(Small, usage="tool", file=out)
+    assert "  --mode='a'  [one of: a, bb]\n      which mode\n        a   the first\n        bb  the second\n" in (
+        out.getvalue()
+    )
+
+
 def test_config_files_may_import_helpers(tmp_path):
     path = write(
         tmp_path,
@@ -201,13 +220,3 @@ def test_config_files_may_import_helpers(tmp_path):
         "import math\nfrom os.path import join\ndef half(x):\n    return x // 2\nbatch_size = half(8)\n",
     )
     assert load_config([path]).batch_size == 4
-
-
-def test_mars_m_and_moonlight_name_the_keys_they_do_not_read():
-    """MARS-M's and Moonlight's AdamW part takes learning_rate and weight_decay (their reference), so the
-    1-D settings other than betas_1d are unused; Moonlight reads beta1 as its momentum and no beta2."""
-    mars_m = unused_keys(TrainConfig(mars_type="mars-m"))
-    assert {"lr_1d", "weight_decay_1d", "optimize_1d"} <= mars_m and not {"betas_1d", "gamma", "is_approx"} & mars_m
-    moonlight = unused_keys(TrainConfig(optimizer_name="moonlight"))
-    assert {"gamma", "lr_1d", "weight_decay_1d", "mars_type", "beta2", "muon_lr"} <= moonlight
-    assert not {"betas_1d", "beta1", "learning_rate", "weight_decay"} & moonlight

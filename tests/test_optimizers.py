@@ -1,11 +1,14 @@
-"""marsgpt/optimizers.py: every group's lr against the reference's get_lr, each optimizer built as the reference builds
-it (the Muon split on GPT-2 small by name), torch's Muon against the reference's, group_hyperparameters."""
+"""marsgpt/optimizers.py: the registry (each entry's keys, its parameter split, the optimizer it builds), every
+group's lr against the reference's get_lr, each optimizer built as the reference builds it (the Muon split on
+GPT-2 small by name), torch's Muon against the reference's, group_hyperparameters."""
 
 import copy
 import dataclasses
 import glob
+import io
 import math
 import os
+import typing
 
 import pytest
 import torch
@@ -13,9 +16,17 @@ from reference_runs import PAPER_RUNS, reference_get_lr, reference_run
 
 import mars
 from mars import MARS
-from marsgpt.config import ConfigError, TrainConfig, load_config
-from marsgpt.optimizers import ChainedOptimizer, build_optimizer, group_hyperparameters, scheduled_lr, set_lr
-from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, param_groups
+from marsgpt import optimizers
+from marsgpt.config import ConfigError, TrainConfig, load_config, print_help
+from marsgpt.optimizers import (
+    OPTIMIZERS,
+    ChainedOptimizer,
+    build_optimizer,
+    group_hyperparameters,
+    scheduled_lr,
+    set_lr,
+)
+from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, matrix_params, param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,6 +63,245 @@ def train_steps(model, optimizer, steps, seed=1):
             optimizer.update_last_grad()
         losses.append(loss.item())
     return losses
+
+
+# --- the registry
+
+
+def gpt2_small():
+    with torch.device("meta"):  # the shapes and names only: no memory, no initialisation cost
+        return GPT(GPTConfig(**PRESETS["small"], bias=False))
+
+
+def entry_config(entry, **overrides):
+    return dataclasses.replace(
+        TrainConfig(), optimizer_name=entry.optimizer_name, mars_type=entry.mars_type or "mars-adamw", **overrides
+    )
+
+
+ENTRIES = pytest.mark.parametrize("entry", OPTIMIZERS.entries, ids=lambda entry: entry.name)
+
+# Another valid value for every key some optimizer reads (mars_type: the next variant).
+OTHER_VALUES = dict(
+    learning_rate=1e-2,
+    weight_decay=0.3,
+    beta1=0.8,
+    beta2=0.9,
+    gamma=0.05,
+    is_approx=False,
+    betas_1d=(0.8, 0.85),
+    last_grad_dtype="bfloat16",
+    mars_fused=True,
+    lr_1d=1e-4,
+    weight_decay_1d=0.3,
+    optimize_1d=True,
+    muon_lr=1e-3,
+    muon_adamw_lr=2e-4,
+    muon_matrices="hidden",
+)
+MARS_TYPES = [entry.mars_type for entry in OPTIMIZERS.entries if entry.mars_type]
+
+
+def built(model, cfg):
+    """What build_optimizer makes of cfg: each torch optimizer's class and its groups, parameters by name."""
+    optimizer = build_optimizer(model, cfg, "cpu")
+    names = {id(p): name for name, p in model.named_parameters()}
+    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return [
+        (
+            type(o),
+            [{k: [names[id(p)] for p in v] if k == "params" else v for k, v in g.items()} for g in o.param_groups],
+        )
+        for o in inner
+    ]
+
+
+@ENTRIES
+def test_an_entry_reads_exactly_the_keys_it_declares(entry):
+    """Each key some optimizer reads, set to another value: this optimizer changes exactly when its entry
+    declares the key. So the keys it does not read (unused_keys: the resume rule, the ignored-settings note)
+    are right."""
+    every_key = frozenset().union(*(e.keys for e in OPTIMIZERS.entries))
+    assert every_key == set(OTHER_VALUES) | {"mars_type"}
+    assert every_key <= {f.name for f in dataclasses.fields(TrainConfig)}
+    assert entry.unused_keys == every_key - entry.keys
+    cfg = entry_config(entry)
+    model = tiny_model()
+    baseline = built(model, cfg)
+    next_variant = MARS_TYPES[(MARS_TYPES.index(cfg.mars_type) + 1) % len(MARS_TYPES)]
+    for key, value in {**OTHER_VALUES, "mars_type": next_variant}.items():
+        assert value != getattr(cfg, key)
+        assert (built(model, dataclasses.replace(cfg, **{key: value})) != baseline) == (key in entry.keys), key
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [entry_config(entry) for entry in OPTIMIZERS.entries]
+    + [TrainConfig(optimizer_name="muon", muon_matrices="hidden")],
+    ids=lambda cfg: f"{cfg.optimizer_name}-{cfg.mars_type}-{cfg.muon_matrices}",
+)
+def test_every_parameter_is_in_exactly_one_group(cfg):
+    for model in (tiny_model(), gpt2_small()):  # the tied embedding and head: one tensor, in one group
+        optimizer = build_optimizer(model, cfg, "cpu")
+        grouped = [id(p) for group in optimizer.param_groups for p in group["params"]]
+        assert sorted(grouped) == sorted(id(p) for p in model.parameters())
+
+
+def test_a_split_that_misses_or_repeats_a_parameter_is_refused():
+    cfg = TrainConfig()
+    entry, model = OPTIMIZERS.entry(cfg), tiny_model()
+    placement = optimizers.Placement("cpu")
+    wpe = model.transformer.wpe.weight
+
+    def without_wpe(model, cfg):
+        return [[p for p in group if p is not wpe] for group in entry.split(model, cfg)]
+
+    def wpe_twice(model, cfg):
+        decay, no_decay = entry.split(model, cfg)
+        return [decay + [wpe], no_decay]
+
+    def foreign(model, cfg):
+        decay, no_decay = entry.split(model, cfg)
+        return [decay + [torch.nn.Parameter(torch.zeros(2))], no_decay]
+
+    for split, message in [
+        (without_wpe, r"missing \['transformer.wpe.weight'\]"),
+        (wpe_twice, r"in more than one group \['transformer.wpe.weight'\]"),
+        (foreign, "1 tensors not the model's"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            optimizers.build(dataclasses.replace(entry, split=split), model, cfg, placement)
+    wpe.requires_grad_(False)  # a frozen parameter may stay out
+    frozen_out = optimizers.build(dataclasses.replace(entry, split=without_wpe), model, cfg, placement)
+    assert all(p is not wpe for group in frozen_out.param_groups for p in group["params"])
+
+
+def test_every_variant_of_an_optimizer_name_is_a_config_value():
+    cfg_types = typing.get_type_hints(TrainConfig)
+    assert typing.get_args(cfg_types["optimizer_name"]) == ("mars", "adamw", "muon", "moonlight")
+    assert typing.get_args(cfg_types["mars_type"]) == tuple(MARS_TYPES) == mars.MARS_TYPES
+    for entry in OPTIMIZERS.entries:
+        assert OPTIMIZERS.entry(entry_config(entry)) is entry
+        assert entry.description and entry.label(entry_config(entry))
+
+
+def test_help_shows_each_entry_s_description_under_the_key_that_names_it():
+    out = io.StringIO()
+    print_help(file=out)
+    text = out.getvalue()
+    names = text[text.index("  --optimizer_name=") : text.index("  --learning_rate=")]
+    variants = text[text.index("  --mars_type=") : text.index("  --optimize_1d=")]
+    for entry in OPTIMIZERS.entries:
+        assert entry.description in (variants if entry.mars_type else names), entry.name
+
+
+def test_mars_m_and_moonlight_name_the_keys_they_do_not_read():
+    """MARS-M's and Moonlight's AdamW part takes learning_rate and weight_decay (their reference), so the
+    1-D settings other than betas_1d are unused; Moonlight reads beta1 as its momentum and no beta2."""
+    mars_m = OPTIMIZERS.entry(TrainConfig(mars_type="mars-m")).unused_keys
+    assert {"lr_1d", "weight_decay_1d", "optimize_1d"} <= mars_m and not {"betas_1d", "gamma", "is_approx"} & mars_m
+    moonlight = OPTIMIZERS.entry(TrainConfig(optimizer_name="moonlight")).unused_keys
+    assert {"gamma", "lr_1d", "weight_decay_1d", "mars_type", "beta2", "muon_lr"} <= moonlight
+    assert not {"betas_1d", "beta1", "learning_rate", "weight_decay"} & moonlight
+
+
+def construction_before_the_registry(model, cfg):
+    """The optimizer build_optimizer made of cfg at a13f015, before the registry, written out. (MARS's
+    fused=False: the mars_fused key's default; a13f015 left MARS's own None, which takes the same path.)"""
+    betas = (cfg.beta1, cfg.beta2)
+
+    def group(name, params, **settings):
+        return dict(params=params, name=name, **settings, initial_lr=settings["lr"])
+
+    mars_options = dict(
+        is_approx=cfg.is_approx, mars_type=cfg.mars_type, last_grad_dtype=getattr(torch, cfg.last_grad_dtype)
+    )
+    decay, no_decay = (g["params"] for g in param_groups(model, cfg.weight_decay))
+    if cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
+        matrices, rest = hidden_matrix_params(model)
+        settings = dict(lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay, gamma=cfg.gamma)
+        settings.update(lr_1d=cfg.learning_rate, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay)
+        groups = [group("matrices", matrices, **settings), group("adamw", rest, **settings, routing="none")]
+        return MARS(groups, **mars_options, fused=False)
+    if cfg.optimizer_name == "mars":
+        settings = dict(lr=cfg.learning_rate, betas=betas, gamma=cfg.gamma, lr_1d=cfg.lr_1d)
+        settings.update(betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d)
+        groups = [group("decay", decay, **settings, weight_decay=cfg.weight_decay)]
+        groups.append(group("no_decay", no_decay, **settings, weight_decay=0.0))
+        return MARS(groups, **mars_options, optimize_1d=cfg.optimize_1d, fused=False)
+    if cfg.optimizer_name == "adamw":
+        settings = dict(lr=cfg.learning_rate, betas=betas)
+        groups = [group("decay", decay, **settings, weight_decay=cfg.weight_decay)]
+        return torch.optim.AdamW(groups + [group("no_decay", no_decay, **settings, weight_decay=0.0)], fused=False)
+    if cfg.optimizer_name == "muon":
+        muon, rest = (matrix_params if cfg.muon_matrices == "all" else hidden_matrix_params)(model)
+        return ChainedOptimizer(
+            torch.optim.Muon(
+                [group("muon", muon, lr=cfg.muon_lr, weight_decay=0.0)],
+                momentum=0.95,
+                nesterov=True,
+                adjust_lr_fn="original",
+            ),
+            torch.optim.AdamW(
+                [group("adamw", rest, lr=cfg.muon_adamw_lr, betas=betas, weight_decay=cfg.weight_decay)], fused=False
+            ),
+        )
+    muon, rest = hidden_matrix_params(model)  # moonlight
+    shared = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return ChainedOptimizer(
+        torch.optim.Muon(
+            [group("muon", muon, **shared, momentum=cfg.beta1)], nesterov=True, adjust_lr_fn="match_rms_adamw"
+        ),
+        torch.optim.AdamW([group("adamw", rest, **shared, betas=tuple(cfg.betas_1d))], fused=False),
+    )
+
+
+def assert_same_state(a, b, where="state_dict"):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.mark.parametrize(
+    "optimizer, more",
+    [(o, []) for o in ("mars", "mars_lion", "mars_shampoo", "mars_m", "adamw", "muon", "moonlight")]
+    + [("mars", ["--is_approx=False"]), ("mars_m", ["--is_approx=False"]), ("muon", ["--muon_matrices=hidden"])]
+    + [("mars", ["--optimize_1d=True", "--last_grad_dtype=bfloat16"])],
+)
+def test_each_config_builds_the_optimizer_it_built_before_the_registry(optimizer, more):
+    """Four steps of the loop's protocol (exact MARS's look-ahead gradient included) from the same weights:
+    the registry's optimizer and the one written out above end with the same state, bit for bit."""
+    cfg = paper_config("small", optimizer, "--warmup_iters=2", *more)
+    ours, before = tiny_model(), tiny_model()
+    runs = []
+    for model, opt in (
+        (ours, build_optimizer(ours, cfg, "cpu")),
+        (before, construction_before_the_registry(before, cfg)),
+    ):
+        look_ahead = OPTIMIZERS.entry(cfg).look_ahead(opt, cfg)
+        generator = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(5)]
+        for it in range(4):
+            set_lr(opt, it, cfg)
+            if look_ahead is not None:
+                model(batches[it + 1], torch.roll(batches[it + 1], -1, dims=1))[1].backward()
+                look_ahead.update_previous_grad()
+                opt.zero_grad(set_to_none=True)
+            model(batches[it], torch.roll(batches[it], -1, dims=1))[1].backward()
+            optimizers.step(opt, look_ahead)
+            opt.zero_grad(set_to_none=True)
+        runs.append((model.state_dict(), opt.state_dict()))
+    assert (look_ahead is None) == cfg.is_approx
+    assert_same_state(runs[0], runs[1])
 
 
 # --- the schedule
@@ -150,11 +400,6 @@ def test_adamw_uses_the_reference_groups_and_betas():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert all(g["betas"] == (0.9, 0.95) and g["initial_lr"] == 6e-4 and not g["fused"] for g in opt.param_groups)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
-
-
-def gpt2_small():
-    with torch.device("meta"):  # the shapes and names only: no memory, no initialisation cost
-        return GPT(GPTConfig(**PRESETS["small"], bias=False))
 
 
 def split_by_name(model, optimizer):
@@ -421,7 +666,7 @@ def test_group_hyperparameters_apply_a_new_config_after_load_state_dict(size, op
     fresh = hyperparameters(resumed)
     resumed.load_state_dict(saved)
     assert hyperparameters(resumed) == hyperparameters(opt) != fresh  # the checkpoint's values came back
-    group_hyperparameters(resumed, new)
+    group_hyperparameters(resumed, OPTIMIZERS.entry(new), new)
     assert hyperparameters(resumed) == fresh  # every key as a new optimizer built from `new` has it
     for p in model.parameters():  # and the state stays the checkpoint's
         assert resumed.state[p].keys() == opt.state[p].keys()
@@ -432,8 +677,9 @@ def test_group_hyperparameters_apply_a_new_config_after_load_state_dict(size, op
 
 def test_group_hyperparameters_refuses_an_optimizer_with_other_groups():
     model = tiny_model()
+    cfg = paper_config("small", "adamw")
     with pytest.raises(ValueError, match="adamw has 2 parameter groups, this optimizer 1"):
-        group_hyperparameters(torch.optim.SGD(model.parameters(), lr=0.1), paper_config("small", "adamw"))
+        group_hyperparameters(torch.optim.SGD(model.parameters(), lr=0.1), OPTIMIZERS.entry(cfg), cfg)
 
 
 def test_every_shipped_config_builds_its_optimizer():
@@ -457,6 +703,6 @@ def test_group_hyperparameters_pair_groups_by_name_not_position(optimizer):
             inner.param_groups[0].update(settings)
     else:
         opt.param_groups[:] = reordered
-    group_hyperparameters(opt, cfg)
+    group_hyperparameters(opt, OPTIMIZERS.entry(cfg), cfg)
     by_name = {g["name"]: g for g in hyperparameters(opt)}
     assert by_name == {g["name"]: g for g in expected}

@@ -134,6 +134,23 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     assert checked == sum(p.ndim >= 2 for p in model.parameters())
 
 
+def test_mars_fused_trains_through_the_compiled_step(data_path, tmp_path, capsys):
+    """--mars_fused=True gives MARS fused=True: its step goes through torch.compile (a graph is captured; the
+    model itself is not compiled here) and trains as the default path does, to float32 rounding."""
+    from torch._dynamo.utils import counters
+
+    default, fused = str(tmp_path / "default"), str(tmp_path / "fused")
+    run_ok(tiny_args(data_path, default, max_iters=4), capsys)
+    torch._dynamo.reset()  # a graph an earlier test compiled would be reused without being counted
+    graphs = counters["stats"]["unique_graphs"]
+    run_ok(tiny_args(data_path, fused, max_iters=4, mars_fused=True), capsys)
+    assert counters["stats"]["unique_graphs"] > graphs
+    losses = {out: [r["train/loss"] for r in read_metrics(out) if "train/loss" in r] for out in (default, fused)}
+    assert len(losses[fused]) == 4 and losses[fused] == pytest.approx(losses[default], rel=1e-5)
+    groups = torch.load(os.path.join(fused, "ckpt.pt"), weights_only=True)["optimizer"]["param_groups"]
+    assert [g["fused"] for g in groups] == [True, True]
+
+
 def test_grad_multiplier_scales_the_gradient_not_the_loss(data_path, tmp_path):
     """The paper's configs reproduce its summed (not averaged) micro-batch gradients with grad_multiplier."""
     first_lines = {}

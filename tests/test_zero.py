@@ -1,5 +1,5 @@
 """ZeRO-1 (optimizers.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
-process for every optimizer, about half the state on each rank (exactly what memplan plans), and a
+process for every optimizer, about half the state on each rank (exactly what memory_plan plans), and a
 checkpoint format that moves between sharded and unsharded optimizers.
 
 The 2-rank part runs once, in two spawned processes, for all optimizers; the tests read its report.
@@ -20,6 +20,7 @@ from bench.common import free_port
 from marsgpt import memory_plan
 from marsgpt.checkpoint import cpu_copy
 from marsgpt.config import TrainConfig
+from marsgpt.optimizers import OPTIMIZERS as REGISTRY
 from marsgpt.optimizers import ChainedOptimizer, build_optimizer
 from model import GPT, GPTConfig
 
@@ -57,24 +58,26 @@ def state_bytes(optimizer):
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def train(model, optimizer, forward_backward, exact):
+def train(model, optimizer, forward_backward, cfg):
     """STEPS steps of train.py's protocol: the loss scaled by a GradScaler, as float16 runs do (by a power
-    of two: exact), clipping, and for exact MARS the next step's gradient first."""
+    of two: exact), clipping, and for exact MARS the next step's gradient first (to the MARS its registry
+    entry's look_ahead names: this rank's share's under ZeRO-1)."""
+    look_ahead = REGISTRY.entry(cfg).look_ahead(optimizer, cfg)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(STEPS):
-        if exact:
+        if look_ahead is not None:
             forward_backward(step + 1, scaler)
             for p in model.parameters():
                 p.grad.div_(scaler.get_scale())
-            optimizer.update_previous_grad()
+            look_ahead.update_previous_grad()
             optimizer.zero_grad(set_to_none=True)
         forward_backward(step, scaler)
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
-        if exact:
-            optimizer.update_last_grad()
+        if look_ahead is not None:
+            look_ahead.update_last_grad()
         optimizer.zero_grad(set_to_none=True)
 
 
@@ -147,7 +150,6 @@ def worker(rank, port, report_path):
     report = {}
     for name in OPTIMIZERS:
         cfg = config(name)
-        exact = name.endswith("exact")
         torch.manual_seed(0)
         models = {kind: GPT(GPTConfig(**MODEL)) for kind in ("sharded", "ddp", "single")}
         initial = [p.detach().clone() for p in models["sharded"].parameters()]
@@ -159,7 +161,7 @@ def worker(rank, port, report_path):
         passes = {kind: ddp_forward_backward(DDP(models[kind]), rank) for kind in ("sharded", "ddp")}
         passes["single"] = one_process_forward_backward(models["single"])
         for kind in models:
-            train(models[kind], optimizers[kind], passes[kind], exact)
+            train(models[kind], optimizers[kind], passes[kind], cfg)
         params = {kind: [p.detach().clone() for p in m.parameters()] for kind, m in models.items()}
         # as checkpoints hold them (the live state dicts share tensors with the optimizers, which train on)
         sharded_state = saved_and_loaded(optimizers["sharded"].state_dict())  # collective: rank 0's is all
@@ -178,8 +180,8 @@ def worker(rank, port, report_path):
             model = copy.deepcopy(models[original])
             optimizer = build_optimizer(model, cfg, "cpu", WORLD_SIZE if shard else 1)
             optimizer.load_state_dict(state)
-            train(model, optimizer, ddp_forward_backward(DDP(model), rank), exact)
-            train(models[original], optimizers[original], passes[original], exact)
+            train(model, optimizer, ddp_forward_backward(DDP(model), rank), cfg)
+            train(models[original], optimizers[original], passes[original], cfg)
             continued[kind] = [
                 (p.detach().clone(), q.detach().clone())
                 for p, q in zip(model.parameters(), models[original].parameters())

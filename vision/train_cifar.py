@@ -60,7 +60,7 @@ from marsgpt.config import (
 )
 from marsgpt.files import atomic_writer
 from marsgpt.metrics import MetricsLog
-from marsgpt.optimizers import ChainedOptimizer, with_settings
+from marsgpt.optimizers import ChainedOptimizer, OptimizerEntry, Placement, Registry
 from marsgpt.runtime import resolve_device
 from marsgpt.tokens import DataError
 from vision.cifar import CifarData
@@ -69,6 +69,81 @@ from vision.resnet import ResNet
 
 # The reference's ResNets of BasicBlocks (model_CNN.py), by depth.
 NETS = {"resnet10": (1, 1, 1, 1), "resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The optimizers: the reference train_CV.py's, each over one group of all parameters (none is excluded from
+# weight decay), or Muon's split by dimension.
+
+
+def every_parameter(model, cfg):
+    return [list(model.parameters())]
+
+
+def by_dimension(model, cfg):
+    """As the reference's CombinedOptimizer: tensors of 2 or more dimensions (convolution kernels included)
+    to Muon, the rest to AdamW."""
+    params = list(model.parameters())
+    return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+
+
+def mars_settings(cfg):
+    mars = dict(lr=cfg.learning_rate, betas=tuple(cfg.mars_betas), weight_decay=cfg.weight_decay, gamma=cfg.gamma)
+    return {"mars": dict(mars, lr_1d=cfg.lr_1d, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d)}
+
+
+def adamw_settings(cfg):
+    return {"adamw": dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)}
+
+
+def muon_settings(cfg):
+    return {
+        "muon": dict(lr=cfg.learning_rate, weight_decay=0.0),
+        "adamw": dict(lr=cfg.lr_1d, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay),
+    }
+
+
+def build_mars(groups, cfg, placement):
+    return placement.make(MARS, groups, mars_type=cfg.mars_type, routing=cfg.mars_routing)
+
+
+def build_adamw(groups, cfg, placement):
+    return placement.make(torch.optim.AdamW, groups)
+
+
+def build_muon(groups, cfg, placement):
+    muon, adamw = groups
+    return ChainedOptimizer(placement.make(Muon, [muon]), placement.make(torch.optim.AdamW, [adamw]))
+
+
+CIFAR_OPTIMIZERS = Registry(
+    OptimizerEntry(
+        optimizer_name="mars",
+        description="MARS (mars_type) on the tensors mars_routing names, AdamW (lr_1d, betas_1d, weight_decay_1d) "
+        "on the rest",
+        keys=frozenset({"learning_rate", "weight_decay", "gamma", "mars_betas", "mars_routing", "mars_type"})
+        | {"lr_1d", "betas_1d", "weight_decay_1d"},
+        group_settings=mars_settings,
+        split=every_parameter,
+        build=build_mars,
+    ),
+    OptimizerEntry(
+        optimizer_name="adamw",
+        description="torch.optim.AdamW",
+        keys=frozenset({"learning_rate", "weight_decay", "beta1", "beta2"}),
+        group_settings=adamw_settings,
+        split=every_parameter,
+        build=build_adamw,
+    ),
+    OptimizerEntry(
+        optimizer_name="muon",
+        description="the reference's Muon (vision/muon.py) on the tensors of 2+ dimensions, AdamW (lr_1d) on the rest",
+        keys=frozenset({"learning_rate", "lr_1d", "weight_decay", "beta1", "beta2"}),
+        group_settings=muon_settings,
+        split=by_dimension,
+        build=build_muon,
+    ),
+)
 
 
 @dataclasses.dataclass
@@ -81,7 +156,9 @@ class CifarConfig:
     net: Literal["resnet10", "resnet18", "resnet34"] = key("resnet18", "the reference's CIFAR ResNet", fixed=True)
     width: int = key(64, "channels of the first stage, doubled by each next one (ResNet-18: 64)", positive, fixed=True)
     # --- optimizer
-    optimizer_name: Literal["mars", "adamw", "muon"] = key("mars", "the optimizer", fixed=True)
+    optimizer_name: Literal[tuple(CIFAR_OPTIMIZERS.optimizer_names())] = key(
+        "mars", "the optimizer", fixed=True, choices=CIFAR_OPTIMIZERS.optimizer_names()
+    )
     learning_rate: float = key(
         0.1, "lr of MARS's tensors, of everything under AdamW, of Muon's tensors (--lr there)", positive
     )
@@ -133,11 +210,6 @@ class CifarConfig:
     )
     device: str = key("auto", "auto (CUDA when present), cpu, cuda or cuda:N", device_check("cpu", "cuda"))
 
-    def unused_keys(self):
-        """The keys this run's optimizer does not read: a resume may change them, even a fixed one."""
-        mars_only = {"mars_routing", "mars_type", "gamma", "mars_betas", "betas_1d", "weight_decay_1d"}
-        return {"mars": {"beta1", "beta2"}, "adamw": mars_only | {"lr_1d"}, "muon": mars_only}[self.optimizer_name]
-
 
 # ---------------------------------------------------------------------------------------------------
 # Building
@@ -147,30 +219,10 @@ def model_args(cfg, num_classes):
     return {"num_classes": num_classes, "width": cfg.width, "blocks": list(NETS[cfg.net])}
 
 
-def group_settings(cfg):
-    """The hyperparameters cfg sets in each parameter group, by the group's name: build_optimizer makes the
-    groups with them, and a resume writes them over the checkpoint's (optimizers.load_state)."""
-    adamw = dict(betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-    if cfg.optimizer_name == "mars":
-        mars = dict(lr=cfg.learning_rate, betas=tuple(cfg.mars_betas), weight_decay=cfg.weight_decay, gamma=cfg.gamma)
-        return {"mars": dict(mars, lr_1d=cfg.lr_1d, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d)}
-    if cfg.optimizer_name == "adamw":
-        return {"adamw": dict(adamw, lr=cfg.learning_rate)}
-    return {"muon": dict(lr=cfg.learning_rate, weight_decay=0.0), "adamw": dict(adamw, lr=cfg.lr_1d)}
-
-
 def build_optimizer(model, cfg):
-    """The reference train_CV.py's optimizers, over one group of all parameters (none is excluded from decay)."""
-    params, settings = list(model.parameters()), group_settings(cfg)
-    if cfg.optimizer_name == "mars":
-        return MARS([with_settings("mars", params, settings)], mars_type=cfg.mars_type, routing=cfg.mars_routing)
-    if cfg.optimizer_name == "adamw":
-        return torch.optim.AdamW([with_settings("adamw", params, settings)])
-    # muon: as the reference's CombinedOptimizer, tensors of 2+ dims to Muon, the rest to AdamW
-    return ChainedOptimizer(
-        Muon([with_settings("muon", [p for p in params if p.ndim >= 2], settings)]),
-        torch.optim.AdamW([with_settings("adamw", [p for p in params if p.ndim < 2], settings)]),
-    )
+    """The optimizer cfg names, over model's parameters (on their device)."""
+    device_type = next(model.parameters()).device.type
+    return optimizers.build(CIFAR_OPTIMIZERS.entry(cfg), model, cfg, Placement(device_type))
 
 
 def lr_factor(epoch, cfg):
@@ -221,7 +273,8 @@ def checkpoint_parts(run, progress):
 
 def load_resume_checkpoint(cfg):
     """out_dir's checkpoint, checked for every part and, by launch's resume rule, for the keys declared
-    fixed=True (the data set, the network, the optimizer and its routing): every other key may change."""
+    fixed=True (the data set, the network, the optimizer and its routing) that the run's optimizer reads:
+    every other key may change."""
     path = checkpoint.checkpoint_path(cfg.out_dir)
     ckpt = checkpoint.load_checkpoint(path)
     missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt]
@@ -230,7 +283,7 @@ def load_resume_checkpoint(cfg):
             f"{path} lacks {', '.join(missing)}: it was not written by vision/train_cifar.py, so it cannot be "
             "resumed; start a new run in a new --out_dir"
         )
-    changed = launch.fixed_changes(ckpt["config"], cfg)
+    changed = launch.fixed_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS.entry(cfg))
     if changed:
         key, old, new = changed[0]
         raise CheckpointError(
@@ -266,13 +319,13 @@ def setup(cfg):
     progress = Progress()
     if ckpt is not None:
         # the moments and step counts are the checkpoint's, the hyperparameters this configuration's
-        optimizers.load_state(run.optimizer, ckpt["optimizer"], cfg, group_settings(cfg))
+        optimizers.load_state(run.optimizer, ckpt["optimizer"], CIFAR_OPTIMIZERS.entry(cfg), cfg)
         run.rng.load_state_dict(ckpt["rng"])
         progress.load_state_dict(ckpt["progress"])
         run.saved_epoch = progress.epoch
     # Everything is checked: the first change to out_dir, as train.py makes it (what a killed save left goes,
     # --overwrite=True removes the old run, a resume says where it continues and what it changes).
-    launch.prepare_out_dir(cfg, ckpt, at=f"epoch {progress.epoch}")
+    launch.prepare_out_dir(cfg, ckpt, CIFAR_OPTIMIZERS.entry(cfg), at=f"epoch {progress.epoch}")
     return run, progress, ckpt is not None
 
 
