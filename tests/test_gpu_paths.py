@@ -311,7 +311,9 @@ def compiled_ddp_rank(rank, rendezvous_env, backend, data_path, out_dir, report_
     )
     torch.save(report, f"{report_path}.{rank}")
     run.metrics.close()
-    dist.destroy_process_group()
+    # Leave without tearing the gloo group down: its destructor can deadlock with its own thread at exit
+    # (seen in this test under load), and the report is on disk already.
+    os._exit(0)
 
 
 @pytest.mark.slow

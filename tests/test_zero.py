@@ -200,7 +200,9 @@ def worker(rank, rendezvous_env, report_path):
             gathering=gathered,
         )
     torch.save(report, f"{report_path}.{rank}")
-    dist.destroy_process_group()
+    # Leave without tearing the gloo group down: its destructor can deadlock with its own thread at exit
+    # (seen in this test under load), and the report is on disk already.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
