@@ -420,12 +420,12 @@ def test_non_gpt2_vocabulary_is_refused():
 
 def _distributed_worker(rank, world_size, init_file, examples, out_dir):
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        result = hellaswag.evaluate(PrefixMeanModel(block_size=64), examples, "cpu", rank, world_size)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    finally:
-        torch.distributed.destroy_process_group()
+    result = hellaswag.evaluate(PrefixMeanModel(block_size=64), examples, "cpu", rank, world_size)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    # Leave without tearing the gloo group down: its destructor can deadlock with its own thread at exit
+    # under load, and the result is written.
+    os._exit(0)
 
 
 @pytest.mark.slow
