@@ -396,9 +396,10 @@ def test_fused_step_does_not_recompile_when_every_number_changes(mars_type):
 def test_groups_with_different_hyperparameters(path):
     """Two groups, every number different: the fused path's compiled step must not reuse one group's."""
     x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    # weight_decay_1d set in each group: a group's weight_decay alone would also be its 1-D tensors' (mars.py)
     groups = [
-        dict(betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, gamma=0.5),
-        dict(betas=(0.95, 0.99), eps=1e-8, weight_decay=0.1, gamma=0.025),
+        dict(betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, weight_decay_1d=0.1, gamma=0.5),
+        dict(betas=(0.95, 0.99), eps=1e-8, weight_decay=0.1, weight_decay_1d=0.1, gamma=0.025),
     ]
     expected = []
     for group in groups:
