@@ -489,7 +489,7 @@ class MARS(torch.optim.Optimizer):
                         # It stepped, but had no gradient in the look-ahead pass (unused there): its own
                         # gradient, as approximate MARS, rather than a look-ahead gradient from steps ago. (A
                         # step a GradScaler skipped never ran: its gradients may be inf, and nothing moved.)
-                        state["last_grad"].copy_(p.grad)
+                        _local(state["last_grad"]).copy_(_local(p.grad))
                     continue
                 if "last_grad" in state:  # swap the buffers: the old g_{t-1} is overwritten next time
                     state["last_grad"], state["previous_grad"] = state["previous_grad"], state["last_grad"]
@@ -551,7 +551,7 @@ class MARS(torch.optim.Optimizer):
         out to add to gradients accumulated before step(). DTensor parameters are set back shard by shard, each
         rank its own (the closure's forward gathers them as usual)."""
         protocol = self._protocol
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]  # others never move
         states = self.state
         earlier = [p for p in params if p in states and "previous_param" in states[p]]
         held = [p.grad for p in params]  # restored if the closure turns out to accumulate into them
@@ -689,12 +689,11 @@ class MARS(torch.optim.Optimizer):
 _NO_SECOND_GRADIENT = (
     "exact MARS (is_approx=False) needs a second gradient each step, ∇f(x_{t-1}, ξ_t), and step() was called "
     "again without a closure, without update_previous_grad() and update_last_grad(). Either pass step() a "
-    "closure that zeroes the "
-    "gradients, runs the forward pass on the current batch and calls backward (Lightning's automatic "
-    "optimization does), or call update_previous_grad() after a backward pass on the next batch before step() "
-    "and update_last_grad() after it, or use is_approx=True -- the one choice where a framework calls step() "
-    "alone (Hugging Face's Trainer, through accelerate's AcceleratedOptimizer, which does not forward "
-    "update_previous_grad either)"
+    "closure that zeroes the gradients, runs the forward pass on the current batch and calls backward "
+    "(Lightning's automatic optimization does), or call update_previous_grad() after a backward pass on the next "
+    "batch before step() and update_last_grad() after it, or use is_approx=True -- the one choice where a "
+    "framework calls step() alone (Hugging Face's Trainer, through accelerate's AcceleratedOptimizer, which does "
+    "not forward update_previous_grad either)"
 )
 
 _CLOSURE_WITHOUT_GRADIENT = (
