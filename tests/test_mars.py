@@ -1,6 +1,7 @@
 """mars.py against a float64 transcription of issue 3's update rule, every path against the single-tensor
 reference on every dtype and layout, and MARS as a drop-in torch optimizer."""
 
+import ast
 import copy
 import itertools
 import math
@@ -396,9 +397,10 @@ def test_fused_step_does_not_recompile_when_every_number_changes(mars_type):
 def test_groups_with_different_hyperparameters(path):
     """Two groups, every number different: the fused path's compiled step must not reuse one group's."""
     x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    # weight_decay_1d set in each group: a group's weight_decay alone would also be its 1-D tensors' (mars.py)
     groups = [
-        dict(betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, gamma=0.5),
-        dict(betas=(0.95, 0.99), eps=1e-8, weight_decay=0.1, gamma=0.025),
+        dict(betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, weight_decay_1d=0.1, gamma=0.5),
+        dict(betas=(0.95, 0.99), eps=1e-8, weight_decay=0.1, weight_decay_1d=0.1, gamma=0.025),
     ]
     expected = []
     for group in groups:
@@ -902,6 +904,90 @@ def test_grad_scaler_skipped_step_changes_nothing():
     after = (opt.state_dict(), model.state_dict())
     torch.testing.assert_close(after[1], before[1], rtol=0, atol=0)
     torch.testing.assert_close(after[0]["state"], before[0]["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("written", ["bfloat16", torch.bfloat16], ids=["by name", "as a dtype"])
+def test_state_dict_names_last_grad_dtype_and_loads_either_form(written):
+    """state_dict() writes last_grad_dtype by name (torch.distributed.checkpoint's full-state gather takes no
+    torch.dtype); checkpoints written with the dtype itself still load, and either continues bit for bit."""
+    x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=4)
+    kw = dict(last_grad_dtype=torch.bfloat16, is_approx=False)
+    params, opt = run_mars(x0s, grads[:2], lookaheads[:2], **kw)
+    saved = copy.deepcopy(opt.state_dict())
+    assert [group["last_grad_dtype"] for group in saved["param_groups"]] == ["bfloat16"]
+    for group in saved["param_groups"]:
+        group["last_grad_dtype"] = written
+    restored = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = MARS(restored, **kw)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["last_grad_dtype"] is torch.bfloat16
+    run_mars(x0s, grads[2:], lookaheads[2:], lrs=LRS[2:], params=params, opt=opt)
+    run_mars(x0s, grads[2:], lookaheads[2:], lrs=LRS[2:], params=restored, opt=opt2)
+    assert all(torch.equal(a, b) for a, b in zip(params, restored))
+
+
+def test_a_dtype_name_a_wrapper_copies_into_a_group_is_taken():
+    """torch's ZeroRedundancyOptimizer copies its groups' values into the wrapped optimizer's at every step, so a
+    name a checkpoint brought ("bfloat16") reaches the group that allocates g_{t-1} and the look-ahead gradient."""
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = MARS([p], is_approx=False)
+    opt.param_groups[0]["last_grad_dtype"] = "bfloat16"
+    p.grad = torch.randn(4, 3)
+    opt.update_previous_grad()
+    opt.step()
+    assert opt.state[p]["last_grad"].dtype == opt.state[p]["previous_grad"].dtype == torch.bfloat16
+
+
+def test_state_dict_leaves_out_the_look_ahead_gradient():
+    """Exact MARS's previous_grad is rewritten whole by the next update_previous_grad() before any use: not saved.
+    (test_state_dict_round_trip_continues_bit_for_bit resumes exact runs from such checkpoints.)"""
+    x0s, grads, lookaheads = make_problem(dtype=torch.float32, steps=2)
+    params, opt = run_mars(x0s, grads, lookaheads, is_approx=False)
+    assert "previous_grad" in opt.state[params[0]]
+    assert all("previous_grad" not in state for state in opt.state_dict()["state"].values())
+
+
+def test_a_state_dict_load_restarts_the_exact_protocol():
+    """torch.distributed.checkpoint's set_state_dict on a fresh optimizer first takes a zero-lr step() to create the
+    state (no update_last_grad() follows); the loaded optimizer must then take the next step of the protocol."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    opt = MARS(model.parameters(), is_approx=False)
+    batches = [torch.randn(3, 4) for _ in range(4)]
+    for x, x_next in zip(batches, batches[1:]):
+        model(x_next).square().sum().backward()
+        opt.update_previous_grad()
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+        opt.update_last_grad()
+        opt.zero_grad()
+    model_state, optimizer_state = get_state_dict(model, opt)
+    restored = copy.deepcopy(model)
+    restored_opt = MARS(restored.parameters(), is_approx=False)
+    set_state_dict(restored, restored_opt, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    restored(batches[0]).square().sum().backward()
+    restored_opt.update_previous_grad()
+    restored_opt.zero_grad()
+    restored(batches[1]).square().sum().backward()
+    restored_opt.step()  # raised "step() was called again without update_last_grad()" before the restart
+    restored_opt.update_last_grad()
+
+
+def test_mars_imports_only_torch_and_the_standard_library():
+    """mars.py is copied and installed on its own: at module level it imports no module of this repository and
+    not torch.distributed, which only the sharded step imports, once a DTensor parameter steps."""
+    with open(mars.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    imported = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    assert imported == {"functools", "math", "sys", "warnings", "torch"}
 
 
 def test_lr_1d_follows_the_schedule_after_a_state_dict_round_trip():

@@ -1,0 +1,197 @@
+"""MARS's sharded step under FSDP2 against FSDP2 + torch.optim.AdamW, on 2 gloo ranks (CPU), and how evenly the
+Newton-Schulz owners share GPT-2's matrices.
+
+    python -m bench.bench_fsdp            # GPT, 4 blocks of width 256, 8,192-token vocabulary; 7 rounds
+    python -m bench.bench_fsdp --quick    # 2 blocks of width 128, 1,024 tokens; 3 rounds
+
+Both ranks build the same GPT in float32 and fully_shard each block and the root, as a trainer does. Each round
+runs one training step per optimizer (AdamW(fused=True), then each MARS rule) and times optimizer.step() alone,
+between barriers, on rank 0; a row is the median over the rounds, after one warm-up round. Then rank 0 times each
+MARS rule's step on the whole, unsharded model in one process (the other rank waits), which shows how the
+sharded step divides the work (Newton-Schulz: whole matrices at their owners). "Bytes sent" counts the buffers
+step() hands to collectives on one rank (an all-reduce's tensor, an all-to-all's send buffer with the rank's own
+share left out): the forward's all-gathers and the backward's reduce-scatters are FSDP2's and the same for every
+optimizer. The owner rows need no ranks: mars._balanced_owners over GPT-2's matrix shapes, as the busiest rank's
+Newton-Schulz multiply-adds against the mean, beside round-robin in parameter order.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mars
+from bench.common import print_table, row
+from mars import MARS
+from model import GPT, GPTConfig
+
+SIZES = {
+    False: dict(n_layer=4, n_head=4, n_embd=256, block_size=64, vocab_size=8192, bias=False),
+    True: dict(n_layer=2, n_head=4, n_embd=128, block_size=64, vocab_size=1024, bias=False),
+}
+RULES = ("mars-adamw", "mars-lion", "mars-m")
+BATCH = 2  # sequences per rank
+
+
+class SentBytes(TorchDispatchMode):
+    """Counts the collectives step() issues and the bytes they send from this rank."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.world, self.calls, self.bytes = world, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace in ("c10d", "_c10d_functional") and name != "wait_tensor":
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if name == "alltoall_base_":  # (output, input, group, output_split_sizes, input_split_sizes, ...)
+                sent, splits = args[1], args[4]
+                rows = sent.shape[0] if sent.ndim else 0
+                own = splits[dist.get_rank()] if splits else rows // self.world
+                self.bytes += (rows - own) * (sent.numel() // max(rows, 1)) * sent.element_size()
+            else:
+                tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+        return func(*args, **(kwargs or {}))
+
+
+def optimizer_for(name, model):
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)  # torch's fastest
+    return MARS(model.parameters(), lr=1e-3, weight_decay=0.1, mars_type=name)
+
+
+def worker(rank, world, store, quick, rounds, results):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    config = SIZES[quick]
+    runs = {}
+    for name in ("adamw", *RULES):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**config))
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        runs[name] = (model, optimizer_for(name, model))
+    generator = torch.Generator().manual_seed(rank)
+    times = {name: [] for name in runs}
+    sent = {}
+    for round_ in range(rounds + 1):
+        for name, (model, optimizer) in runs.items():
+            x = torch.randint(0, config["vocab_size"], (BATCH, config["block_size"]), generator=generator)
+            model(x, x)[1].backward()
+            counting = SentBytes(world) if round_ == 1 else None
+            dist.barrier()
+            start = time.perf_counter()
+            if counting is None:
+                optimizer.step()
+            else:
+                with counting:
+                    optimizer.step()
+            dist.barrier()
+            if round_ > 0:  # round 0 warms up (state allocation)
+                times[name].append(time.perf_counter() - start)
+            if counting is not None:
+                sent[name] = (counting.bytes, dict(counting.calls))
+            optimizer.zero_grad()
+    whole = {}
+    if rank == 0:
+        for name in RULES:
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(**config))
+            optimizer = optimizer_for(name, model)
+            steps = []
+            for _ in range(rounds + 1):
+                x = torch.randint(0, config["vocab_size"], (BATCH * world, config["block_size"]), generator=generator)
+                model(x, x)[1].backward()
+                start = time.perf_counter()
+                optimizer.step()
+                steps.append(time.perf_counter() - start)
+                optimizer.zero_grad()
+            whole[name] = statistics.median(steps[1:])
+        parameters = sum(p.numel() for p in runs["adamw"][0].parameters())
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        results.update(times=medians, whole=whole, sent=sent, parameters=parameters)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def owner_rows():
+    """Newton-Schulz work per rank under _balanced_owners, for GPT-2's matrices (mars-m: the blocks' matrices;
+    mars-shampoo: the embeddings too)."""
+    rows = []
+    for size, (n_layer, width) in {"small": (12, 768), "xl": (48, 1600)}.items():
+        blocks = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * n_layer
+        for rule, shapes in (("mars-m", blocks), ("mars-shampoo", blocks + [(50304, width), (1024, width)])):
+            costs = [mars._newton_schulz_cost(shape) for shape in shapes]
+            for world in (8, 64):
+                load = [0] * world
+                for cost, owner in zip(costs, mars._balanced_owners(costs, world)):
+                    load[owner] += cost
+                mean = sum(costs) / world
+                round_robin = max(sum(costs[r::world]) for r in range(world)) / mean
+                rows.append(
+                    row(
+                        f"Newton-Schulz owners, GPT-2 {size} {rule}, {world} ranks: busiest rank vs the mean",
+                        max(load) / mean,
+                        unit="x",
+                        note=f"{len(shapes)} matrices; round-robin in parameter order: {round_robin:.2f}x",
+                    )
+                )
+    return rows
+
+
+def run(quick=False):
+    rounds = 3 if quick else 7
+    results = mp.Manager().dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.spawn(worker, args=(2, store, quick, rounds, results), nprocs=2, join=True)
+    times, sent = results["times"], results["sent"]
+    setting = f"{results['parameters'] / 1e6:.1f}M params, fp32, 2 gloo ranks, median of {rounds} rounds"
+    rows = []
+    for name in RULES:
+        rows.append(
+            row(
+                f"FSDP2 {name} step vs FSDP2 AdamW(fused=True) step",
+                times[name] * 1e3,
+                times["adamw"] * 1e3,
+                unit="ms",
+                note=setting,
+            )
+        )
+    for name in RULES:
+        rows.append(
+            row(
+                f"FSDP2 {name} step vs its step in one process",
+                times[name] * 1e3,
+                results["whole"][name] * 1e3,
+                unit="ms",
+                note="one process: the unsharded model, on rank 0 alone",
+            )
+        )
+    for name in ("adamw", *RULES):
+        sent_bytes, calls = sent[name]
+        rows.append(
+            row(
+                f"FSDP2 {name} step: bytes sent per rank",
+                sent_bytes / 2**10,
+                unit="KiB",
+                note=", ".join(f"{k} x{n}" for k, n in sorted(calls.items())) or "no collective",
+            )
+        )
+    return rows + owner_rows()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    print_table(run(quick=p.parse_args().quick))
