@@ -166,6 +166,8 @@ class ShardedOptimizer:
         zero._all_state_dicts = gathered  # what consolidate_state_dict leaves there, for state_dict() to merge
         state = zero.state_dict()
         zero._all_state_dicts = []
+        for group in state["param_groups"]:  # as the optimizer's own state_dict() writes a dtype (MARS: by name)
+            group.update({k: str(v).removeprefix("torch.") for k, v in group.items() if isinstance(v, torch.dtype)})
         return checkpoint.hand_over(state)  # private host copies: the checkpoint writer need not copy them again
 
     def load_state_dict(self, state_dict):

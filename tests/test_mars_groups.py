@@ -235,12 +235,12 @@ def test_the_trainers_numbers_are_bit_identical_to_the_previous_mars(monkeypatch
                 saved = copy.deepcopy(opt.state_dict())
                 settings = resumed
                 opt = optimizers.build_optimizer(model, settings, "cpu")
-                optimizers.load_state(opt, saved, settings)
+                optimizers.load_state(opt, saved, optimizers.OPTIMIZERS.entry(settings), settings)
             optimizers.set_lr(opt, it, settings)
-            look_ahead = optimizers.look_ahead(opt, settings)
+            look_ahead = optimizers.OPTIMIZERS.entry(settings).look_ahead(opt, settings)
             if look_ahead is not None:
                 model(data[it + 1], torch.roll(data[it + 1], -1, 1))[1].backward()
-                look_ahead.store()
+                look_ahead.update_previous_grad()
                 opt.zero_grad(set_to_none=True)
             model(data[it], torch.roll(data[it], -1, 1))[1].backward()
             optimizers.step(opt, look_ahead)
