@@ -49,6 +49,22 @@ _NEWTON_SCHULZ_RULES = ("newton-schulz", "newton-schulz-rms")
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
+def newton_schulz_dtype(device, dtype=torch.float32):
+    """The dtype Newton-Schulz runs in by default on `device` for matrices of `dtype`.
+
+    On CUDA the paper's code uses bfloat16, a tensor-core format there since compute capability 8 (A100). Older
+    GPUs emulate bfloat16 at a fraction of their float16 speed, so they take float16, which also lands closer
+    to the exact iteration: relative to a float64 Newton-Schulz of a GPT-2-sized momentum, float16 is 0.3% off
+    and bfloat16 2.7% (docs/mars.md). CPUs without native bfloat16 matmuls run them several times
+    slower than float32, so CPUs take float32 (float64 for float64 matrices)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.promote_types(dtype, torch.float32)
+    if torch.version.hip or torch.cuda.get_device_properties(device).major >= 8:
+        return torch.bfloat16
+    return torch.float16
+
+
 def newton_schulz(G, steps=5, eps=1e-7, dtype=None):
     """Approximate the orthogonal factor U Vᵀ of each matrix G = U S Vᵀ in G's last two dimensions.
 
@@ -58,14 +74,14 @@ def newton_schulz(G, steps=5, eps=1e-7, dtype=None):
     smaller Gram matrix. Leading dimensions are a batch: a stack of same-shape matrices takes one batched
     matmul per product instead of one matmul per matrix. Returns G's dtype.
 
-    dtype=None means bfloat16 on CUDA, as the paper's code, and elsewhere float32 (float64 for float64
-    matrices): CPUs without native bfloat16 matmuls run them several times slower than float32 (docs/mars.md,
-    "Differences from the paper's reference code", has the measurement).
+    dtype=None is newton_schulz_dtype(G.device, G.dtype): bfloat16 on GPUs that run it natively, as the paper's
+    code; float16 on older GPUs (V100, T4), which only emulate bfloat16; float32 elsewhere (float64 for float64
+    matrices).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs matrices (ndim >= 2), got shape {tuple(G.shape)}")
     if dtype is None:
-        dtype = torch.bfloat16 if G.is_cuda else torch.promote_types(G.dtype, torch.float32)
+        dtype = newton_schulz_dtype(G.device, G.dtype)
     a, b, c = _NS_COEFFS
     norms = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
     X = (G.to(dtype) / (norms + eps)).to(dtype)  # as the paper's code: cast, then divide by G's norm

@@ -645,6 +645,36 @@ def test_newton_schulz_singular_values_near_one(shape):
     assert s.min() >= 0.5 and s.max() <= 1.5
 
 
+@pytest.mark.parametrize(
+    "major, hip, expected", [(9, None, torch.bfloat16), (8, None, torch.bfloat16), (7, None, torch.float16)]
+)
+def test_newton_schulz_dtype_is_native_bfloat16_else_float16_on_a_gpu(monkeypatch, major, hip, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"major": major}))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert mars.newton_schulz_dtype("cuda:3") == expected
+    assert mars.newton_schulz_dtype("cpu") == torch.float32
+    assert mars.newton_schulz_dtype("cpu", torch.float64) == torch.float64
+    assert mars.newton_schulz_dtype("cpu", torch.bfloat16) == torch.float32
+
+
+@pytest.mark.slow
+def test_newton_schulz_dtype_float16_is_nearer_the_exact_iteration_than_bfloat16():
+    """Why GPUs without native bfloat16 take float16: on a GPT-2-sized momentum (768 x 2304: a low-rank part and
+    noise) float16's Newton-Schulz stays far closer to float64's than bfloat16's, the reference's."""
+    gen = torch.Generator().manual_seed(0)
+    rows, cols = 768, 2304
+    m = 1e-3 * torch.randn(rows, cols, dtype=torch.float64, generator=gen)
+    m += 1e-3 * torch.randn(rows, 8, dtype=torch.float64, generator=gen) @ torch.randn(8, cols, dtype=torch.float64)
+    exact = newton_schulz(m, dtype=torch.float64)
+    errors = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        u = newton_schulz(m.float(), dtype=dtype).double()
+        errors[str(dtype)] = ((u - exact).norm() / exact.norm()).item()
+    print("relative to float64:", {name: f"{error:.2%}" for name, error in errors.items()})
+    assert errors["torch.float32"] < 1e-3 < errors["torch.float16"] < 1e-2 < errors["torch.bfloat16"] < 5e-2
+    assert errors["torch.float16"] < errors["torch.bfloat16"] / 5
+
+
 @pytest.mark.parametrize("shape", [(16, 40), (40, 16)])
 def test_newton_schulz_matches_transcription(shape):
     G = torch.randn(shape, generator=torch.Generator().manual_seed(2))
