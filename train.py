@@ -192,7 +192,7 @@ def forward_backward(run, step):
     loss_sum = torch.zeros((), device=info.device)
 
     def fetch(k):
-        x, y = run.train_data.get_batch(cfg.seed, step, k, cfg.batch_size, cfg.block_size)
+        x, y = run.train_data.get_batch(cfg.seed, step, k, cfg.batch_size, cfg.block_size, cfg.windows_per_stream)
         return to_device(x, y, info.device)
 
     x, y = fetch(micro_steps[0])

@@ -233,7 +233,7 @@ def restore(ckpt, cfg, dist_info, optimizer, scaler, rng, progress):
 
 def eval_windows(cfg, data, dist_info):
     """This rank's share of the fixed evaluation windows: every world_size-th (train.evaluate all-reduces)."""
-    batches = data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size)
+    batches = data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.windows_per_stream)
     return batches[dist_info.rank :: dist_info.world_size]
 
 
