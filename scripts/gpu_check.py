@@ -430,7 +430,7 @@ def compile_rows(what, command, result):
             times,
         )
     ]
-    breaks, recompiled = result.get("graph_breaks", {}), "Recompil" in result.get("error", "")
+    breaks, recompiled = result.get("graph_breaks", {}), "recompile" in result.get("error", "").lower()
     warm, graphs = result.get("graphs_after_warm_up"), result.get("graphs")
     details = dict(graph_breaks=breaks, graphs_after_warm_up=warm, graphs=graphs, error=result.get("error", ""))
     if breaks:

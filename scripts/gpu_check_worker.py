@@ -112,6 +112,18 @@ def models_built_on(device):
         launch.GPT = build
 
 
+@contextlib.contextmanager
+def compiled_by(backend):
+    """torch.compile, which train.setup calls, with `backend` (None: its default, inductor)."""
+    compile_model = torch.compile
+    if backend is not None:
+        torch.compile = functools.partial(compile_model, backend=backend)
+    try:
+        yield
+    finally:
+        torch.compile = compile_model
+
+
 def cuda_memory(device):
     torch.cuda.synchronize(device)
     return dict(
@@ -193,16 +205,17 @@ def compiled_run(steps, train_argv):
 
     cfg = load_config(train_argv)
     dist_info = train.setup_distributed(cfg)
-    if dist_info.device_type == "cpu":
-        torch.compile = functools.partial(torch.compile, backend=CPU_COMPILE_BACKEND)
-    with models_built_on(dist_info.device):
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CPU_COMPILE_BACKEND if dist_info.device_type == "cpu" else None
+    with models_built_on(dist_info.device), compiled_by(backend):
         run, _, _ = train.setup(cfg, dist_info)
     result = dict(
         device=dist_info.device,
         world_size=dist_info.world_size,
         ddp=isinstance(run.train_model, DistributedDataParallel),
         compiled=run.compiled,
-        backend="inductor" if dist_info.device_type == "cuda" else CPU_COMPILE_BACKEND,
+        backend=backend or "inductor",
         tokens_per_step=run.tokens_per_step,
         steps=0,
         error="",
@@ -231,7 +244,7 @@ def compiled_run(steps, train_argv):
             mfu=None if mfu is None else mfu * 100,
             mfu_llmc=None if mfu_llmc is None else mfu_llmc * 100,
         )
-    except RuntimeError as e:  # a recompile (torch._dynamo.exc.RecompileError), out of memory
+    except RuntimeError as e:  # a recompile under the stance, out of memory
         result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     result.update(
         graphs=counters["stats"]["unique_graphs"],

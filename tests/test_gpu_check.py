@@ -2,6 +2,7 @@
 the table and each row's pass/fail rule (fed made-up results), the memory-plan hook, and a --device=cpu run
 of every check end to end."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -218,9 +219,9 @@ def test_a_compiled_run_gives_its_compile_graphs_throughput_memory_and_attention
     [
         (dict(graph_breaks={"Unsupported: call_method": 2}), 1, "2 graph break(s): Unsupported: call_method"),
         (
-            dict(error="RecompileError: Detected recompile when torch.compile stance is 'fail_on_recompile'"),
+            dict(error="RuntimeError: Detected recompile when torch.compile stance is 'fail_on_recompile'. x"),
             1,
-            "recompiled after the warm-up: RecompileError",
+            "recompiled after the warm-up: RuntimeError: Detected recompile",
         ),
         (dict(graphs=15), 1, "graphs after the warm-up 14, at the end 15"),
         (dict(first_step_s=None, eval_s=None), 0, "first step not reached, first evaluation not reached"),
@@ -767,3 +768,44 @@ def test_a_warm_up_that_runs_out_of_time_is_a_failed_row(tmp_path, monkeypatch):
     assert calls == [("warm", gpu_check.WARM_UP_BUDGET_S)]
     assert (row.check, row.status) == ("warm", FAIL)
     assert row.result == f"timed out: still running at the end of its {gpu_check.WARM_UP_BUDGET_S} s budget"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", [None, "recompile", "graph break"])
+def test_the_compiled_run_catches_a_recompile_after_the_warm_up_and_any_graph_break(
+    data_path, tmp_path, monkeypatch, plant
+):
+    """gpu_check_worker.compiled_run in this process (one rank without torchrun; aot_eager on the CPU), its
+    graphs and breaks read by compile_rows: clean, with a batch of another shape among the timed steps (a
+    recompile, which the fail_on_recompile stance turns into an error), with a graph break in the MLP."""
+    from train_helpers import tiny_args
+
+    import model as model_module
+    import train
+
+    if plant == "recompile":
+        step = train.train_step
+
+        def train_step(run, it):
+            if it == worker.WARM_UP_STEPS:  # the first timed step
+                run.cfg = dataclasses.replace(run.cfg, batch_size=run.cfg.batch_size + 1)
+            return step(run, it)
+
+        monkeypatch.setattr(train, "train_step", train_step)
+    elif plant == "graph break":
+        forward = model_module.MLP.forward
+
+        def broken(self, x):
+            torch._dynamo.graph_break()
+            return forward(self, x)
+
+        monkeypatch.setattr(model_module.MLP, "forward", broken)
+    argv = tiny_args(data_path, str(tmp_path / "out"), compile=True, eval_iters=2)
+    result = worker.compiled_run(3, argv)
+    row = gpu_check.compile_rows("w", "c", result)[1]
+    if plant is None:
+        assert row.status == PASS and result["steps"] == 3 and result["graph_breaks"] == {}, row.result
+    elif plant == "recompile":
+        assert row.status == FAIL and row.result.startswith("recompiled after the warm-up: RuntimeError: Detected")
+    else:
+        assert row.status == FAIL and " graph break(s): " in row.result, row.result
