@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.common import free_port, print_table, row
+from bench.common import print_table, rendezvous, row
 from mars import MARS
 from marsgpt.runtime import exit_process
 from model import GPT, GPTConfig
@@ -38,8 +38,8 @@ def resident_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(rank, port, bucket_view, steps, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+def worker(rank, rendezvous_env, bucket_view, steps, results):
+    os.environ.update(rendezvous_env, RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     before = resident_bytes()
@@ -73,7 +73,8 @@ def worker(rank, port, bucket_view, steps, results):
 
 def measure(bucket_view, steps):
     results = mp.Manager().dict()
-    mp.spawn(worker, args=(free_port(), bucket_view, steps, results), nprocs=2)
+    with rendezvous() as env:
+        mp.spawn(worker, args=(env, bucket_view, steps, results), nprocs=2)
     return results[bucket_view]
 
 

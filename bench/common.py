@@ -6,6 +6,7 @@ Each bench/bench_*.py module exposes ``run(quick=False) -> list[dict]``; a row h
 memory-bound steps, ``bandwidth`` (text; the table shows that column only when a row has it).
 """
 
+import contextlib
 import time
 
 import torch
@@ -63,9 +64,25 @@ def print_table(rows):
 
 
 def free_port():
-    """A TCP port nothing listens on right now, for a process group's rendezvous."""
+    """A TCP port nothing listens on right now (for torchrun's --master_port; ranks started directly use
+    rendezvous(), which cannot lose its port to another process)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rendezvous():
+    """The environment for the ranks of a process group this process starts: MASTER_ADDR and MASTER_PORT of a
+    c10d store hosted here, on the port the OS gave it as it bound it, and TORCHELASTIC_USE_AGENT_STORE, which
+    makes every rank's env:// rendezvous a client of that store, as under torchrun's agent. (A port found
+    free and handed to rank 0 to bind can be taken by another process in between.)"""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    finally:
+        del store

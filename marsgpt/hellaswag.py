@@ -1,17 +1,28 @@
 """HellaSwag, completion style: which of four endings does the model find most likely after the context?
 
-For each example the context and each ending (tokenized with a leading space, as the official format
-joins them) are scored by the cross-entropy of the ending's tokens given everything before them.
-acc_norm picks the ending with the lowest MEAN loss per token, acc the lowest SUMMED loss -- the two
-numbers the GPT-2 / llm.c evaluations report (GPT-2 124M: acc_norm 0.2955 on the 10,042 validation
-examples). Used standalone on a checkpoint and by train.py every `hellaswag_interval` steps.
+The numbers are lm-evaluation-harness's (0.4.x, task `hellaswag`, zero-shot), so they compare with published
+lm-eval results. Each example is rendered as lm-eval renders it ("<activity_label>: <ctx_a> <Ctx_b>", the
+WikiHow [tags] cleaned away; see `render_lm_eval`), each ending is scored by its summed log-likelihood after
+the context, over GPT-2's 50,257 tokens only (the model's head is padded to 50,304; the padding is not part
+of the distribution), and
 
-    python -m marsgpt.hellaswag --ckpt out [--data hellaswag_val.jsonl] [--device cpu] [--limit 500]
+    acc              picks the ending with the highest log-likelihood,
+    acc_norm         the highest log-likelihood per character of the ending (lm-eval's acc_norm),
+    acc_norm_tokens  the highest per token (what llm.c and build-nanogpt call acc_norm).
+
+`--prompt llm.c` scores the raw `ctx` and endings instead, as llm.c does: its acc_norm_tokens is the figure
+the GPT-2 / llm.c logs report (GPT-2 124M: 0.2955 on the 10,042 validation examples, llm.c's published
+number). `--scores FILE` writes every example's log-likelihoods, lengths and predictions as JSON lines.
+Used standalone on a checkpoint and by train.py every `hellaswag_interval` steps (lm-eval's rendering).
+
+    python -m marsgpt.hellaswag --ckpt out [--data hellaswag_val.jsonl] [--prompt llm.c] [--scores s.jsonl]
 """
 
 import argparse
 import contextlib
+import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -29,6 +40,9 @@ from marsgpt.tokens import DataError, get_gpt2_encoding
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "hellaswag")
 NUM_ENDINGS = 4
+PROMPTS = ("lm-eval", "llm.c")
+METRICS = ("acc", "acc_norm", "acc_norm_tokens")
+OFFICIAL_FIELDS = ("activity_label", "ctx_a", "ctx_b")
 MISSING_ADVICE = (
     "train a model first (python train.py ...), or pass --ckpt the out_dir or checkpoint file of a trained run"
 )
@@ -61,13 +75,17 @@ def ensure_data(path="", cache_dir=CACHE_DIR, url=VAL_URL, timeout_s=15):
     return cached
 
 
-def load_examples(path):
-    """The examples of an official HellaSwag jsonl file: dicts with 'ctx', 'endings' (4 strings), 'label'."""
+def load_examples(path, prompt="lm-eval"):
+    """The examples of a HellaSwag jsonl file, rendered for `prompt` (see render_lm_eval, render_llmc):
+    dicts with 'context', 'endings' (4 strings), 'label', and 'from_ctx' (True where the line had no
+    activity_label/ctx_a/ctx_b, so its 'ctx' was rendered instead)."""
+    if prompt not in PROMPTS:
+        raise ValueError(f"unknown HellaSwag prompt {prompt!r}; choose one of {', '.join(PROMPTS)}")
     examples = []
     try:
         with open(path, "rb") as f:
             for lineno, item in json_lines(f):
-                examples.append(_example(f"{path}, line {lineno}", item))
+                examples.append(_example(f"{path}, line {lineno}", item, prompt))
     except JSONLineError as e:
         what = "not UTF-8 text" if e.reason is None else f"not valid JSON ({e.reason})"
         raise DataError(f"{path}, line {e.number}: {what}") from None
@@ -78,13 +96,12 @@ def load_examples(path):
     return examples
 
 
-def _example(where, item):
-    """An official line's example, checked: 'ctx' a string, 'endings' 4 non-empty strings, 'label' 0..3."""
+def _example(where, item, prompt):
+    """A line's example, checked and rendered: 'endings' 4 non-empty strings, 'label' 0..3, and the
+    context's fields (activity_label, ctx_a and ctx_b as in the official files, or at least 'ctx')."""
     if not isinstance(item, dict):
         raise DataError(f"{where}: expected a JSON object")
-    ctx, endings, label = item.get("ctx"), item.get("endings"), item.get("label")
-    if not isinstance(ctx, str):
-        raise DataError(f"{where}: 'ctx' must be a string")
+    endings, label = item.get("endings"), item.get("label")
     if (
         not isinstance(endings, list)
         or len(endings) != NUM_ENDINGS
@@ -96,20 +113,62 @@ def _example(where, item):
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < NUM_ENDINGS:
         raise DataError(f"{where}: 'label' must be an integer 0..{NUM_ENDINGS - 1}, got {label!r}")
-    return dict(ctx=ctx, endings=endings, label=label)
+    official = has_official_fields(item)
+    if not isinstance(item.get("ctx"), str):
+        if prompt == "llm.c":
+            raise DataError(f"{where}: 'ctx' must be a string (the llm.c prompt scores it)")
+        if not official:
+            raise DataError(f"{where}: no context: give 'activity_label', 'ctx_a' and 'ctx_b', or 'ctx' (strings)")
+    context, endings = (render_lm_eval if prompt == "lm-eval" else render_llmc)(item)
+    return dict(context=context, endings=endings, label=label, from_ctx=not official)
+
+
+def has_official_fields(item):
+    return all(isinstance(item.get(k), str) for k in OFFICIAL_FIELDS)
+
+
+def lm_eval_clean(text):
+    """lm-eval's cleaning of HellaSwag text: stripped, WikiHow's " [title]" made a sentence break, every other
+    [tag] removed, then each pair of spaces made one (a single pass: three spaces become two, as there)."""
+    text = re.sub(r"\[.*?\]", "", text.strip().replace(" [title]", ". "))
+    return text.replace("  ", " ")
+
+
+def render_lm_eval(item):
+    """(context, endings) as lm-eval 0.4's hellaswag task renders an official line: "<activity_label>: <ctx_a>
+    <ctx_b with its first letter capitalised and the rest lower-cased (str.capitalize)>", endings cleaned alike.
+    A line without those fields (a hand-made file) has its 'ctx' cleaned instead."""
+    if has_official_fields(item):
+        context = f"{item['activity_label']}: {item['ctx_a']} {item['ctx_b'].capitalize()}"
+    else:
+        context = item["ctx"]
+    return lm_eval_clean(context), [lm_eval_clean(e) for e in item["endings"]]
+
+
+def render_llmc(item):
+    """(context, endings) as llm.c's HellaSwag evaluation reads a line: 'ctx' and the endings as they are."""
+    return item["ctx"], list(item["endings"])
 
 
 def render_example(example, enc, block_size):
-    """Token rows for the 4 (context + ending) sequences, each cut to at most block_size + 1 tokens.
+    """Token rows for the 4 (context + " " + ending) sequences, each cut to at most block_size + 1 tokens.
 
-    Returns (rows, ending_lengths): the last ending_lengths[i] tokens of rows[i] are the ending. A
-    context too long for the model is left-truncated (the ending is what is scored, so it is kept);
-    an ending longer than block_size keeps its last block_size tokens.
+    Returns (rows, ending_lengths): the last ending_lengths[i] tokens of rows[i] are the ending. Tokenized as
+    lm-eval does: trailing spaces of the context join the ending, the whole text is encoded and the ending is
+    what follows the context's tokens; an empty context is GPT-2's end-of-text token. A context too long for
+    the model is left-truncated (the ending is what is scored, so it is kept); an ending longer than
+    block_size keeps its last block_size tokens.
     """
-    ctx_tokens = enc.encode_ordinary(example["ctx"])
+    context = example["context"]
+    stripped = context.rstrip()
+    ctx_tokens = enc.encode_ordinary(stripped) if context else [enc.eot_token]
     rows, ending_lengths = [], []
     for ending in example["endings"]:
-        end_tokens = enc.encode_ordinary(" " + ending)
+        continuation = context[len(stripped) :] + " " + ending
+        if context:
+            end_tokens = enc.encode_ordinary(stripped + continuation)[len(ctx_tokens) :]
+        else:
+            end_tokens = enc.encode_ordinary(continuation)
         row = (ctx_tokens + end_tokens)[-(block_size + 1) :]
         rows.append(row)
         ending_lengths.append(min(len(end_tokens), len(row) - 1))
@@ -117,8 +176,13 @@ def render_example(example, enc, block_size):
 
 
 @torch.no_grad()
-def ending_losses(model, rendered, device, ctx=None):
-    """Summed ending loss and ending length, each (len(rendered), 4), for rendered examples in one batch."""
+def ending_logliks(model, rendered, device, vocab_size, ctx=None):
+    """Summed log-likelihood of each ending and its token count, each (len(rendered), 4), in one forward pass.
+
+    The log-softmax runs over the first vocab_size logits only: the rows the model's head is padded with
+    (50,304 for 50,257 tokens) are no token, and taking them into the normalisation would lower every
+    log-likelihood by log(1 + their share of the probability mass).
+    """
     rows = [row for rows, _ in rendered for row in rows]
     lengths = [n for _, lens in rendered for n in lens]
     width = max(len(r) for r in rows) - 1
@@ -136,8 +200,8 @@ def ending_losses(model, rendered, device, ctx=None):
         # Passing targets makes the model return logits at every position (not only the last).
         logits, _ = model(idx, targets)
     # Only the ending positions: the (rows, width, vocab) logits are never copied whole.
-    token_loss = F.cross_entropy(logits[scored].float(), targets[scored], reduction="none")
-    summed = torch.zeros(len(rows), device=device).index_add_(0, scored.nonzero()[:, 0], token_loss)
+    token_loglik = -F.cross_entropy(logits[scored][:, :vocab_size].float(), targets[scored], reduction="none")
+    summed = torch.zeros(len(rows), device=device).index_add_(0, scored.nonzero()[:, 0], token_loglik)
     return summed.view(-1, NUM_ENDINGS), torch.tensor(lengths, device=device).view(-1, NUM_ENDINGS)
 
 
@@ -152,35 +216,99 @@ def check_vocab(model):
     return enc
 
 
-def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_examples=4):
-    """acc_norm, acc and n over `examples`, rank r scoring examples i with i % world_size == r.
+def score(model, examples, device, ctx=None, batch_examples=4):
+    """dict(loglik, tokens, chars), each (len(examples), 4) on the CPU: every ending's summed log-likelihood
+    (float32), the number of its tokens scored, and its length in characters (what acc_norm divides by).
 
-    With torch.distributed initialised the counts are all-reduced, so every rank returns the totals;
-    every rank must call this with the same examples. Pass the bare model (not DDP-wrapped); it is put
-    in eval mode for the duration and restored.
+    Pass the bare model (not DDP-wrapped); it is put in eval mode for the duration and restored.
     """
-    if not examples:
-        raise ValueError("no HellaSwag examples to evaluate")
     enc = check_vocab(model)
-    mine = examples[rank::world_size]
-    counts = torch.zeros(3, dtype=torch.long, device=device)  # correct_norm, correct, n
+    loglik, tokens = [torch.zeros(0, NUM_ENDINGS)], [torch.zeros(0, NUM_ENDINGS, dtype=torch.long)]
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, len(mine), batch_examples):
-            batch = mine[start : start + batch_examples]
-            rendered = [render_example(e, enc, model.config.block_size) for e in batch]
-            summed, lengths = ending_losses(model, rendered, device, ctx)
-            labels = torch.tensor([e["label"] for e in batch], device=device)
-            counts[0] += ((summed / lengths).argmin(dim=1) == labels).sum()
-            counts[1] += (summed.argmin(dim=1) == labels).sum()
-            counts[2] += len(batch)
+        for start in range(0, len(examples), batch_examples):
+            rendered = [
+                render_example(e, enc, model.config.block_size) for e in examples[start : start + batch_examples]
+            ]
+            summed, lengths = ending_logliks(model, rendered, device, enc.n_vocab, ctx)
+            loglik.append(summed.cpu())
+            tokens.append(lengths.cpu())
     finally:
         model.train(was_training)
+    chars = torch.tensor([[len(e) for e in example["endings"]] for example in examples], dtype=torch.long)
+    return dict(loglik=torch.cat(loglik), tokens=torch.cat(tokens), chars=chars.view(-1, NUM_ENDINGS))
+
+
+def predictions(scores):
+    """The ending each metric picks, (n,) per name in METRICS; ties go to the first ending, as with lm-eval's
+    numpy argmax. An ending that cleaning left empty scores -inf per character (lm-eval divides by 0 too)."""
+    loglik = scores["loglik"].double()
+    return dict(
+        acc=loglik.argmax(dim=1),
+        acc_norm=(loglik / scores["chars"]).argmax(dim=1),
+        acc_norm_tokens=(loglik / scores["tokens"]).argmax(dim=1),
+    )
+
+
+def labels_of(examples):
+    return torch.tensor([e["label"] for e in examples], dtype=torch.long)
+
+
+def correct_counts(scores, labels):
+    """How many of the examples each metric in METRICS gets right, given their labels (n,)."""
+    picked = predictions(scores)
+    return [int((picked[name] == labels).sum()) for name in METRICS]
+
+
+def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_examples=4):
+    """acc, acc_norm, acc_norm_tokens and n over `examples`, rank r scoring examples i with i % world_size == r.
+
+    With torch.distributed initialised the counts are all-reduced, so every rank returns the totals;
+    every rank must call this with the same examples. Pass the bare model (not DDP-wrapped).
+    """
+    if not examples:
+        raise ValueError("no HellaSwag examples to evaluate")
+    mine = examples[rank::world_size]
+    correct = correct_counts(score(model, mine, device, ctx, batch_examples), labels_of(mine))
+    counts = torch.tensor(correct + [len(mine)], dtype=torch.long, device=device)
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    correct_norm, correct, n = counts.tolist()
-    return dict(acc_norm=correct_norm / n, acc=correct / n, n=n)
+    *correct, n = counts.tolist()
+    return dict({name: c / n for name, c in zip(METRICS, correct)}, n=n)
+
+
+def score_records(examples, scores):
+    """One JSON-ready dict per example: its index in the file (lm-eval's doc_id), label, each ending's summed
+    log-likelihood, token and character counts, and each metric's predicted ending."""
+    picked = predictions(scores)
+    for i, example in enumerate(examples):
+        yield dict(
+            index=i,
+            label=example["label"],
+            loglik=scores["loglik"][i].tolist(),
+            tokens=scores["tokens"][i].tolist(),
+            chars=scores["chars"][i].tolist(),
+            pred={name: int(picked[name][i]) for name in METRICS},
+        )
+
+
+def check_scores_path(path, overwrite):
+    """Refuse a --scores file that exists (unless overwrite) or whose folder does not, before any scoring."""
+    if os.path.lexists(path) and not overwrite:
+        raise ValueError(f"--scores {path} exists; give a new file, or add --overwrite to replace it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--scores {path}: the folder {folder} does not exist")
+
+
+def write_scores(path, examples, scores):
+    try:
+        with atomic_writer(path, "w") as f:
+            for record in score_records(examples, scores):
+                f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def main(argv=None):
@@ -192,13 +320,23 @@ def main(argv=None):
         help="GPT-2 weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder",
     )
     p.add_argument("--data", default="", help="hellaswag_val.jsonl (default: download into data/hellaswag/)")
+    p.add_argument(
+        "--prompt",
+        default="lm-eval",
+        choices=PROMPTS,
+        help="lm-eval: the text lm-evaluation-harness's hellaswag task scores (default); llm.c: raw ctx and endings",
+    )
     add_device_arguments(p)
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N examples (0 = all)")
     p.add_argument("--batch_examples", type=int, default=4, help="examples per forward pass")
+    p.add_argument("--scores", default="", help="write per-example log-likelihoods and predictions here (JSON lines)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --scores file")
     args = p.parse_args(argv)
     if args.batch_examples < 1:
         p.error(f"--batch_examples must be at least 1, got {args.batch_examples}")
     try:
+        if args.scores:
+            check_scores_path(args.scores, args.overwrite)
         args.device = resolve_device(args.device)
         device_type = torch.device(args.device).type
         if args.ckpt:
@@ -212,23 +350,28 @@ def main(argv=None):
                 f"no HellaSwag data: could not download {VAL_URL} (offline?); "
                 "download it elsewhere and pass --data PATH"
             )
-        examples = load_examples(path)
+        examples = load_examples(path, args.prompt)
         if args.limit > 0:
             examples = examples[: args.limit]
+        from_ctx = sum(e["from_ctx"] for e in examples)
+        if args.prompt == "lm-eval" and from_ctx:
+            print(
+                f"warning: {from_ctx} of {len(examples)} examples have no {'/'.join(OFFICIAL_FIELDS)} (the official "
+                "file's fields): their 'ctx' is scored, cleaned as lm-eval cleans text",
+                file=sys.stderr,
+            )
         t0 = time.time()
-        result = evaluate(
-            model,
-            examples,
-            args.device,
-            ctx=autocast(device_type, resolve_dtype(args.dtype, device_type)),
-            batch_examples=args.batch_examples,
-        )
+        ctx = autocast(device_type, resolve_dtype(args.dtype, device_type))
+        scores = score(model, examples, args.device, ctx, args.batch_examples)
+        result = {name: c / len(examples) for name, c in zip(METRICS, correct_counts(scores, labels_of(examples)))}
+        if args.scores:
+            write_scores(args.scores, examples, scores)
     except (ValueError, OSError, ImportError, CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"hellaswag: n={result['n']} acc={result['acc']:.4f} acc_norm={result['acc_norm']:.4f} "
-        f"({time.time() - t0:.1f}s, {path})"
+        f"hellaswag: n={len(examples)} acc={result['acc']:.4f} acc_norm={result['acc_norm']:.4f} "
+        f"acc_norm_tokens={result['acc_norm_tokens']:.4f} (prompt {args.prompt}, {time.time() - t0:.1f}s, {path})"
     )
     return 0
 

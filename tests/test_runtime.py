@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from bench.common import free_port
+from bench.common import rendezvous
 from marsgpt import runtime
 from marsgpt.config import TrainConfig
 
@@ -171,7 +171,7 @@ def test_network_check_bounds_name_resolution(monkeypatch):
     start = time.monotonic()
     try:
         assert not runtime.network_reachable("huggingface.co", timeout=0.5)
-        assert time.monotonic() - start < 2
+        assert time.monotonic() - start < 15  # the resolver alone would take 20 s; a loaded machine is slower
     finally:
         answered.set()  # the resolver thread ends
 
@@ -185,12 +185,12 @@ def test_network_check_connects_where_something_listens():
     assert not runtime.network_reachable("127.0.0.1", port, timeout=2)  # nothing listens any more: refused
 
 
-def gloo_rank(rank, port, peer, report):
+def gloo_rank(rank, rendezvous_env, peer, timeout_s, report):
     """Both ranks all-reduce once; then rank 1 (the peer) 'hangs' (never joins another collective) or 'dies'
     (exits), and rank 0 reports what its next all-reduce does."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
-    os.environ["WORLD_SIZE"] = "2"
-    runtime.setup_distributed(TrainConfig(device="cpu", ddp_timeout_s=2, gradient_accumulation_steps=2))
+    os.environ.update(rendezvous_env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    cfg = TrainConfig(device="cpu", ddp_timeout_s=timeout_s, gradient_accumulation_steps=2)
+    runtime.setup_distributed(cfg)
     runtime.dist.all_reduce(torch.ones(4))
     if rank == 1:
         if peer == "dies":
@@ -205,29 +205,30 @@ def gloo_rank(rank, port, peer, report):
     os._exit(0)  # no teardown of a process group whose peer is gone
 
 
-@pytest.mark.parametrize("peer", ["hangs", "dies"])
-def test_gloo_collective_with_a_lost_peer_raises_in_the_main_thread(peer):
+@pytest.mark.parametrize("peer, timeout_s", [("hangs", 2), ("dies", 120)])
+def test_gloo_collective_with_a_lost_peer_raises_in_the_main_thread(peer, timeout_s):
     """What train.py's handler for a timed-out collective sees on gloo (NCCL's watchdog ends the process
-    instead, docs/training.md): a peer that hangs makes the collective raise after ddp_timeout_s, saying it
-    timed out; a peer that died makes it raise at once."""
+    instead, docs/training.md): a peer that hangs makes the collective raise once ddp_timeout_s has passed,
+    saying it timed out; a peer that died makes it raise without waiting for the timeout. (The bounds are the
+    timeout itself and a minute: a loaded machine may be slow, never that slow.)"""
     context = multiprocessing.get_context("fork")  # started in milliseconds: torch is imported already
     received, report = context.Pipe(duplex=False)
-    port = free_port()
-    ranks = [context.Process(target=gloo_rank, args=(rank, port, peer, report)) for rank in range(2)]
-    for process in ranks:
-        process.start()
-    try:
-        assert received.poll(60), "rank 0 sent no report"
-        error, message, elapsed_s = received.recv()
-    finally:
+    with rendezvous() as env:
+        ranks = [context.Process(target=gloo_rank, args=(r, env, peer, timeout_s, report)) for r in range(2)]
         for process in ranks:
-            process.kill()
-            process.join()
+            process.start()
+        try:
+            assert received.poll(180), "rank 0 sent no report"
+            error, message, elapsed_s = received.recv()
+        finally:
+            for process in ranks:
+                process.kill()
+                process.join()
     assert error == "RuntimeError"
     if peer == "hangs":
-        assert "timed out" in message.lower() and 2 <= elapsed_s < 6, (message, elapsed_s)
+        assert "timed out" in message.lower() and timeout_s <= elapsed_s < timeout_s + 60, (message, elapsed_s)
     else:
-        assert re.search("Connection (reset|closed) by peer", message) and elapsed_s < 2, (message, elapsed_s)
+        assert re.search("Connection (reset|closed) by peer", message) and elapsed_s < 60, (message, elapsed_s)
 
 
 def test_deterministic_mode_turns_on_deterministic_algorithms_and_math_attention(monkeypatch):

@@ -117,6 +117,8 @@ FAKE_TRAIN = textwrap.dedent(
     if os.environ.get("FAKE_HANG"):  # a long run: its first checkpoint, then training until Ctrl-C
         open(os.path.join(args["out_dir"], "ckpt.pt"), "w").close()
         try:
+            with open(os.environ["FAKE_CALLS"], "a") as f:
+                f.write(json.dumps({"training": args["out_dir"]}) + "\\n")
             time.sleep(60)
         except KeyboardInterrupt:
             with open(os.environ["FAKE_CALLS"], "a") as f:
@@ -228,15 +230,17 @@ def test_a_stopped_study_stops_its_runs_also_when_started_in_the_background(tmp_
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # what bash does to `cmd &`
     )
-    deadline = time.time() + 60
-    while not (calls.exists() and len(calls.read_text().splitlines()) == 2) and time.time() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)  # both runs reach their sleep
+
+    def records(kind):
+        return [record for record in map(json.loads, calls.read_text().splitlines()) if kind in record]
+
+    deadline = time.time() + 120
+    while not (calls.exists() and len(records("training")) == 2) and time.time() < deadline:
+        time.sleep(0.1)  # both runs are in their training loop, where Ctrl-C is handled
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=30)
+    _, err = process.communicate(timeout=60)
     assert process.returncode == 130
-    interrupted = [json.loads(line) for line in calls.read_text().splitlines()[2:]]
-    assert len(interrupted) == 2 and all("interrupted" in c for c in interrupted)
+    assert len(records("interrupted")) == 2
     assert "study: stopped; 2 unfinished runs will resume" in err
     assert study.main(argv + ["--dry_run"]) == 0
     resumed = [line for line in capsys.readouterr().out.splitlines() if line.endswith("--init_from=resume")]

