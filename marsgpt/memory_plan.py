@@ -6,10 +6,11 @@ plan(cfg, world_size, gpu_memory_gb) returns the numbers (a MemoryPlan); train.p
 at the start of every run, and --dry_run=True prints them and exits, reading no data and needing no GPU.
 Parameters, gradients and optimizer state are exact: optimizer_layout builds the model on the meta device
 and lets the run's own optimizer take one step there, so each parameter's state is what the optimizer
-allocated; under ZeRO-1, zero_partition replays torch's assignment of parameters to ranks. Activations,
-logits, autocast's weight copies and the backward pass's gradient buffers follow a formula (Activations:
-bytes per token and per model, eager mode); the peak is the largest of a few moments of the forward and
-backward pass, of the optimizer step and of a ZeRO-1 checkpoint save. docs/memory.md gives the formula
+allocated; under ZeRO-1, zero_partition replays torch's assignment of parameters to ranks. Activations
+(with --deterministic=True, the math attention kernel's probabilities), the chunked loss's buffers,
+autocast's weight copies and the backward pass's gradient buffers follow a formula (Activations: bytes per
+token and per model, eager mode); the peak is the largest of a few moments of the forward and backward
+pass, of the optimizer step and of a ZeRO-1 checkpoint save. docs/memory.md gives the formula
 term by term, the moments, and how close the plan comes to measured peaks. A plan fits when its total is
 at most 1 - HEADROOM of the GPU's memory.
 """
