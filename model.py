@@ -159,12 +159,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         )
 
 
-def cross_entropy_in_chunks(x, weight, targets, chunk_scores=LOSS_CHUNK_SCORES):
+def loss_chunk_rows(vocab_size, chunk_scores=None):
+    """The rows of logits cross_entropy_in_chunks computes at once: chunk_scores (LOSS_CHUNK_SCORES unless
+    given) over the vocabulary, at least one. The memory plan counts the same chunks."""
+    return max(1, (chunk_scores or LOSS_CHUNK_SCORES) // vocab_size)
+
+
+def cross_entropy_in_chunks(x, weight, targets, chunk_scores=None):
     """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1) for x (N, C), weight (V, C), targets (N,),
     holding at most about chunk_scores logits at a time (_ChunkedCrossEntropy): the loss without the (N, V)
     logits."""
-    rows_per_chunk = max(1, chunk_scores // weight.size(0))
-    return _ChunkedCrossEntropy.apply(x, weight, targets, rows_per_chunk)
+    return _ChunkedCrossEntropy.apply(x, weight, targets, loss_chunk_rows(weight.size(0), chunk_scores))
 
 
 class CausalSelfAttention(nn.Module):

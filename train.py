@@ -192,7 +192,7 @@ def forward_backward(run, step):
     loss_sum = torch.zeros((), device=info.device)
 
     def fetch(k):
-        x, y = run.train_data.get_batch(cfg.seed, step, k, cfg.batch_size, cfg.block_size)
+        x, y = run.train_data.get_batch(cfg.seed, step, k, cfg.batch_size, cfg.block_size, cfg.windows_per_stream)
         return to_device(x, y, info.device)
 
     x, y = fetch(micro_steps[0])
@@ -329,6 +329,14 @@ def stamp(progress, time_s):
     return {metrics.ITER: progress.iter_num, metrics.TOKENS: progress.tokens, metrics.TIME_S: time_s}
 
 
+def step_mfu(run, step_s):
+    """(PaLM's, llm.c's) model FLOPs utilisation of steps of step_s seconds each (model.GPT.flops_per_token), or
+    None each off a GPU of known peak. Exact MARS's look-ahead adds a forward and backward pass per step."""
+    passes = 2 if run.look_ahead else 1
+    tokens_per_rank = run.tokens_per_step // run.dist.world_size * passes
+    return tuple(run.model.estimate_mfu(tokens_per_rank, step_s, convention) for convention in ("palm", "llm.c"))
+
+
 def log_train(run, progress, window, result, time_s):
     """A train line: mean loss of the window's steps (all ranks take part in its all-reduce), and the norms
     the optimizer logs (its registry entry's state_norms)."""
@@ -346,9 +354,7 @@ def log_train(run, progress, window, result, time_s):
         loss = torch.full((), math.nan, device=run.dist.device)
     param_norm = torch.nn.utils.get_total_norm(list(run.model.parameters()))
     values = torch.stack([v.float() for v in (loss, param_norm, *state_norms.values())]).tolist()
-    passes = 2 if run.look_ahead else 1  # forward and backward passes per step: exact MARS's look-ahead adds one
-    tokens_per_rank = run.tokens_per_step // run.dist.world_size * passes
-    mfu, mfu_llmc = (run.model.estimate_mfu(tokens_per_rank, dt, convention) for convention in ("palm", "llm.c"))
+    mfu, mfu_llmc = step_mfu(run, dt)
     record = {
         **stamp(progress, time_s),
         metrics.TRAIN_LOSS: values[0],

@@ -17,7 +17,12 @@ from model import PRESETS
 # micro-batches of 15 sequences (small, medium) or 5 (large, xl).
 GLOBAL_BATCH = 480
 REFERENCE_GPUS = 8
-MICRO_BATCH = {"small": 15, "medium": 15, "large": 5, "xl": 5}
+REFERENCE_MICRO_BATCH = {"small": 15, "medium": 15, "large": 5, "xl": 5}
+REFERENCE_EVAL_ITERS = 200  # evaluation batches of the reference's micro-batch
+# Ours, where the memory plan leaves room on 8 GPUs of 40 GiB as well as 80 (docs/memory.md, "A larger
+# micro-batch"): the windows are still drawn as the reference's micro-batches (windows_per_stream), so a
+# step trains on the same windows and each evaluation scores the same ones.
+MICRO_BATCH = {"small": 30, "medium": 15, "large": 5, "xl": 5}
 # Where every parameter group's lr ends, whatever the optimizer (absolute).
 MIN_LR = {"small": 3e-5, "medium": 6e-5, "large": 1e-5, "xl": 1e-5}
 
@@ -68,19 +73,20 @@ WANDB_PROJECT = {"mars_m": "mars-m", "moonlight": "mars-m"}
 
 def paper_run(size, optimizer):
     """Every key the paper's run of `optimizer` (a key of OPTIMIZERS) on GPT-2 `size` sets."""
-    micro_batch = MICRO_BATCH[size]
+    micro_batch, reference_micro_batch = MICRO_BATCH[size], REFERENCE_MICRO_BATCH[size]
     run = dict(
         PRESETS[size],
         batch_size=micro_batch,
         gradient_accumulation_steps=GLOBAL_BATCH // micro_batch,  # counted over all ranks
+        windows_per_stream=reference_micro_batch,
         # the paper's gradient scale: its code summed the micro-batches each of its GPUs ran (4 or 12)
-        grad_multiplier=GLOBAL_BATCH // (REFERENCE_GPUS * micro_batch),
+        grad_multiplier=GLOBAL_BATCH // (REFERENCE_GPUS * reference_micro_batch),
         max_iters=100000,  # 100k steps x 491,520 tokens = 49.2B tokens
         lr_decay_iters=100000,
         warmup_iters=2000,
         min_lr=MIN_LR[size],
         eval_interval=1000,
-        eval_iters=200,
+        eval_iters=REFERENCE_EVAL_ITERS * reference_micro_batch // micro_batch,
         log_interval=10,
         out_dir=f"out_{size}_{optimizer}_100k",
         wandb_log=True,

@@ -120,6 +120,13 @@ class TrainConfig:
         positive,
     )
     batch_size: int = key(12, "micro-batch size: sequences per forward pass", positive)
+    windows_per_stream: int = key(
+        0,
+        "the training and evaluation windows are drawn this many per random stream (0: batch_size, a stream "
+        "per micro-batch); set, it makes the windows independent of batch_size, so a step split into larger "
+        "micro-batches (gradient_accumulation_steps, eval_iters lowered to match) trains on the same data",
+        non_negative,
+    )
     block_size: int = key(1024, "sequence length in tokens", positive, fixed=True)
     seed: int = key(5000, "seed of the weights, batches and dropout (the reference's 5000)")
     # --- model

@@ -29,7 +29,7 @@ from marsgpt.files import atomic_writer, remove_stale_temporaries
 from marsgpt.metrics import MetricsLog
 from marsgpt.optimizers import OPTIMIZERS
 from marsgpt.runtime import SetupError, agree, decide_on_master
-from marsgpt.tokens import DataError, TokenData
+from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
 
 # The errors a user's input or a missing file can cause: each is one `error:` line and exit status 2.
@@ -233,7 +233,7 @@ def restore(ckpt, cfg, dist_info, optimizer, scaler, rng, progress):
 
 def eval_windows(cfg, data, dist_info):
     """This rank's share of the fixed evaluation windows: every world_size-th (train.evaluate all-reduces)."""
-    batches = data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size)
+    batches = data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.windows_per_stream)
     return batches[dist_info.rank :: dist_info.world_size]
 
 
@@ -260,7 +260,9 @@ def open_metrics(cfg, dist_info, progress, resumed):
 def setup_hellaswag(cfg, train_data, dist_info):
     """HellaSwag examples when hellaswag_interval asks for them and they can be scored, else None.
 
-    Rank 0 finds or downloads the file; every rank then reads it, and all agree that they could.
+    Rank 0 finds or downloads the file; every rank then reads it and loads the GPT-2 tokenizer the evaluation
+    uses, and all agree that they could: a rank without the tokenizer fails the set-up with the others, not
+    its first evaluation alone while they wait for it.
     """
     if cfg.hellaswag_interval == 0:
         return None
@@ -274,7 +276,12 @@ def setup_hellaswag(cfg, train_data, dist_info):
         if path is None:
             reason = "its data is not available offline (give --hellaswag_path)"
         else:
-            return agree(dist_info, lambda: hellaswag.load_examples(path), USER_ERRORS)
+
+            def load():
+                get_gpt2_encoding()  # kept by tokens for the evaluations
+                return hellaswag.load_examples(path)
+
+            return agree(dist_info, load, USER_ERRORS)
     if dist_info.is_master:
         print(f"warning: HellaSwag evaluation disabled: {reason}", file=sys.stderr)
     return None

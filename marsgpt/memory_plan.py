@@ -6,10 +6,11 @@ plan(cfg, world_size, gpu_memory_gb) returns the numbers (a MemoryPlan); train.p
 at the start of every run, and --dry_run=True prints them and exits, reading no data and needing no GPU.
 Parameters, gradients and optimizer state are exact: optimizer_layout builds the model on the meta device
 and lets the run's own optimizer take one step there, so each parameter's state is what the optimizer
-allocated; under ZeRO-1, zero_partition replays torch's assignment of parameters to ranks. Activations,
-logits, autocast's weight copies and the backward pass's gradient buffers follow a formula (Activations:
-bytes per token and per model, eager mode); the peak is the largest of a few moments of the forward and
-backward pass, of the optimizer step and of a ZeRO-1 checkpoint save. docs/memory.md gives the formula
+allocated; under ZeRO-1, zero_partition replays torch's assignment of parameters to ranks. Activations
+(with --deterministic=True, the math attention kernel's probabilities), the chunked loss's buffers,
+autocast's weight copies and the backward pass's gradient buffers follow a formula (Activations: bytes per
+token and per model, eager mode); the peak is the largest of a few moments of the forward and backward
+pass, of the optimizer step and of a ZeRO-1 checkpoint save. docs/memory.md gives the formula
 term by term, the moments, and how close the plan comes to measured peaks. A plan fits when its total is
 at most 1 - HEADROOM of the GPU's memory.
 """
@@ -29,6 +30,7 @@ from model import (
     HF_CHECKPOINTS,
     PRESETS,
     GPTConfig,
+    loss_chunk_rows,
     model_args_from_config,
     model_vocab_size,
 )
@@ -95,76 +97,202 @@ def zero_partition(groups, world_size):
 @dataclasses.dataclass(frozen=True)
 class Activations:
     """The formula's per-token and fixed terms for one model and dtype (docs/memory.md, "How the plan is
-    computed")."""
+    computed"), for the CUDA kernels a run takes, or (device_type="cpu", what the tests measure) the CPU's."""
 
     cfg: GPTConfig
     element_bytes: int  # a
     linear_weights: int  # W: elements of every Linear weight
-    linear_params: int  # with their biases (autocast's cache at the end of the forward pass)
+    linear_params: int  # with their biases (autocast's cache while the forward pass runs)
     block_linear_params: int  # one block's Linear weights and biases
+    loss_rows: int  # rows of the output layer's scores the loss computes at once (model.loss_chunk_rows)
+    math_attention: bool = False  # the math attention kernel (--deterministic=True on CUDA)
+    device_type: str = "cuda"
 
     @property
     def cast(self):
         return self.element_bytes < 4
 
+    @property
+    def dropout(self):
+        return self.cfg.dropout > 0
+
+    def mask(self, element_bytes):
+        """Bytes per element a dropout keeps for its backward pass: CUDA's fused kernel a 1-byte mask, the CPU
+        its scaled noise, in the dtype of the tensor it drops from (element_bytes)."""
+        return 1 if self.device_type == "cuda" else element_bytes
+
     def per_block(self):
-        c, a, dropout = self.cfg.n_embd, self.element_bytes, self.cfg.dropout > 0
-        return 8 * c + 14 * a * c + 4 * self.cfg.n_head + 16 + 2 * c * dropout
+        """A block's activations per token, its attention probabilities aside (attention_probabilities)."""
+        c, a, h = self.cfg.n_embd, self.element_bytes, self.cfg.n_head
+        dropout = 2 * c * self.mask(a) * self.dropout  # after the attention and the MLP
+        if self.math_attention:  # float32 copies of q, k and v instead of q, k, v and the log-sum-exp
+            return 8 * c + 11 * a * c + 12 * c + 16 + dropout
+        return 8 * c + 14 * a * c + 4 * h + 16 + dropout
+
+    def attention_probabilities(self):
+        """Per token and block, what the math kernel keeps of its n_head x block_size scores per token: the
+        float32 softmax and, with dropout, the dropped probabilities and the mask (0 with the fused kernels)."""
+        if not self.math_attention:
+            return 0
+        return self.cfg.n_head * self.cfg.block_size * (4 + (4 + self.mask(4)) * self.dropout)
+
+    def kept_through_attention_backward(self):
+        """Per token, what the math kernel's block still holds when its attention's backward pass runs: the
+        first LayerNorm's input and statistics, its output as c_attn reads it, the float32 q and k."""
+        c, a = self.cfg.n_embd, self.element_bytes
+        return 4 * c + 8 + a * c + 8 * c
+
+    def attention_backward(self, tokens):
+        """The math kernel's backward pass at its fullest, beyond what the block kept through it: either its
+        first matmul's (the gradient of the probabilities, beside the dropped ones and the mask it still keeps,
+        and the float32 v, the incoming gradient and its contiguous copy) or the softmax's and the dropout's
+        (a float32 gradient in and one out, and v's gradient)."""
+        c, scores = self.cfg.n_embd, tokens * self.cfg.n_head * self.cfg.block_size
+        dropped = (4 + self.mask(4)) * self.dropout  # per score, what the dropout keeps besides the probabilities
+        first_matmul = scores * 4 + tokens * 16 * c
+        softmax = scores * (8 - 4 * self.dropout - dropped) + tokens * 8 * c  # the dropout's own are freed by then
+        return max(first_matmul, softmax)
+
+    def block_backward(self, tokens):
+        """A block's backward pass at its fullest, its first matmul (the MLP's output projection): the
+        gradient of the residual stream (float32), its copy in the autocast dtype or the dropout's gradient,
+        and the matmul's two gradients, the MLP hidden layer's and the weight's (in the autocast dtype; cast to
+        float32 after the matmul has freed more than that)."""
+        c, a = self.cfg.n_embd, self.element_bytes
+        packed = 4 * c * c * a * self.cast * (self.device_type == "cpu")  # the CPU's bfloat16 matmul repacks the weight
+        return tokens * (4 * c + 4 * a * c + a * c * max(self.cast, self.dropout)) + 4 * c * c * a + packed
+
+    def mlp_dropout(self, tokens):
+        """The MLP dropout's mask, freed by its backward step, the first of the block's."""
+        return tokens * self.cfg.n_embd * self.mask(self.element_bytes) * self.dropout
 
     def after_blocks(self):
-        c, a, dropout = self.cfg.n_embd, self.element_bytes, self.cfg.dropout > 0
-        return 4 * c + a * c + 8 + c * dropout
+        """Per token: the final LayerNorm's input and statistics."""
+        return 4 * self.cfg.n_embd + 8
+
+    def embedding_dropout(self, tokens):
+        """The embedding dropout's mask (on the float32 sum of the two embeddings), kept until the last
+        backward step."""
+        return tokens * self.cfg.n_embd * self.mask(4) * self.dropout
+
+    def rng_states(self, checkpointing):
+        """The CPU RNG state each checkpointed block keeps for its recomputation: on the CPU's allocator, or in
+        a GPU run's host memory (not counted)."""
+        return checkpointing * self.cfg.n_layer * torch.get_rng_state().numel() * (self.device_type == "cpu")
+
+    def loss_chunks(self, tokens):
+        """(rows, rows of the chunk before or 0) of each kind of chunk the loss takes a micro-batch in."""
+        full, rest = divmod(tokens, self.loss_rows)
+        sizes = [self.loss_rows] * full + [rest] * bool(rest)
+        return set(zip(sizes, [0] + sizes[:-1]))
+
+    def loss_chunk(self, rows, carried):
+        """The most one chunk of model._ChunkedCrossEntropy's forward holds at once: its logits (a bytes per
+        score), their float32 log-softmax, which becomes the gradient in place, the gradient's copy in the
+        autocast dtype, the one-hot comparison (1 byte) and its float32 copy, the matmuls' casts and outputs;
+        and what the previous chunk's names still hold until the loop rebinds them (`carried` rows)."""
+        c, v, a, cast = self.cfg.n_embd, self.cfg.vocab_size, self.element_bytes, self.cast
+        low = a * cast  # the gradient's copy in the autocast dtype, a tensor of its own when cast
+        promote = 4 * v * c * cast * (self.device_type == "cpu")  # the CPU's += of a bfloat16 into float32
+        return max(
+            (a + 4 + low) * carried * v + a * cast * rows * c + a * rows * v,  # the logits' matmul
+            (4 + low) * carried * v + (a + 4 * cast + 4) * rows * v,  # the log-softmax of a float32 copy
+            (low if cast else 4) * carried * v + (a + 9) * rows * v,  # minus the one-hot
+            (a + 4 + low) * rows * v + low * v * c + a * rows * c,  # the input's gradient
+            # the output weight's gradient: the input's cast is freed before the CPU's promotion
+            (a + 4 + low) * rows * v + a * v * c + max(low * rows * c, promote),
+        )
+
+    def loss_forward(self, tokens):
+        """The most the loss holds in the forward pass: its input (the final LayerNorm's float32 output), the
+        gradients it computes there for the backward pass (the input's, the output weight's in float32), the
+        vocabulary's indices, the scored positions' mask, and its largest chunk."""
+        c, v = self.cfg.n_embd, self.cfg.vocab_size
+        held = tokens * (8 * c + 1) + 4 * v * c + 8 * v
+        return held + max(self.loss_chunk(rows, carried) for rows, carried in self.loss_chunks(tokens))
+
+    def loss_backward(self, tokens):
+        """The loss's backward pass: the two gradients it kept, and their copies scaled by the incoming one."""
+        c, v = self.cfg.n_embd, self.cfg.vocab_size
+        return 2 * (tokens * 4 * c + 4 * v * c)
 
     def peak(self, tokens, checkpointing):
         """(moment, {part: bytes}) of the largest moment of the forward and backward pass."""
         c, v, n_layer, a, cast = self.cfg.n_embd, self.cfg.vocab_size, self.cfg.n_layer, self.element_bytes, self.cast
-        # A block's backward pass: the gradients of the residual stream (float32) and of its MLP hidden layer,
-        # one weight's gradient before it is added to .grad (computed in the autocast dtype, then cast), and
-        # the tied embedding's gradient from the output layer, which waits in float32 for the embedding's own
-        # (autograd adds the two up first). At the very end those two and, in float32, their sum.
+        attention = tokens * self.attention_probabilities()
+        # the tied embedding's gradient from the loss waits in float32 for the embedding's own (autograd adds
+        # the two up first): through every block's backward pass
         tied = 4 * v * c
-        block_backward = dict(gradients=tokens * (4 * c + 4 * a * c) + 4 * c * c * (4 + a * cast) + tied)
-        end = {"end of the backward pass": dict(gradients=tied * (3 - cast))}
+        kept = self.embedding_dropout(tokens) + self.rng_states(checkpointing)  # until the last backward step
+        # the loss's and the embedding's gradients of the tied matrix, and the embedding's input's
+        end = {"end of the backward pass": dict(gradients=2 * tied + tokens * 4 * c)}
         if not checkpointing:
+            blocks = kept + tokens * n_layer * self.per_block()
+            last_block = dict(
+                activations=blocks - self.mlp_dropout(tokens),
+                attention=n_layer * attention,
+                weight_copies=cast * a * (self.linear_weights - v * c),
+                gradients=self.block_backward(tokens) + tied,
+            )
             moments = {
-                "start of the backward pass": dict(
-                    activations=tokens * (n_layer * self.per_block() + self.after_blocks()),
-                    logits=tokens * 12 * v,
-                    weight_copies=cast * a * self.linear_weights,
+                "loss in the forward pass": dict(
+                    activations=blocks + tokens * self.after_blocks(),
+                    attention=n_layer * attention,
+                    loss=self.loss_forward(tokens),
+                    weight_copies=cast * a * self.linear_params,
                 ),
-                "backward pass of the last block": dict(
-                    activations=tokens * n_layer * self.per_block(),
+                "start of the backward pass": dict(
+                    activations=blocks + tokens * self.after_blocks(),
+                    attention=n_layer * attention,
+                    loss=self.loss_backward(tokens),
                     weight_copies=cast * a * (self.linear_weights - v * c),
-                    **block_backward,
+                ),
+                "backward pass of the last block": last_block,
+                # by then the block's MLP and output projection have their gradients: their copies are gone
+                "attention's backward pass in the last block": dict(
+                    last_block,
+                    activations=blocks - tokens * (self.per_block() - self.kept_through_attention_backward()),
+                    weight_copies=cast * a * (self.linear_weights - v * c - 9 * c * c),
+                    gradients=self.attention_backward(tokens) + tied,
                 ),
                 **end,
             }
         else:
-            block_inputs = n_layer * 4 * c
+            block_inputs = kept + tokens * n_layer * 4 * c
+            # the recomputed block's input is the one it kept: counted once
+            recomputed = dict(
+                activations=block_inputs + tokens * (self.per_block() - 4 * c) - self.mlp_dropout(tokens),
+                attention=attention,
+                weight_copies=cast * a * self.block_linear_params,
+                gradients=self.block_backward(tokens) + tied,
+            )
             moments = {
-                "end of the forward pass": dict(
-                    activations=tokens * (block_inputs + self.after_blocks() + 4 * c * cast),
-                    logits=tokens * v * (a + 4 + 4 * cast),
+                "loss in the forward pass": dict(
+                    activations=block_inputs + tokens * self.after_blocks(),
+                    loss=self.loss_forward(tokens),
                     weight_copies=cast * a * self.linear_params,
                 ),
                 "start of the backward pass": dict(
-                    activations=tokens * (block_inputs + self.after_blocks()),
-                    logits=tokens * 12 * v,
-                    weight_copies=cast * a * v * c,
+                    activations=block_inputs + tokens * self.after_blocks(),
+                    loss=self.loss_backward(tokens),
                 ),
-                # the recomputed block's input is the one it kept: counted once
-                "recomputation of a block": dict(
-                    activations=tokens * (block_inputs + self.per_block() - 4 * c),
-                    weight_copies=cast * a * self.block_linear_params,
-                    **block_backward,
+                "recomputation of a block": recomputed,
+                "attention's backward pass in a recomputed block": dict(
+                    recomputed,
+                    activations=block_inputs + tokens * (self.kept_through_attention_backward() - 4 * c),
+                    weight_copies=cast * a * 3 * c * c,  # c_attn's, the one Linear before it
+                    gradients=self.attention_backward(tokens) + tied,
                 ),
                 **end,
             }
+        if not self.math_attention:  # the fused kernels' backward passes hold no more than the block's first
+            moments = {name: parts for name, parts in moments.items() if not name.startswith("attention's")}
         return max(moments.items(), key=lambda item: sum(item[1].values()))
 
 
-def activations_for(model_args, dtype):
-    """The formula's terms for the model model_args describes (built on the meta device) in autocast dtype."""
+def activations_for(model_args, dtype, math_attention=False, device_type="cuda"):
+    """The formula's terms for the model model_args describes (built on the meta device) in autocast dtype, with
+    the math attention kernel or the fused ones, on CUDA (or the CPU, whose kernels the tests measure)."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**model_args))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -179,6 +307,9 @@ def activations_for(model_args, dtype):
         linear_weights=params(linears, biases=False),
         linear_params=params(linears),
         block_linear_params=params(block),
+        loss_rows=loss_chunk_rows(model.config.vocab_size),
+        math_attention=math_attention,
+        device_type=device_type,
     )
 
 
@@ -203,6 +334,7 @@ class MemoryPlan:
     gpu_name: str | None
     max_micro_batch: int | None  # the largest batch_size that fits (0: not even 1), None without a GPU size
     save_bytes: int = 0  # what a checkpoint save adds to rank 0's GPU between steps: its "checkpoint save" moment
+    fused_attention_bytes: int | None = None  # deterministic=True: the total with the fused attention kernels
     notes: tuple = ()
 
     @property
@@ -244,7 +376,8 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
     model_args = model_args or model_args_from_config(cfg)
     dtype = dtype or (AUTO_DTYPE if cfg.dtype == "auto" else cfg.dtype)
     layout = layout or optimizer_layout(cfg, model_args)
-    activations = activations_for(model_args, dtype)
+    # --deterministic=True leaves CUDA only the math attention kernel (runtime.set_deterministic)
+    activations = activations_for(model_args, dtype, math_attention=cfg.deterministic)
     sharded = is_sharded(cfg, world_size)
     parameters = layout.parameters
     parameter_bytes = sum(n for n, _, _, _ in parameters) * 4  # float32 weights, and gradients alike
@@ -263,7 +396,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
     staged = [largest for share in shares[1:] for _, _, _, largest in share] if cfg.backend != "gloo" else []
     save_bytes = max(staged, default=0)
 
-    def peak(micro_batch):
+    def peak(micro_batch, activations=activations):
         """(moment, {part: bytes}): the largest moment of a step beyond parameters, gradients and state."""
         moments = dict(
             [activations.peak(micro_batch * cfg.block_size, cfg.activation_checkpointing)],
@@ -279,10 +412,18 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
     max_micro_batch = None
     if gpu_memory_bytes is not None:
         max_micro_batch = largest(lambda b: static + sum(peak(b)[1].values()) <= usable(gpu_memory_bytes))
-    notes = ()
+    notes = []
     if cfg.zero_stage == 1 and world_size == 1:
-        notes = ("zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks",)
+        notes.append("zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks")
     moment, parts = peak(cfg.batch_size)
+    fused_attention_bytes = None
+    if cfg.deterministic:
+        fused_attention_bytes = static + sum(peak(cfg.batch_size, activations_for(model_args, dtype))[1].values())
+        notes.append(
+            f"deterministic=True: CUDA runs only the math attention kernel, which keeps each layer's float32 "
+            f"attention probabilities; with the fused kernels (deterministic=False) the total is "
+            f"{gib(fused_attention_bytes)}, {gib(static + sum(parts.values()) - fused_attention_bytes)} less"
+        )
     return MemoryPlan(
         description=OPTIMIZERS.entry(cfg).label(cfg),
         n_params=sum(n for n, _, _, _ in parameters),
@@ -301,7 +442,8 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
         gpu_name=gpu_name,
         max_micro_batch=max_micro_batch,
         save_bytes=save_bytes,
-        notes=notes,
+        fused_attention_bytes=fused_attention_bytes,
+        notes=tuple(notes),
     )
 
 
@@ -324,7 +466,8 @@ def gib(n):
 
 PART_NAMES = dict(
     activations="activations",
-    logits="logits",
+    attention="attention probs",
+    loss="loss buffers",
     weight_copies="weight copies",
     gradients="gradient buffers",
     step_buffer="step buffer",
@@ -338,7 +481,8 @@ def format_plan(p):
     lines = [
         f"memory plan per GPU (an estimate): {p.n_params / 1e6:,.1f}M parameters, {p.description}, {sharding}, "
         f"micro-batch {p.micro_batch} x {p.block_size} tokens, {p.dtype}, "
-        f"activation checkpointing {'on' if p.activation_checkpointing else 'off'}",
+        f"activation checkpointing {'on' if p.activation_checkpointing else 'off'}"
+        + (", deterministic (the math attention kernel)" if p.fused_attention_bytes is not None else ""),
         f"  parameters       {gib(p.parameter_bytes):>11}",
         f"  gradients        {gib(p.gradient_bytes):>11}",
         f"  optimizer state  {gib(p.state_bytes):>11}"
@@ -376,6 +520,9 @@ def advice(p):
         options.append("--zero_stage=1")
     if not p.activation_checkpointing:
         options.append("--activation_checkpointing=True")
+    if p.fused_attention_bytes is not None:
+        fits = " (which fits)" if p.usable_bytes is not None and p.fused_attention_bytes <= p.usable_bytes else ""
+        options.append(f"--deterministic=False (the fused attention kernels: {gib(p.fused_attention_bytes)}{fits})")
     if p.max_micro_batch:
         options.append(f"--batch_size={p.max_micro_batch} (with gradient_accumulation_steps raised to match)")
     return " or ".join(options) if options else "more or larger GPUs"

@@ -294,8 +294,9 @@ class TokenData:
                 f">= the model's vocabulary size {self._max_id + 1}"
             )
 
-    def _windows(self, rng, batch_size, block_size):
-        """batch_size windows of block_size + 1 tokens, uniform over all windows that fit in one shard."""
+    def _window_starts(self, block_size):
+        """Cumulative counts of the windows of block_size + 1 tokens that fit in each file (a window never
+        spans two)."""
         starts_per_file = np.array([max(n - block_size, 0) for n in self.lengths], dtype=np.int64)
         if starts_per_file.sum() == 0:
             raise DataError(
@@ -303,31 +304,51 @@ class TokenData:
                 f"one window of block_size + 1 = {block_size + 1} (per file); use a smaller "
                 f"block_size or more data"
             )
-        cumulative = np.cumsum(starts_per_file)
-        offsets = rng.integers(0, cumulative[-1], size=batch_size)
+        return np.cumsum(starts_per_file)
+
+    def _windows(self, stream_key, first, count, per_stream, block_size):
+        """Windows first, ..., first + count - 1 of a sequence of windows uniform over all that fit in one
+        file, drawn per_stream at a time: window j is draw j % per_stream of the random stream
+        np.random.default_rng(np.random.SeedSequence(stream_key(j // per_stream)))."""
+        cumulative = self._window_starts(block_size)
+        offsets = []
+        for stream in range(first // per_stream, (first + count - 1) // per_stream + 1):
+            drawn = np.random.default_rng(np.random.SeedSequence(stream_key(stream))).integers(
+                0, cumulative[-1], size=per_stream
+            )
+            begin = stream * per_stream
+            offsets.append(drawn[max(first, begin) - begin : min(first + count, begin + per_stream) - begin])
+        offsets = np.concatenate(offsets)
         which = np.searchsorted(cumulative, offsets, side="right")
-        windows = np.empty((batch_size, block_size + 1), dtype=np.uint16)
+        windows = np.empty((count, block_size + 1), dtype=np.uint16)
         for row, (i, offset) in enumerate(zip(which.tolist(), offsets.tolist())):
-            start = offset - int(cumulative[i] - starts_per_file[i])
+            start = offset - int(cumulative[i - 1] if i else 0)
             self.read(i, start, windows[row])
             if self._max_id is not None:
                 self._check_ids(self.paths[i], start, windows[row])
         batch = torch.from_numpy(windows.astype(np.int64))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
-    def get_batch(self, seed, step, micro_step, batch_size, block_size):
+    def get_batch(self, seed, step, micro_step, batch_size, block_size, windows_per_stream=0):
         """(x, y) int64 CPU tensors of shape (batch_size, block_size), y shifted by one token.
 
-        A pure function of (seed, step, micro_step) and the data: never of rank or world size. A
-        data-parallel trainer gives each rank its own micro_step values of the same global step.
+        Micro-batch micro_step holds windows micro_step * batch_size, ... of step `step`, which are drawn
+        windows_per_stream at a time from the random streams (seed, step, 0), (seed, step, 1), ... (0: one
+        stream per micro-batch). A pure function of (seed, step, micro_step) and the data: never of rank or
+        world size, so a data-parallel trainer gives each rank its own micro_step values of the same step.
+        With windows_per_stream set, the step's windows do not depend on batch_size either: any split of
+        the same windows into micro-batches trains on the same data.
         """
-        rng = np.random.default_rng(np.random.SeedSequence([seed, step, micro_step]))
-        return self._windows(rng, batch_size, block_size)
+        per_stream = windows_per_stream or batch_size
+        return self._windows(lambda s: [seed, step, s], micro_step * batch_size, batch_size, per_stream, block_size)
 
-    def eval_batches(self, seed, num_batches, batch_size, block_size):
-        """num_batches fixed (x, y) batches: the same windows on every call, so evals compare."""
-        # The extra entry keeps these windows apart from get_batch's (seed, step, micro_step) stream.
+    def eval_batches(self, seed, num_batches, batch_size, block_size, windows_per_stream=0):
+        """num_batches fixed (x, y) batches: the same windows on every call, so evals compare. Like get_batch's,
+        the windows are drawn windows_per_stream at a time (0: batch_size), so the same windows split into
+        batches of another size are the same evaluation."""
+        per_stream = windows_per_stream or batch_size
+        # The extra entry keeps these windows apart from get_batch's (seed, step, stream) streams.
         return [
-            self._windows(np.random.default_rng(np.random.SeedSequence([seed, i, 0, 1])), batch_size, block_size)
+            self._windows(lambda s: [seed, s, 0, 1], i * batch_size, batch_size, per_stream, block_size)
             for i in range(num_batches)
         ]

@@ -1,18 +1,23 @@
-"""The one run to make when a GPU is lent: every launch path, GPT-2 small's throughput with MARS and with
-AdamW, the MARS CUDA step, a kill -9 and resume, peak memory, sampling and HellaSwag, printed as one table.
+"""The one run to make when a GPU is lent: every launch path, GPT-2 small on the path a paper run takes
+(compiled, DDP: its compile, graph breaks and recompiles, throughput, MFU, memory, attention kernel) with
+MARS, AdamW and --deterministic=True, the MARS CUDA step, a kill -9 and resume, peak memory against the
+plan, sampling and HellaSwag, printed as one table.
 
-    bash scripts/gpu_check.sh                         # every check on this node's GPUs (< 8 min on one H200)
+    bash scripts/gpu_first10.sh                       # the checks that decide the most (< 8 min on one H200)
+    bash scripts/gpu_check.sh                         # every check on this node's GPUs (< 10 min on one H200)
     bash scripts/gpu_check.sh --only resume sample    # some checks (and the checks they need)
     bash scripts/gpu_check.sh --device=cpu            # the plumbing on tiny models, no GPU; numbers mean nothing
 
 No network: the token data are uniform random GPT-2 ids and the HellaSwag file a few made-up examples,
-both written into a temporary folder with the runs. Every check after the data runs in processes of its
-own under a time budget (Check.budget_s, TOTAL_BUDGET_S in all); one that fails or runs out of time is a
-failed row that still says what it measured, and the others still run. Every pass or fail of a train.py
-run is read from its metrics.jsonl. Writes <out>/gpu_check.md (the table), <out>/gpu_check.json (the table
-and every number behind it) and <out>/logs/<check>.log (each command's full output); both files are
-rewritten after every check and say "in progress" until the last one. Exit status: 0 when no row failed,
-1 when one did, 2 for bad arguments or no GPU. docs/gpu.md says what each check runs and records the results.
+both written into a temporary folder with the runs. A warm-up loads every module and wakes every GPU
+first, so the device read and the checks after it start warm. Every check after the data runs in
+processes of its own under a time budget (Check.budget_s, TOTAL_BUDGET_S in all); one that fails or runs
+out of time is a failed row that still says what it measured, and the others still run. Every pass or fail
+of a train.py run is read from its metrics.jsonl, of a measurement from its worker's JSON. Writes
+<out>/gpu_check.md (the table), <out>/gpu_check.json (the table and every number behind it) and
+<out>/logs/<check>.log (each command's full output); both files are rewritten after every check and say
+"in progress" until the last one. Exit status: 0 when no row failed, 1 when one did, 2 for bad arguments or
+no GPU. docs/gpu.md says what each check runs and records the results.
 """
 
 import argparse
@@ -98,9 +103,9 @@ def _cell(text):
     return str(text).replace("\n", " ").replace("|", "\\|")
 
 
-def render_markdown(header, rows):
-    """The report: a few header lines, then one table of what, command, result, pass/fail and seconds."""
-    lines = ["# GPU check", ""]
+def render_markdown(header, rows, title="GPU check"):
+    """The report: a title, a few header lines, then one table of what, command, result, pass/fail and seconds."""
+    lines = [f"# {title}", ""]
     lines += [f"- {key}: {value}" for key, value in header.items()]
     lines += ["", "| what | command | result | pass | seconds |", "|---|---|---|---|---|"]
     for row in rows:
@@ -115,11 +120,11 @@ def summary(rows, checks_run, checks_total, seconds):
     return f"{state}: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[SKIP]} skipped, {seconds:.0f} s"
 
 
-def write_report(out, header, rows, checks_run, checks_total, seconds):
+def write_report(out, header, rows, checks_run, checks_total, seconds, title="GPU check"):
     """<out>/gpu_check.md and <out>/gpu_check.json, each replaced whole (never half-written)."""
     header = dict(header, status=summary(rows, checks_run, checks_total, seconds))
     with atomic_writer(os.path.join(out, "gpu_check.md"), "w") as f:
-        f.write(render_markdown(header, rows))
+        f.write(render_markdown(header, rows, title))
     report = dict(
         header,
         complete=checks_run == checks_total,
@@ -156,8 +161,9 @@ def kill_group(proc):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def run_command(argv, log_path, timeout_s, stop_at=None):
-    """Run argv in the repository root, its output (stdout and stderr) appended to log_path and returned.
+def run_command(argv, log_path, timeout_s, stop_at=None, env=None):
+    """Run argv in the repository root, its output (stdout and stderr) appended to log_path and returned;
+    env: variables added to this process's environment.
 
     The command gets a process group of its own: after timeout_s, or as soon as a line starts with
     stop_at, the whole group (torchrun's ranks too) is killed with SIGKILL.
@@ -166,7 +172,8 @@ def run_command(argv, log_path, timeout_s, stop_at=None):
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
         pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, **pipe)
+        environment = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, env=environment, **pipe)
         timed_out = threading.Event()
 
         def on_timeout():
@@ -211,24 +218,14 @@ def failure(finished, budget_s, records=None):
 
 
 def progress(records):
-    """What a run's metrics.jsonl records say it measured: how far it got, its compile times, its last speed."""
+    """What a run's metrics.jsonl records say it measured: how far it got, its last speed."""
     if not records:
         return "metrics.jsonl has no record yet"
     parts = [f"metrics.jsonl to iter {records[-1][metrics.ITER]}"]
-    parts += [f"{COMPILE_KEYS[key]} {value:.1f} s" for key, value in compile_times(records).items() if finite(value)]
     lines = [r for r in records if finite(r.get(metrics.TOKENS_PER_SEC))]
     if lines:
         parts.append(f"{lines[-1][metrics.TOKENS_PER_SEC]:,.0f} tokens/s at iter {lines[-1][metrics.ITER]}")
     return ", ".join(parts)
-
-
-COMPILE_KEYS = {metrics.EVAL_S: "first evaluation", metrics.FIRST_STEP_S: "first step"}
-
-
-def compile_times(records):
-    """{key: seconds or None} of the first evaluation (the first record with metrics.EVAL_S) and the first
-    step (metrics.FIRST_STEP_S): in a compiled run each includes compiling its graph."""
-    return {key: next((r[key] for r in records if key in r), None) for key in COMPILE_KEYS}
 
 
 def short_command(argv, work):
@@ -296,21 +293,21 @@ class Context:
         """Where the check's worker writes its JSON."""
         return os.path.join(self.work, f"{self.check.name}.json")
 
-    def train_args(self, run_name, configs, **overrides):
+    def train_args(self, run_name, configs, keep=(), **overrides):
         """train.py's arguments: config files, the synthetic data, out_dir runs/<run_name>, no wandb, the
-        overrides, and with --device=cpu the TINY shapes last."""
+        overrides, and with --device=cpu the TINY shapes last (but for the overrides named in `keep`)."""
         values = dict(data_path=self.data_path, dataset=DATASET, out_dir=self.out_dir(run_name), wandb_log=False)
         values.update(overrides)
         if not self.cuda:
-            values.update(TINY)
+            values.update({key: value for key, value in TINY.items() if key not in keep})
         return [*configs, *(f"--{key}={value}" for key, value in values.items())]
 
     def train_py(self, run_name, configs, **overrides):
         return ["train.py", *self.train_args(run_name, configs, **overrides)]
 
-    def run(self, argv, stop_at=None):
+    def run(self, argv, stop_at=None, env=None):
         """run_command within what is left of the check's budget."""
-        return run_command(argv, self.log, self.deadline - time.monotonic(), stop_at)
+        return run_command(argv, self.log, self.deadline - time.monotonic(), stop_at, env)
 
     def short(self, argv):
         return short_command(argv, self.work)
@@ -399,59 +396,146 @@ def check_launch(torchrun, ctx):
 
 
 # ---------------------------------------------------------------------------------------------------
-# GPT-2 small's throughput: the paper configs, shortened. The first evaluation and the first step compile
-# (their own row); the throughput row reports the last train line (steps 11-15).
+# The path a paper run takes on a GPU: its config's shapes, the compiled model under DDP through torchrun (one
+# rank), on the synthetic data, in scripts/gpu_check_worker.py's compiled_run. Its rows: the compile, graph
+# breaks and recompiles, tokens/s and MFU, peak memory against the plan, the attention kernel.
 
-THROUGHPUT_RUN = dict(max_iters=15, log_interval=5, eval_iters=2, gradient_accumulation_steps=8)
+# compiled, and 8 micro-batches (DDP's no_sync ones, then the one that all-reduces), on --device=cpu too
+COMPILED_RUN = dict(compile=True, gradient_accumulation_steps=8, eval_iters=2)
+TIMED_STEPS = 10
+# TORCH_LOGS for the compiled run: every recompile and graph break, with its reason, in the check's log
+COMPILE_LOGS = "recompiles,graph_breaks"
+FUSED_KERNELS = ("flash", "memory-efficient", "cuDNN")
 
 
-def throughput_row(what, command, finished, budget_s, records):
-    """tokens/s and MFU of the last train line in metrics.jsonl, as train.py logged them."""
-    if not finished.ok:
-        return Row(what, command, failure(finished, budget_s, records), FAIL)
-    lines = [r for r in records if metrics.TOKENS_PER_SEC in r]
-    if not lines:
-        return Row(what, command, "exit 0, but metrics.jsonl has no train line", FAIL)
-    last = lines[-1]
-    loss, tokens_per_sec, mfu = last.get(metrics.TRAIN_LOSS), last[metrics.TOKENS_PER_SEC], last.get(metrics.MFU)
-    if not finite(loss) or not finite(tokens_per_sec) or tokens_per_sec <= 0:
-        return Row(what, command, f"exit 0, but the last train line has loss {loss}, {tokens_per_sec} tokens/s", FAIL)
-    mfu_llmc = last.get(metrics.MFU_LLMC)
+def gib(n):
+    return f"{n / GIB:.1f} GiB"
+
+
+def compile_rows(what, command, result):
+    """The compile (the first step's and the first evaluation's seconds), and the graphs: pass when no graph
+    broke and nothing recompiled after the warm-up."""
+    times = {key: result.get(key) for key in ("first_step_s", "eval_s")}
+    text = ", ".join(
+        f"{label} {times[key]:.1f} s" if finite(times[key]) else f"{label} not reached"
+        for key, label in (("first_step_s", "first step"), ("eval_s", "first evaluation"))
+    )
+    backend = f" ({result['backend']})" if result.get("backend") != "inductor" else ""
+    rows = [
+        Row(
+            f"{what}: compile",
+            command,
+            f"{text}, each compiling its graph{backend}",
+            PASS if all(finite(v) for v in times.values()) else FAIL,
+            times,
+        )
+    ]
+    breaks, recompiled = result.get("graph_breaks", {}), "recompile" in result.get("error", "").lower()
+    warm, graphs = result.get("graphs_after_warm_up"), result.get("graphs")
+    details = dict(graph_breaks=breaks, graphs_after_warm_up=warm, graphs=graphs, error=result.get("error", ""))
+    if breaks:
+        text, status = f"{sum(breaks.values())} graph break(s): {'; '.join(breaks)}", FAIL
+    elif recompiled:
+        text, status = f"recompiled after the warm-up: {result['error']}", FAIL
+    elif warm is None or graphs != warm:
+        text, status = f"graphs after the warm-up {warm}, at the end {graphs}: not measured to the end", FAIL
+    else:
+        text = f"no graph break; {graphs} graph(s) compiled in the warm-up, no recompile after it (forbidden)"
+        status = PASS
+    rows.append(Row(f"{what}: graph breaks and recompiles", command, text, status, details))
+    return rows
+
+
+def throughput_result_row(what, command, result):
+    """tokens/s and MFU (both conventions) of the timed steps, on the path a real run takes (compiled, DDP)."""
+    tokens_per_sec = result.get("tokens_per_sec")
+    if result.get("error") or not finite(tokens_per_sec):
+        return Row(what, command, f"not measured: {result.get('error') or 'no timed step'}", FAIL, result)
+    if not (result["compiled"] and result["ddp"]):
+        return Row(what, command, f"compiled {result['compiled']}, DDP {result['ddp']}: not the real path", FAIL)
+    mfu, mfu_llmc = result.get("mfu"), result.get("mfu_llmc")
     mfu_text = (
         f"MFU {mfu:.1f}% ({mfu_llmc:.1f}% as llm.c counts)"
         if finite(mfu) and finite(mfu_llmc)
         else "MFU n/a (no peak FLOP/s known for this device)"
     )
-    result = (
-        f"{tokens_per_sec:,.0f} tokens/s, {mfu_text}, {last[metrics.STEP_MS]:.0f} ms/step "
-        f"(steps to {last[metrics.ITER]}), loss {loss:.3f}"
+    text = (
+        f"{tokens_per_sec:,.0f} tokens/s, {mfu_text}, {result['step_s'] * 1000:.0f} ms/step of "
+        f"{result['tokens_per_step']:,} tokens ({result['steps']} steps; compiled, DDP over 1 rank)"
     )
-    return Row(what, command, result, PASS, details=last)
+    keys = ("tokens_per_sec", "mfu", "mfu_llmc", "step_s", "tokens_per_step", "steps", "skipped")
+    return Row(what, command, text, PASS, {key: result.get(key) for key in keys})
 
 
-def compile_row(what, command, records):
-    """The compile times (compile_times), as train.py logged them: pass when both are there. A run with
-    train lines but neither key is one whose train.py does not write them: "not logged"."""
-    times = compile_times(records)
-    if all(value is None for value in times.values()) and any(metrics.TOKENS_PER_SEC in r for r in records):
-        return Row(what, command, f"not logged: no {' or '.join(times)} in metrics.jsonl", SKIP)
-    text = ", ".join(
-        f"{COMPILE_KEYS[key]} {value:.1f} s" if finite(value) else f"{COMPILE_KEYS[key]} not reached"
-        for key, value in times.items()
+def compiled_memory_row(what, command, result):
+    """Peak memory of the compiled run beside the memory plan train.py printed (an estimate for the uncompiled
+    model, which compiling should not exceed): pass when the peak is at most PLAN_TOLERANCE above it."""
+    plan = result.get("plan_bytes")
+    keys = ("peak_allocated_bytes", "peak_reserved_bytes", "total_bytes", "peak_rss_bytes", "plan_bytes")
+    details = {key: result[key] for key in keys if key in result}
+    if "peak_allocated_bytes" not in result:
+        return Row(what, command, f"peak resident set {gib(result['peak_rss_bytes'])} (host memory)", PASS, details)
+    ratio = result["peak_allocated_bytes"] / plan
+    text = (
+        f"peak {gib(result['peak_allocated_bytes'])} allocated, {gib(result['peak_reserved_bytes'])} reserved, "
+        f"of {gib(result['total_bytes'])}; plan {gib(plan)} (uncompiled), measured/plan {ratio:.2f} "
+        f"(at most {1 + PLAN_TOLERANCE:.2f})"
     )
-    status = PASS if all(finite(value) for value in times.values()) else FAIL
-    return Row(what, command, f"{text} (each includes compiling its graph)", status, times)
+    return Row(what, command, text, PASS if ratio <= 1 + PLAN_TOLERANCE else FAIL, dict(details, ratio=ratio))
 
 
-def check_throughput(config, ctx):
-    name, what = ctx.check.name, ctx.check.what
-    argv = [sys.executable, *ctx.train_py(name, [config], **THROUGHPUT_RUN)]
-    finished = ctx.run(argv)
-    records = read_records(ctx.out_dir(name))
-    return [
-        compile_row(f"{what}: compile", ctx.short(argv), records),
-        throughput_row(what, ctx.short(argv), finished, ctx.budget_s, records),
-    ]
+def attention_row(what, command, result, cuda):
+    """Which attention kernel ran: on CUDA a fused one, or the math kernel when the run is deterministic."""
+    kernel, deterministic = result["attention_kernel"], result.get("deterministic", False)
+    expected = "math" if deterministic else "a fused kernel (" + ", ".join(FUSED_KERNELS) + ")"
+    ok = kernel == "math" if deterministic else kernel in FUSED_KERNELS
+    if not cuda:
+        return Row(what, command, f"{kernel} (on CUDA: {expected})", PASS, dict(kernel=kernel))
+    return Row(what, command, f"{kernel}; expected {expected}", PASS if ok else FAIL, dict(kernel=kernel))
+
+
+def compiled_rows(what, command, finished, budget_s, result, cuda):
+    """The rows of one compiled run (scripts/gpu_check_worker.py compiled_run), or one failed row when the
+    worker wrote no result."""
+    if not result:
+        return [Row(what, command, failure(finished, budget_s), FAIL)]
+    rows = compile_rows(what, command, result)
+    rows.append(throughput_result_row(what, command, result))
+    rows.append(compiled_memory_row(f"{what}: peak memory", command, result))
+    rows.append(attention_row(f"{what}: attention kernel", command, result, cuda))
+    if not finished.ok:  # the worker wrote its result and then failed: say how
+        rows.append(Row(what, command, failure(finished, budget_s), FAIL))
+    return rows
+
+
+def check_compiled(config, ctx, **overrides):
+    name = ctx.check.name
+    train_args = ctx.train_args(name, [config], keep=COMPILED_RUN.keys(), **COMPILED_RUN, **overrides)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    argv = [sys.executable, *launcher, *WORKER, "compiled", ctx.result_path, str(TIMED_STEPS), *train_args]
+    finished = ctx.run(argv, env=dict(TORCH_LOGS=COMPILE_LOGS))
+    result = read_json(ctx.result_path) if os.path.isfile(ctx.result_path) else {}
+    command = "torchrun --nproc_per_node=1 " + ctx.short(["train.py", *train_args])
+    rows = compiled_rows(ctx.check.what, command, finished, ctx.budget_s, result, ctx.cuda)
+    reference = os.path.join(ctx.work, f"{DETERMINISM_BASELINE}.json")
+    if overrides.get("deterministic") and os.path.isfile(reference):
+        rows.append(determinism_row(f"{ctx.check.what}: against the default", command, result, read_json(reference)))
+    return rows
+
+
+# --deterministic=True's cost: the same run with and without it
+DETERMINISM_BASELINE = "small_mars"
+
+
+def determinism_row(what, command, result, baseline):
+    """The deterministic run's tokens/s and peak memory as fractions of the default run's."""
+    if not (finite(result.get("tokens_per_sec")) and finite(baseline.get("tokens_per_sec"))):
+        return Row(what, command, "not measured: one of the two runs has no tokens/s", FAIL)
+    speed = result["tokens_per_sec"] / baseline["tokens_per_sec"]
+    memory_key = "peak_allocated_bytes" if "peak_allocated_bytes" in result else "peak_rss_bytes"
+    memory = result[memory_key] / baseline[memory_key]
+    text = f"{speed:.2f}x the default run's tokens/s, {memory:.2f}x its peak memory"
+    return Row(what, command, text, PASS, dict(speed_ratio=speed, memory_ratio=memory))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -703,9 +787,9 @@ class Check:
 
 # The order gives the most if a run is cut short: the cheap paths no GPU has run yet first (launch, NCCL,
 # checkpoints and resume, the tools), then the optimizer row that decides train.py's step path, then the
-# paper config's compile and throughput, the peak memory against the plan, and last AdamW's throughput
-# (which the optimizer row's step times already predict). Budgets are for one H200 (8 GPUs for torchrun),
-# each with margin over its estimate (docs/gpu.md).
+# paper config on the path a real run takes (compiled, DDP) and its throughput, the peak memory against the
+# plan, AdamW's throughput (which the optimizer row's step times already predict), and what determinism
+# costs. Budgets are for one H200 (8 GPUs for torchrun), each with margin over its estimate (docs/gpu.md).
 DATA = ("data",)
 SMALL_MARS, SMALL_ADAMW, XL_MARS = (f"config/train_gpt2_{n}.py" for n in ("small_mars", "small_adamw", "xl_mars"))
 CHECKS = (
@@ -717,23 +801,48 @@ CHECKS = (
     Check("hellaswag", "marsgpt/hellaswag.py --data on a tiny local file", 15, check_hellaswag, ("single",)),
     # three compiles (MARS-AdamW, MARS-Lion, MARS-AdamW with a bfloat16 last_grad), ~10 s each cold
     Check("optimizer", "MARS step (bench/bench_mars.py)", 60, check_optimizer),
-    # the first compile, eval graph then train graph (50-90 s cold), and two 2 GB checkpoints
-    Check("small_mars", "GPT-2 small, MARS (paper config, compiled)", 140, partial(check_throughput, SMALL_MARS), DATA),
-    Check("memory_small", "peak memory: GPT-2 small, MARS, 15 x 1024", 25, partial(check_memory, SMALL_MARS), DATA),
+    # the first compile, train graph then eval graph (50-90 s cold), then 10 steps of 245,760 tokens
+    Check(
+        "small_mars", "GPT-2 small, MARS (paper config, compiled, DDP)", 120, partial(check_compiled, SMALL_MARS), DATA
+    ),
+    Check("memory_small", "peak memory: GPT-2 small, MARS, 30 x 1024", 25, partial(check_memory, SMALL_MARS), DATA),
     Check("memory_xl", "peak memory: GPT-2 XL, MARS, 5 x 1024", 40, partial(check_memory, XL_MARS), DATA),
     # the model's graphs come from the inductor cache small_mars filled
+    Check("small_adamw", "GPT-2 small, AdamW (compiled, DDP)", 40, partial(check_compiled, SMALL_ADAMW), DATA),
+    # the attention kernels change, and with them the graphs: a compile of its own
     Check(
-        "small_adamw", "GPT-2 small, AdamW (paper config, compiled)", 45, partial(check_throughput, SMALL_ADAMW), DATA
+        "small_deterministic",
+        "GPT-2 small, MARS, --deterministic=True (compiled, DDP)",
+        90,
+        partial(check_compiled, SMALL_MARS, deterministic=True),
+        DATA,
     ),
 )
 CHECKS_BY_NAME = {check.name: check for check in CHECKS}
-DEVICE_INFO_BUDGET_S = 10  # the worker that reads torch's version and the GPUs, before the checks
-TIME_LIMIT_S = 8 * 60
-TOTAL_BUDGET_S = DEVICE_INFO_BUDGET_S + sum(check.budget_s for check in CHECKS)  # 460 s: 20 s inside the limit
+# Before the device read: every module imported, a context and cuBLAS on every GPU (tens of seconds cold)
+WARM_UP_BUDGET_S = 60
+DEVICE_INFO_BUDGET_S = 10  # the worker that reads torch's version and the GPUs, warm
+TIME_LIMIT_S = 10 * 60
+
+# scripts/gpu_first10.sh: for the first minutes of a GPU, the checks that decide the most, in this order: the
+# paper config on the real path (throughput, MFU, compile, graph breaks, memory against the plan, the attention
+# kernel), the MARS step's default path against fused=True and its host syncs, a bitwise resume, GPT-2 XL's
+# peak memory against the plan, and what determinism costs.
+FIRST_TEN_MINUTES = ("data", "small_mars", "optimizer", "resume", "memory_xl", "small_deterministic")
+FIRST_TEN_MINUTES_LIMIT_S = 8 * 60  # in a 10-minute lease, with time to start the machine and read the table
 
 
-def with_needs(names):
-    """The checks to run for `names`, each after the checks it needs, in CHECKS order."""
+def budget_of(checks):
+    return WARM_UP_BUDGET_S + DEVICE_INFO_BUDGET_S + sum(check.budget_s for check in checks)
+
+
+TOTAL_BUDGET_S = budget_of(CHECKS)  # 585 s: 15 s inside TIME_LIMIT_S; FIRST_TEN_MINUTES': 430 s
+
+
+def with_needs(names, order=None):
+    """The checks to run for `names`, each with the checks it needs, in the order of `order` (check names;
+    default CHECKS's)."""
+    order = order or tuple(CHECKS_BY_NAME)
     wanted = set()
 
     def add(name):
@@ -744,7 +853,7 @@ def with_needs(names):
 
     for name in names:
         add(name)
-    return [check for check in CHECKS if check.name in wanted]
+    return [CHECKS_BY_NAME[name] for name in sorted(wanted, key=order.index)]
 
 
 def run_check(check, ctx, failed):
@@ -783,16 +892,20 @@ def parse_args(argv):
     p = ArgumentParser(
         prog="scripts/gpu_check.sh",
         description="Check the repository on this node's GPUs and print one table (docs/gpu.md).",
-        epilog=f"checks, in order: {names}",
+        epilog=f"checks, in order: {names}; --first10: {', '.join(FIRST_TEN_MINUTES)}",
     )
-    p.add_argument("--out", default="out-gpu-check", help="folder for gpu_check.md, gpu_check.json and logs/")
-    p.add_argument("--only", nargs="+", metavar="CHECK", help="run these checks (and those they need) only")
+    p.add_argument("--out", help="folder for gpu_check.md, gpu_check.json and logs/ (default out-gpu-check)")
+    selection = p.add_mutually_exclusive_group()
+    selection.add_argument("--only", nargs="+", metavar="CHECK", help="run these checks (and those they need) only")
+    first10_help = "the checks that decide the most, for a GPU's first minutes (scripts/gpu_first10.sh)"
+    selection.add_argument("--first10", action="store_true", help=first10_help)
     cpu_help = "cpu: run the plumbing on tiny models without a GPU (a test; the numbers mean nothing)"
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=cpu_help)
     args = p.parse_args(argv)
     unknown = [name for name in args.only or () if name not in CHECKS_BY_NAME]
     if unknown:
         raise UsageError(f"no check named {', '.join(unknown)}; the checks are: {names}")
+    args.out = args.out or ("out-gpu-first10" if args.first10 else "out-gpu-check")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out} is a file; give a folder (it is created if missing)")
     return args
@@ -826,6 +939,23 @@ def describe_device(ctx, info):
     )
 
 
+def warm_up(work, logs, budget_s):
+    """The warm-up worker, before the device read and the checks, as the table's first row; a warm-up that
+    fails or runs out of time is a failed row, and the checks still run."""
+    path, t0 = os.path.join(work, "warm.json"), time.monotonic()
+    finished = run_command([sys.executable, *WORKER, "warm", path], os.path.join(logs, "warm.log"), budget_s)
+    what = "warm-up: the modules imported, a CUDA context and cuBLAS on every GPU"
+    command = "python -m scripts.gpu_check_worker warm"
+    if finished.ok:
+        result = read_json(path)
+        text = f"{result['seconds']:.1f} s ({result['import_s']:.1f} s importing), on {', '.join(result['devices'])}"
+        row = Row(what, command, text, PASS, result)
+    else:
+        row = Row(what, command, failure(finished, budget_s), FAIL)
+    row.check, row.seconds = "warm", time.monotonic() - t0
+    return row
+
+
 def read_device_info(work, logs, budget_s):
     """torch's versions and the GPUs, read in a worker (the driver itself never touches a GPU)."""
     path = os.path.join(work, "device.json")
@@ -845,18 +975,20 @@ def main(argv=None):
         advice = "run it on a GPU node (or --device=cpu to test its plumbing on tiny models)"
         print(f"error: gpu_check needs a CUDA GPU and torch sees none; {advice}", file=sys.stderr)
         return 2
-    checks = with_needs(args.only or CHECKS_BY_NAME)
+    selected = FIRST_TEN_MINUTES if args.first10 else args.only or CHECKS_BY_NAME
+    checks = with_needs(selected, FIRST_TEN_MINUTES if args.first10 else None)
     logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
-    for name in ["device", *CHECKS_BY_NAME]:  # last time's logs would be appended to
+    for name in ["warm", "device", *CHECKS_BY_NAME]:  # last time's logs would be appended to
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(logs, f"{name}.log"))
-    t0, rows, failed = time.monotonic(), [], set()
+    factor = 1 if args.device == "cuda" else CPU_BUDGET_FACTOR
+    title = "GPU check: the first ten minutes" if args.first10 else "GPU check"
+    t0, failed = time.monotonic(), set()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
+        rows = [warm_up(work, logs, WARM_UP_BUDGET_S * factor)]
         try:
-            info = read_device_info(
-                work, logs, DEVICE_INFO_BUDGET_S * (1 if args.device == "cuda" else CPU_BUDGET_FACTOR)
-            )
+            info = read_device_info(work, logs, DEVICE_INFO_BUDGET_S * factor)
         except (RuntimeError, OSError, ValueError) as e:
             print(f"error: {e} (see {os.path.join(logs, 'device.log')})", file=sys.stderr)
             return 1
@@ -866,9 +998,9 @@ def main(argv=None):
             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             device=describe_device(ctx, info),
             commit=git_commit(),
-            budget=f"{TOTAL_BUDGET_S} s",
+            budget=f"{budget_of(checks)} s" + (" (--first10)" if args.first10 else ""),
         )
-        write_report(args.out, header, rows, 0, len(checks), 0)
+        write_report(args.out, header, rows, 0, len(checks), 0, title)
         for done, check in enumerate(checks, 1):
             check_rows = run_check(check, ctx, failed)
             rows += check_rows
@@ -876,8 +1008,8 @@ def main(argv=None):
                 failed.add(check.name)
             statuses = ", ".join(row.status for row in check_rows)
             print(f"gpu_check: {check.name}: {statuses} ({check_rows[0].seconds:.0f} s)", file=sys.stderr, flush=True)
-            header = write_report(args.out, header, rows, done, len(checks), time.monotonic() - t0)
-    print(render_markdown(header, rows), end="")
+            header = write_report(args.out, header, rows, done, len(checks), time.monotonic() - t0, title)
+    print(render_markdown(header, rows, title), end="")
     print(f"written: {os.path.join(args.out, 'gpu_check.md')}, gpu_check.json, logs/", file=sys.stderr)
     return exit_status(rows)
 

@@ -1,25 +1,61 @@
 """The measurements scripts/gpu_check.py takes inside a fresh process, each written as JSON to RESULT.json.
 
+    python -m scripts.gpu_check_worker warm RESULT.json                       # load everything, wake every GPU
     python -m scripts.gpu_check_worker device RESULT.json                     # torch, CUDA and the GPUs
     python -m scripts.gpu_check_worker optimizer RESULT.json [N_EMBD]         # bench/bench_mars.py's rows
     python -m scripts.gpu_check_worker memory RESULT.json [train.py args]     # peak memory of 2 steps
+    python -m torch.distributed.run --standalone --nproc_per_node=1 \\
+        -m scripts.gpu_check_worker compiled RESULT.json STEPS [train.py args]  # the compiled model under DDP
 
 A process of its own for each: a crash or an out-of-memory error ends only that measurement, the CUDA
 peak-memory counters start from zero, and the driver can kill it when its time budget runs out.
 """
 
+import contextlib
+import functools
 import json
 import os
 import resource
 import sys
+import time
 
 import torch
 
 from marsgpt.files import atomic_writer
+from marsgpt.runtime import exit_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MEMORY_STEPS = 2
+# The compiled run: a first step (the training graph's compile) and an evaluation (the evaluation graph's),
+# a second step, then the timed steps with recompiles forbidden.
+WARM_UP_STEPS = 2
+# --device=cpu compiles with dynamo's aot_eager backend: dynamo's graphs, graph breaks and recompiles are the
+# same with any backend, and inductor's C++ kernels take minutes to build on a shared CPU.
+CPU_COMPILE_BACKEND = "aot_eager"
+# The attention ops SDPA dispatches to, by the kernel they are; none of them in a forward pass: the math kernel.
+ATTENTION_KERNELS = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "memory-efficient",
+    "_scaled_dot_product_cudnn_attention": "cuDNN",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+}
+MATH_KERNEL = "math"
+
+
+def warm_up(devices):
+    """What every check loads, loaded before the timed device read: the repository's modules (torch and its
+    CUDA libraries with them) and, on each device, a context and cuBLAS's handle (a matmul). On a cold node
+    the first of these take tens of seconds (a network file system, CUDA's lazy loading); the checks after
+    them then start warm."""
+    t0 = time.perf_counter()
+    import train  # noqa: F401  (its imports are the point)
+
+    imported_s = time.perf_counter() - t0
+    for device in devices:
+        x = torch.ones(256, 256, device=device)
+        (x @ x).sum().item()
+    return dict(import_s=imported_s, devices=list(devices), seconds=time.perf_counter() - t0)
 
 
 def device_info():
@@ -55,19 +91,67 @@ def memory_plan(cfg, world_size):
         return dict(plan_bytes=None, plan_note=f"memory_plan.plan failed: {type(e).__name__}: {e}", plan_error=True)
 
 
+@contextlib.contextmanager
+def models_built_on(device):
+    """train.setup builds its GPT on `device` rather than on the CPU: its initialisation (torch's reset of each
+    Linear, then GPT-2's normal_ over every weight) runs there, in milliseconds on a GPU, where on a CPU it
+    takes over a minute for GPT-2 XL, and nothing is copied over afterwards. The values are not train.py's
+    (another generator draws them): what is measured here, memory and speed, does not depend on them."""
+    from marsgpt import launch
+
+    build = launch.GPT
+
+    def on_device(config):
+        with torch.device(device):
+            return build(config)
+
+    launch.GPT = on_device
+    try:
+        yield
+    finally:
+        launch.GPT = build
+
+
+@contextlib.contextmanager
+def compiled_by(backend):
+    """torch.compile, which train.setup calls, with `backend` (None: its default, inductor)."""
+    compile_model = torch.compile
+    if backend is not None:
+        torch.compile = functools.partial(compile_model, backend=backend)
+    try:
+        yield
+    finally:
+        torch.compile = compile_model
+
+
+def cuda_memory(device):
+    torch.cuda.synchronize(device)
+    return dict(
+        peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+        peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+        total_bytes=torch.cuda.get_device_properties(device).total_memory,
+    )
+
+
+def host_memory():
+    return dict(peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+
+
 def peak_memory(train_argv):
     """Peak memory over MEMORY_STEPS optimizer steps of the run train_argv configures.
 
-    The run is built by train.setup and stepped by train.train_step, what train.main runs between
-    evaluations, without the evaluations and checkpoints (a GPT-2 XL MARS checkpoint is about 25 GB).
-    On CUDA the peak is torch.cuda.max_memory_allocated; on CPU the process's peak resident set.
+    The run is built by train.setup (its model on the GPU, models_built_on) and stepped by train.train_step,
+    what train.main runs between evaluations, without the evaluations and checkpoints (a GPT-2 XL MARS
+    checkpoint is about 25 GB). On CUDA the peak is torch.cuda.max_memory_allocated; on CPU the process's
+    peak resident set.
     """
     import train  # here, not at the top: the device read imports torch alone and answers in seconds
     from marsgpt.config import load_config
 
     cfg = load_config(train_argv)
     dist_info = train.setup_distributed(cfg)
-    run, _, _ = train.setup(cfg, dist_info)
+    with models_built_on(dist_info.device):
+        run, _, _ = train.setup(cfg, dist_info)
     result = dict(device=dist_info.device, steps=0, oom="")
     try:
         for it in range(MEMORY_STEPS):
@@ -77,34 +161,127 @@ def peak_memory(train_argv):
         result["oom"] = str(e).strip().splitlines()[0]
     finally:
         run.metrics.close()
-    if dist_info.device_type == "cuda":
-        torch.cuda.synchronize()
-        result.update(
-            peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
-            total_bytes=torch.cuda.get_device_properties(dist_info.device).total_memory,
-        )
-    else:
-        result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    result.update(cuda_memory(dist_info.device) if dist_info.device_type == "cuda" else host_memory())
     result.update(memory_plan(cfg, dist_info.world_size))
     return result
 
 
+def attention_kernel(run):
+    """Which kernel the model's attention dispatches to for a training forward pass of one sequence in the
+    run's precision: the aten op SDPA chose, as the op census of the uncompiled model sees it (the compiled
+    graph calls the op SDPA chose when it was traced)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Census(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x, y = run.val_batches[0]
+    x, y = x[:1].to(run.dist.device), y[:1].to(run.dist.device)
+    with Census() as census, run.autocast:
+        run.model(x, y, return_logits=False)
+    fused = [ATTENTION_KERNELS[op] for op in sorted(census.ops) if op in ATTENTION_KERNELS]
+    return fused[0] if fused else MATH_KERNEL
+
+
+def compiled_run(steps, train_argv):
+    """The path a paper run takes on a GPU, as train.main takes it: train.setup's compiled model under DDP
+    (launched by torchrun, one rank), its first step and first evaluation (each compiles its graph), a second
+    step, then `steps` timed steps and an evaluation with recompiles forbidden
+    (torch.compiler.set_stance("fail_on_recompile")). TORCH_LOGS (set by gpu_check) logs every recompile and
+    graph break; dynamo's counters count the graphs and the breaks. Returns the compile seconds, the graphs,
+    the breaks, tokens/s, MFU as train.py logs it, peak memory beside the memory plan train.py printed, and
+    which attention kernel ran; a recompile or an out-of-memory error ends the timed steps and is reported."""
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel
+
+    import train
+    from marsgpt.config import load_config
+
+    cfg = load_config(train_argv)
+    dist_info = train.setup_distributed(cfg)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CPU_COMPILE_BACKEND if dist_info.device_type == "cpu" else None
+    with models_built_on(dist_info.device), compiled_by(backend):
+        run, _, _ = train.setup(cfg, dist_info)
+    result = dict(
+        device=dist_info.device,
+        world_size=dist_info.world_size,
+        ddp=isinstance(run.train_model, DistributedDataParallel),
+        compiled=run.compiled,
+        backend=backend or "inductor",
+        tokens_per_step=run.tokens_per_step,
+        steps=0,
+        error="",
+    )
+    try:
+        t0 = time.perf_counter()
+        train.train_step(run, 0)
+        result["first_step_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        train.evaluate(run, run.val_batches)
+        result["eval_s"] = time.perf_counter() - t0
+        for it in range(1, WARM_UP_STEPS):
+            train.train_step(run, it)
+        result["graphs_after_warm_up"] = counters["stats"]["unique_graphs"]
+        with torch.compiler.set_stance("fail_on_recompile"):
+            t0 = time.perf_counter()
+            for it in range(WARM_UP_STEPS, WARM_UP_STEPS + steps):
+                result["skipped"] = result.get("skipped", 0) + train.train_step(run, it).skipped
+                result["steps"] += 1
+            step_s = (time.perf_counter() - t0) / steps
+            train.evaluate(run, run.val_batches)
+        mfu, mfu_llmc = train.step_mfu(run, step_s)
+        result.update(
+            step_s=step_s,
+            tokens_per_sec=run.tokens_per_step / step_s,
+            mfu=None if mfu is None else mfu * 100,
+            mfu_llmc=None if mfu_llmc is None else mfu_llmc * 100,
+        )
+    except RuntimeError as e:  # a recompile under the stance, out of memory
+        result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    result.update(
+        graphs=counters["stats"]["unique_graphs"],
+        graph_breaks={reason: count for reason, count in counters["graph_break"].items()},
+        attention_kernel=attention_kernel(run),
+        deterministic=cfg.deterministic,
+        plan_bytes=run.memory_plan.total_bytes,
+    )
+    result.update(cuda_memory(dist_info.device) if dist_info.device_type == "cuda" else host_memory())
+    run.metrics.close()
+    return result
+
+
+KINDS = ("warm", "device", "optimizer", "memory", "compiled")
+
+
 def main(argv):
-    if len(argv) < 2 or argv[0] not in ("device", "optimizer", "memory"):
-        print("error: usage: gpu_check_worker.py device|optimizer|memory RESULT.json [train.py args]", file=sys.stderr)
+    if len(argv) < 2 or argv[0] not in KINDS:
+        print(f"error: usage: gpu_check_worker.py {'|'.join(KINDS)} RESULT.json [train.py args]", file=sys.stderr)
         return 2
     kind, result_path, rest = argv[0], argv[1], argv[2:]
-    if kind == "memory":
+    if kind == "warm":
+        count = torch.cuda.device_count()
+        result = warm_up([f"cuda:{i}" for i in range(count)] if count else ["cpu"])
+    elif kind == "memory":
         result = peak_memory(rest)
+    elif kind == "compiled":
+        result = compiled_run(int(rest[0]), rest[1:])
     elif kind == "optimizer":
         result = bench_mars_rows(*(int(n) for n in rest))
     else:
         result = device_info()
-    with atomic_writer(result_path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    if os.environ.get("RANK", "0") == "0":
+        with atomic_writer(result_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -1,10 +1,11 @@
 """The tables of docs/memory.md: the memory plan --dry_run=True prints for every paper run on 8 GPUs of 40 and
-80 GiB, plain DDP or ZeRO-1, with and without activation checkpointing.
+80 GiB, plain DDP or ZeRO-1, with and without activation checkpointing, and plain DDP with --deterministic=True.
 
     python -m scripts.memory_table
 
 Each cell is what `python train.py config/<run>.py --dry_run=True --plan_world_size=8 --gpu_memory_gb=<40|80>
-[--zero_stage=1] [--activation_checkpointing=True]` prints on its total line (memory_plan.dry_run_plan).
+[--zero_stage=1] [--activation_checkpointing=True] [--deterministic=True]` prints on its total line
+(memory_plan.dry_run_plan).
 """
 
 import os
@@ -23,6 +24,7 @@ VARIANTS = {  # column -> overrides
     "ZeRO-1": ["--zero_stage=1"],
     "DDP + ckpt": ["--activation_checkpointing=True"],
     "ZeRO-1 + ckpt": ["--zero_stage=1", "--activation_checkpointing=True"],
+    "DDP, deterministic": ["--deterministic=True"],
 }
 
 

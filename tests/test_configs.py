@@ -8,7 +8,10 @@ import sys
 
 import pytest
 from reference_runs import PAPER_RUNS, reference_run
+from train_helpers import tiny_args
 
+import train
+from marsgpt import metrics
 from marsgpt.config import config_to_dict, load_config
 from model import PRESETS
 
@@ -24,11 +27,23 @@ def effective(size, optimizer, *more):
     return config_to_dict(load_config([config_path(size, optimizer), *more]))
 
 
+# What the micro-batch split may change: how the reference's global batch and evaluation windows are cut into
+# micro-batches (config/paper.py's MICRO_BATCH), never which windows they are.
+SPLIT_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_iters")
+
+
 @pytest.mark.parametrize("size, optimizer", PAPER_RUNS)
 def test_every_paper_run_is_the_reference_s(size, optimizer):
     cfg = effective(size, optimizer)
     expected = reference_run(size, optimizer)
-    assert {key: cfg[key] for key in expected} == expected
+    assert {key: cfg[key] for key in expected if key not in SPLIT_KEYS} == {
+        key: value for key, value in expected.items() if key not in SPLIT_KEYS
+    }
+    # the same windows: the reference's global batch and evaluation windows, drawn as its micro-batches drew
+    # them, in micro-batches of any size
+    assert cfg["windows_per_stream"] == expected["batch_size"]
+    assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] == 480
+    assert cfg["batch_size"] * cfg["eval_iters"] == expected["batch_size"] * expected["eval_iters"]
 
 
 def test_the_config_files_are_the_paper_runs_and_two_mars_variants():
@@ -96,3 +111,29 @@ def test_train_py_reads_a_paper_config_from_any_directory(tmp_path):
     )
     assert run.returncode == 2
     assert run.stderr.startswith(f"error: data directory {tmp_path}/openwebtext not found"), run.stderr
+
+
+def run_losses(data_path, out_dir, **split):
+    """{(iter, key): loss} of a tiny 8-step MARS run through train.py, its global batch split as `split` says."""
+    argv = tiny_args(data_path, out_dir, max_iters=8, eval_interval=4, grad_multiplier=2, **split)
+    assert train.main(argv) == 0
+    keys = (metrics.TRAIN_LOSS, metrics.VAL_LOSS, metrics.EVAL_TRAIN_LOSS)
+    return {(r[metrics.ITER], k): r[k] for r in metrics.read_records(out_dir) for k in keys if k in r}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_larger_micro_batch_of_the_same_windows_is_the_same_run(data_path, tmp_path):
+    """What config/paper.py does to GPT-2 small (15 x 32 -> 30 x 16, eval 200 x 15 -> 100 x 30, the windows drawn
+    as 15s), on a tiny model: 8 micro-batches of 2 against 4 of 4 and 2 of 8, windows drawn 2 at a time. The
+    losses differ only in float32 rounding (the micro-batch means are summed in another order)."""
+    reference = run_losses(data_path, str(tmp_path / "2s"), batch_size=2, gradient_accumulation_steps=8, eval_iters=8)
+    assert len(reference) == 8 + 3 * 2  # a train loss per step, two evaluations of two losses
+    for batch_size in (4, 8):
+        split = dict(batch_size=batch_size, gradient_accumulation_steps=16 // batch_size, eval_iters=16 // batch_size)
+        losses = run_losses(data_path, str(tmp_path / f"{batch_size}s"), windows_per_stream=2, **split)
+        assert losses.keys() == reference.keys()
+        for key, loss in losses.items():
+            assert loss == pytest.approx(reference[key], rel=1e-5, abs=0), key
+    # without windows_per_stream the larger micro-batch draws other windows: a different run
+    other = run_losses(data_path, str(tmp_path / "other"), batch_size=8, gradient_accumulation_steps=2, eval_iters=2)
+    assert max(abs(other[key] - reference[key]) for key in reference) > 1e-3

