@@ -268,10 +268,15 @@ def train_step(run, it):
     norm_values = torch.stack(norms).tolist()  # the per-step device sync
     grad_norm = norm_values[-1]
     skipped = not all(math.isfinite(n) for n in norm_values)
-    if skipped:
-        if scaler.is_enabled():
-            scaler.update()  # float16: an overflow lowers the loss scale, as scaler.step would
-    else:
+    if skipped and scaler.is_enabled():
+        # float16: an overflow lowers the loss scale, as scaler.step would. The scaler sees the step's own
+        # gradient only; when the look-ahead's alone overflowed, the scale is lowered here, or the next step's
+        # look-ahead would overflow at the same scale and the run stop at max_bad_steps.
+        if math.isfinite(grad_norm):
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        else:
+            scaler.update()
+    elif not skipped:
         optimizers.step(optimizer, run.look_ahead, scaler)
     optimizer.zero_grad(set_to_none=set_to_none)
     clipped = not skipped and cfg.grad_clip > 0 and grad_norm > cfg.grad_clip

@@ -86,7 +86,9 @@ def documented_step(run, it):
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.grad_clip)
     skipped = not (math.isfinite(look_ahead_norm.item()) and math.isfinite(norm.item()))
-    if skipped:
+    if skipped and math.isfinite(norm.item()):  # the look-ahead alone overflowed: the scaler did not see it
+        scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+    elif skipped:
         scaler.update()
     else:
         scaler.step(optimizer)
@@ -119,3 +121,30 @@ def test_train_step_is_the_documented_float16_exact_mars_protocol(data_path, tmp
                 torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True, msg=f"{key} at {it}")
     assert skipped[0] and not skipped[-1]  # overflows at the initial scale, then steps
     assert ours.scaler.get_scale() < INITIAL_SCALE
+
+
+def test_an_overflow_in_the_look_ahead_alone_lowers_the_loss_scale(data_path, tmp_path, request, monkeypatch):
+    """The GradScaler sees the step's own gradient only. A look-ahead gradient that overflows while the step's
+    own does not skips the step and lowers the scale all the same: left as it was, the next look-ahead would
+    overflow again, step after step, until max_bad_steps stops the run."""
+    run, _, _ = train.setup(load_config(tiny_args(data_path, str(tmp_path / "out"), **FLOAT16_RUN)), Dist())
+    request.addfinalizer(run.metrics.close)
+    it = 0
+    while train.train_step(run, it).skipped:  # past the first steps' overflows, to a scale that fits
+        it += 1
+    real_forward_backward = train.forward_backward
+    calls = []
+
+    def overflowing_look_ahead(run, step):
+        loss = real_forward_backward(run, step)
+        calls.append(step)
+        if calls == [it + 2]:  # the first pass of step it + 1: its look-ahead
+            next(run.model.parameters()).grad.view(-1)[0] = math.inf
+        return loss
+
+    monkeypatch.setattr(train, "forward_backward", overflowing_look_ahead)
+    scale = run.scaler.get_scale()
+    result = train.train_step(run, it + 1)
+    assert result.skipped and result.non_finite == "look-ahead gradient norm inf"
+    assert run.scaler.get_scale() == scale * run.scaler.get_backoff_factor()
+    assert not train.train_step(run, it + 2).skipped
