@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from marsgpt.files import atomic_writer
+from marsgpt.files import atomic_writer, os_reason
 
 # The x axes, in every record.
 ITER, TOKENS, TIME_S = "iter", "tokens", "time_s"
@@ -31,15 +31,16 @@ TOKENS_PER_SEC, STEP_MS, MFU, PARAM_NORM, SKIPPED_STEPS = (
 )
 # MARS only: the norms of its moments, as the reference train_mars.py logs them.
 MOMENTUM_NORM, MOMENTUM_NORM_SQ, MOMENTUM_DIV = "momentum_norm", "momentum_norm_sq", "momentum_div"
-# Seconds of each evaluation, and of the process's first optimizer step (its own record): the first of each compiles.
-EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"
-
 # A compiled model's timings: the seconds each evaluation took (on its validation record) and the process's
 # first optimizer step took (a record of its own); the first of each includes compiling its graph.
 EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"
 
 LOSS_SERIES = (TRAIN_LOSS, VAL_LOSS)  # what marsgpt/plot.py draws
 FILE_NAME = "metrics.jsonl"
+
+
+class MetricsError(ValueError):
+    """metrics.jsonl cannot be read or written (a full disk, a read-only file system); one line for the user."""
 
 
 def _json_number(value):
@@ -81,22 +82,31 @@ class MetricsLog:
     """out_dir/metrics.jsonl (always) and wandb (when cfg.wandb_log): the same records, from rank 0 only.
 
     On resume the file is cut back to the checkpoint's iteration, so the steps redone after a crash are
-    not recorded twice; wandb continues the checkpoint's run (its id is in every checkpoint).
+    not recorded twice (truncate=False appends without cutting: an evaluation that trains nothing); wandb
+    continues the checkpoint's run (its id is in every checkpoint).
+
+    A record that cannot be written (a full disk, a quota) is reported at once in one line naming the file
+    and the OS reason; `failed` then holds that line, nothing more is written, and train.py stops the run at
+    its next step (marsgpt/run_dir.py): every rank, not only the one that writes.
     """
 
-    def __init__(self, cfg, is_master, resume_iter, wandb_run_id, config):
+    def __init__(self, cfg, is_master, resume_iter, wandb_run_id, config, truncate=True):
         self.enabled = is_master
         self.wandb = None
         self.wandb_run_id = wandb_run_id
+        self.failed = None
         if not self.enabled:
             return
-        os.makedirs(cfg.out_dir, exist_ok=True)
         self.path = os.path.join(cfg.out_dir, FILE_NAME)
-        if resume_iter is not None:
-            self._truncate(resume_iter)
-        elif os.path.exists(self.path):
-            os.remove(self.path)  # a fresh run where train.py allowed one (init_from=auto before any checkpoint)
-        self.file = open(self.path, "a")
+        try:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            if resume_iter is not None and truncate:
+                self._truncate(resume_iter)
+            elif resume_iter is None and os.path.exists(self.path):
+                os.remove(self.path)  # a fresh run where marsgpt/run_dir.py allowed one (before any checkpoint)
+            self.file = open(self.path, "a")
+        except OSError as e:
+            raise MetricsError(f"cannot write {self.path}: {os_reason(e)}") from None
         if cfg.wandb_log:
             import wandb
 
@@ -136,17 +146,25 @@ class MetricsLog:
             f.writelines(kept)
 
     def write(self, record):
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
         record = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.failed = f"cannot append to {self.path}: {os_reason(e)}"
+            print(f"error: {self.failed}", file=sys.stderr, flush=True)
+            return
         if self.wandb is not None:
             self.wandb.log(record)
 
     def close(self):
         if self.enabled:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # the buffered tail of a failed write: reported when it failed
+                pass
             if self.wandb is not None:
                 self.wandb.finish()
 
@@ -183,6 +201,13 @@ def _numbered_records(path):
                     continue  # a half-written last line: the run was killed mid-write
                 raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
             yield lineno, record
+
+
+def last_iteration(run_dir):
+    """The highest `iter` of run_dir/metrics.jsonl's records, or None when it holds none; ValueError naming a
+    malformed line, OSError when it cannot be read."""
+    records = _numbered_records(os.path.join(run_dir, FILE_NAME))
+    return max((record.get(ITER, 0) for _, record in records), default=None)
 
 
 def read_records(run_dir):

@@ -1,6 +1,7 @@
 """marsgpt/checkpoint.py: atomic and background saves, safe and memory-mapped loads, the RNG part."""
 
 import dataclasses
+import errno
 import os
 import random
 import threading
@@ -191,20 +192,33 @@ def test_writer_reports_any_failure_of_its_thread_as_a_checkpoint_error(tmp_path
     assert os.listdir(tmp_path) == []
 
 
-def test_kept_copies_have_the_checkpoint_bytes_with_or_without_hard_links(tmp_path, monkeypatch):
-    path = str(tmp_path / "ckpt.pt")
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_kept_copies_are_independent_of_the_checkpoint(tmp_path, monkeypatch, kernel_copy):
+    """best.pt and ckpt_<iter>.pt share nothing with ckpt.pt: truncating it, or `cp other.pt ckpt.pt` (which
+    writes into its inode), leaves them whole and verifiable. Where copy_file_range cannot copy between the
+    two files, a plain copy does the same."""
+    if not kernel_copy:
+
+        def cross_device(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", cross_device)
+    path, other = str(tmp_path / "ckpt.pt"), str(tmp_path / "other.pt")
     checkpoint.save_checkpoint(path, state(1))
-    checkpoint.keep_copy(path, str(tmp_path / "best.pt"))
-
-    def no_links(src, dst):
-        raise OSError(1, "Operation not permitted")
-
-    monkeypatch.setattr(checkpoint.os, "link", no_links)
-    checkpoint.keep_copy(path, str(tmp_path / "ckpt_0000002.pt"))
-    assert sorted(os.listdir(tmp_path)) == ["best.pt", "ckpt.pt", "ckpt_0000002.pt"]  # no temporary file left
-    original = (tmp_path / "ckpt.pt").read_bytes()
-    assert (tmp_path / "best.pt").read_bytes() == original == (tmp_path / "ckpt_0000002.pt").read_bytes()
-    assert os.path.samefile(path, tmp_path / "best.pt") and not os.path.samefile(path, tmp_path / "ckpt_0000002.pt")
+    checkpoint.save_checkpoint(other, state(2))
+    copies = [str(tmp_path / "best.pt"), str(tmp_path / "ckpt_0000002.pt")]
+    for copy in copies:
+        checkpoint.keep_copy(path, copy)
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "ckpt.pt", "ckpt_0000002.pt", "other.pt"]  # no temporary file
+    original = open(path, "rb").read()
+    assert all(open(copy, "rb").read() == original for copy in copies)
+    assert all(os.stat(copy).st_nlink == 1 and not os.path.samefile(path, copy) for copy in copies)
+    os.truncate(path, 100)
+    with open(other, "rb") as source, open(path, "r+b") as target:  # what cp does: the same inode, new bytes
+        target.write(source.read())
+    for copy in copies:
+        assert open(copy, "rb").read() == original
+        assert checkpoint.load_checkpoint(copy)["model"]["w"][0] == 1.0
 
 
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):

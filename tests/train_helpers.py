@@ -129,14 +129,14 @@ def wait_for_line(proc, prefix, timeout=120):
 
 def _install_hooks():
     import train
-    from marsgpt import checkpoint
+    from marsgpt import checkpoint, run_dir
 
     slow_save = int(os.environ.get("TEST_SLOW_SAVE", "0"))
     if slow_save:
         real_replace, renames = os.replace, [0]
 
         def replace(src, dst):
-            if str(dst).endswith(checkpoint.CKPT_NAME):
+            if str(dst).endswith(run_dir.CKPT_NAME):
                 renames[0] += 1
                 if renames[0] == slow_save:
                     print(f"renaming {dst}", flush=True)
