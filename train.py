@@ -103,6 +103,7 @@ class Run:
     train_batches: list
     hellaswag_examples: list | None
     metrics: MetricsLog
+    window: LogWindow  # the steps since the last train line
     directory: RunDir
     memory_plan: MemoryPlan | None = None  # rank 0's, printed by launch.describe()
 
@@ -130,7 +131,8 @@ def checkpoint_parts(run, progress):
 
     optimizer = Part(run.optimizer.state_dict, lambda state: optimizers.load_state(run.optimizer, state, run.cfg))
     rng = Part(run.rng.state_dict, lambda state: run.rng.load_state_dict(state, run.dist.world_size))
-    objects = (run.model, optimizer, Part(run.scaler.state_dict, load_scaler), rng, progress)
+    window = Part(run.window.state_dict, lambda state: run.window.load_state_dict(state, run.dist.world_size))
+    objects = (run.model, optimizer, Part(run.scaler.state_dict, load_scaler), rng, progress, window)
     return dict(zip(CHECKPOINT_PARTS, objects, strict=True))
 
 
@@ -170,6 +172,7 @@ def setup(cfg, dist_info, directory):
         train_data=train_data,
         val_data=val_data,
         metrics=None,
+        window=LogWindow(device=dist_info.device, rank=dist_info.rank, gather=launch.gather_by_rank(dist_info)),
         hellaswag_examples=hellaswag_examples,
         directory=directory,
         memory_plan=memory_plan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
@@ -431,7 +434,7 @@ def fit(run, progress):
     def time_s():
         return start_elapsed + time.perf_counter() - t_start
 
-    window = LogWindow()
+    window = run.window
     while True:
         it = progress.iter_num
         directory.check_requests(progress, time_s())

@@ -24,7 +24,7 @@ from marsgpt import checkpoint, memory_plan
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys, unused_keys
 from marsgpt.metrics import MetricsError, MetricsLog
-from marsgpt.run_dir import CHECKPOINT_PARTS, RunDirError
+from marsgpt.run_dir import CHECKPOINT_PARTS, NEWER_PARTS, RunDirError
 from marsgpt.runtime import SetupError, agree, decide_on_master
 from marsgpt.tokens import DataError, TokenData
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
@@ -61,7 +61,7 @@ def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
     ckpt = checkpoint.load_checkpoint(
         path, mmap=dist_info.device_type == "cuda", verify_checksum=not dist_info.is_master
     )
-    missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt]
+    missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt and part not in NEWER_PARTS]
     if missing:
         raise CheckpointError(
             f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
@@ -229,13 +229,18 @@ def resolve_compile(cfg, device_type):
 def gather_rng(dist_info):
     """RNGState's gather: every rank's CUDA generator states (a collective under DDP on CUDA); None, RNGState's
     default (this rank's alone), otherwise."""
-    if not (dist_info.ddp and torch.cuda.is_available()):
+    return gather_by_rank(dist_info) if torch.cuda.is_available() else None
+
+
+def gather_by_rank(dist_info):
+    """A function from this rank's value to every rank's, in rank order (a collective), under DDP; else None."""
+    if not dist_info.ddp:
         return None
 
-    def gather(state):
-        states = [None] * dist_info.world_size
-        dist.all_gather_object(states, state)
-        return states
+    def gather(value):
+        values = [None] * dist_info.world_size
+        dist.all_gather_object(values, value)
+        return values
 
     return gather
 

@@ -154,7 +154,8 @@ class MetricsLog:
             self.file.flush()
         except OSError as e:
             self.failed = f"cannot append to {self.path}: {os_reason(e)}"
-            print(f"error: {self.failed}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"error: {self.failed}\n")
+            sys.stderr.flush()
             return
         if self.wandb is not None:
             self.wandb.log(record)
@@ -171,12 +172,21 @@ class MetricsLog:
 
 @dataclasses.dataclass
 class LogWindow:
-    """Steps since the last train line: their losses (on the device) and wall-clock time."""
+    """Steps since the last train line: their losses (on the device) and wall-clock time.
+
+    A checkpoint part, the metrics' cursor within a train line: a run resumed between two train lines averages
+    the same steps' losses into the next one as the run left alone. Each rank's sum is its own (the train line
+    all-reduces them), so state_dict() takes every rank's (gathered by `gather`, a collective under DDP) and
+    load_state_dict() gives each rank its own when the world size is the same, else the total to rank 0.
+    The timing restarts with the process."""
 
     loss_sum: torch.Tensor | None = None
     losses: int = 0
     steps: int = 0
     t0: float = dataclasses.field(default_factory=time.perf_counter)
+    device: str = "cpu"
+    rank: int = 0
+    gather: object = None  # this rank's loss sum -> every rank's
 
     def add(self, loss, skipped):
         self.steps += 1
@@ -186,6 +196,18 @@ class LogWindow:
 
     def restart(self):
         self.loss_sum, self.losses, self.steps, self.t0 = None, 0, 0, time.perf_counter()
+
+    def state_dict(self):
+        mine = 0.0 if self.loss_sum is None else self.loss_sum.item()  # a float32 value: exact as a float
+        return {"loss_sums": self.gather(mine) if self.gather else [mine], "losses": self.losses}
+
+    def load_state_dict(self, state, world_size=1):
+        sums = state["loss_sums"]
+        mine = sums[self.rank] if len(sums) == world_size else sum(sums) if self.rank == 0 else 0.0
+        self.restart()
+        self.losses = state["losses"]
+        if self.losses:
+            self.loss_sum = torch.tensor(mine, dtype=torch.float32, device=self.device)
 
 
 def _numbered_records(path):

@@ -65,7 +65,10 @@ def kept_name(iteration):
 
 
 # The parts of a run a checkpoint holds, by name (train.checkpoint_parts maps them to the run's objects).
-CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress")
+CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress", "log_window")
+# Parts added since the first checkpoints: an older checkpoint resumes them fresh (the log window was empty
+# wherever those were written, right after an evaluation).
+NEWER_PARTS = ("log_window",)
 
 # The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
 # unless told to.
@@ -510,7 +513,7 @@ class RunDir:
     def restore(self, ckpt, skip=()):
         """Load every part but those in `skip` (the model, which launch.build_model built from the checkpoint)."""
         for name, part in self.parts.items():
-            if name not in skip:
+            if name not in skip and (name in ckpt or name not in NEWER_PARTS):
                 part.load_state_dict(ckpt[name])
         self.saved_iter = checkpoint.iteration(ckpt)
 
@@ -632,7 +635,8 @@ class RunDir:
 
     def _write_failed(self, error):  # the writer's thread: reported at once, acted on at the next step
         self.write_failed = True
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {error}\n")  # one write: no other thread's output lands inside the line
+        sys.stderr.flush()
 
     def _holder(self):
         return self.latest[0] if self.latest is not None else self.ckpt_path
