@@ -18,17 +18,19 @@ progress's iter_num and the config are all the sampler needs.
 
 Integrity. After torch.save's bytes the file ends with a short trailer: a JSON record (the SHA-256 of those
 bytes, their count, the checkpoint's iteration) and a fixed-size footer that says how long the record is.
-The hash is taken as torch.save writes (HashingFile), so saving reads nothing back; a load hashes the bytes
-once before torch.load reads them (from the page cache by then). The trailer is inside the file, so the
-file and its checksum are renamed into place together: no crash can pair a new file with an old checksum,
-and a copy taken anywhere (cp, rsync) carries its own. torch.load ignores bytes after the zip archive's end
-record, so the file stays a plain torch checkpoint. A file without a trailer (written before checksums,
-or by another program) loads unverified, and callers say so.
+The hash is taken as torch.save writes (HashingFile, in a second thread), so saving reads nothing back; a
+load hashes the bytes once before torch.load reads them (from the page cache by then). The trailer is inside
+the file, so the file and its checksum are renamed into place together: no crash can pair a new file with
+an old checksum, and a copy taken anywhere (cp, rsync) carries its own. torch.load ignores bytes after the
+zip archive's end record, so the file stays a plain torch checkpoint. A file without a trailer (written
+before checksums, or by another program) loads unverified, and callers say so.
 
 SHA-256 because it is the fastest of hashlib's candidates on CPUs with SHA extensions (bench/bench_checkpoint.py
 measures them) and `sha256sum` can check it by hand: `head -c <size> ckpt.pt | sha256sum`.
 """
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -74,26 +76,41 @@ def checkpoint_path(path):
 
 
 class HashingFile:
-    """A binary file that hashes what is written through it and keeps the first OSError a write raised.
+    """A binary file that hashes what is written through it, and keeps the first OSError a write raised.
 
-    torch.save turns an error of its file object into "unexpected pos 704 vs 598" (the bytes it expected
-    to have written); the OSError kept here is the reason to report: [ENOSPC] No space left on device."""
+    A large write is hashed by a second thread while this one writes it: both let go of the GIL, so the
+    checksum costs little more time than the write alone (bench/bench_run_dir.py). The write returns only
+    once its bytes are hashed too, as torch.save may reuse its buffer after that. torch.save turns an error
+    of its file object into "unexpected pos 704 vs 598" (the bytes it expected to have written); the OSError
+    kept here is the reason to report: [ENOSPC] No space left on device."""
+
+    PARALLEL_BYTES = 1 << 20  # smaller writes (zip headers, small tensors) are hashed in line
 
     def __init__(self, file):
         self.file, self.hash, self.size, self.error = file, hashlib.new(DIGEST), 0, None
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint hash")
 
     def write(self, data):
+        size = memoryview(data).nbytes
+        hashing = self._hasher.submit(self.hash.update, data) if size >= self.PARALLEL_BYTES else None
         try:
             written = self.file.write(data)
         except OSError as e:
             self.error = self.error or e
             raise
-        self.hash.update(data)  # hashlib lets other threads (the training loop) run while it hashes
-        self.size += memoryview(data).nbytes
+        finally:
+            if hashing is not None:
+                hashing.result()
+        if hashing is None:
+            self.hash.update(data)
+        self.size += size
         return written
 
     def flush(self):
         self.file.flush()
+
+    def close(self):
+        self._hasher.shutdown()
 
 
 def iteration(ckpt):
@@ -106,8 +123,7 @@ def save_checkpoint(path, state):
     """Write `state` to `path` atomically, with its checksum trailer: a crash, kill -9 or full disk leaves any
     previous file intact. A failure raises CheckpointError naming the file and the OS reason."""
     try:
-        with atomic_writer(path) as f:
-            hashing = HashingFile(f)
+        with atomic_writer(path) as f, contextlib.closing(HashingFile(f)) as hashing:
             try:
                 torch.save(state, hashing)
             except RuntimeError:
