@@ -52,10 +52,6 @@ from marsgpt.runtime import (
 from marsgpt.tokens import TokenData
 
 
-class TrainingStopped(Exception):
-    """The run cannot continue (diverged); the message is the one line the user sees."""
-
-
 @dataclasses.dataclass
 class Progress(checkpoint.DataclassState):
     """What the loop carries from step to step (a checkpoint part)."""
@@ -121,9 +117,8 @@ class Run:
 
 
 def checkpoint_parts(run, progress):
-    """Each checkpoint part's object: what it saves with state_dict() and restores with load_state_dict(). The
-    optimizer restores under this run's hyperparameters, the GradScaler only where float16 enables it, the
-    RNG part each rank's own generators."""
+    """Each checkpoint part's object: what it saves (state_dict) and how a resume restores it (load_state_dict):
+    the optimizer under this run's hyperparameters, the GradScaler where float16 enables it."""
 
     def load_scaler(state):
         if run.scaler.is_enabled() and state:
@@ -137,8 +132,7 @@ def checkpoint_parts(run, progress):
 
 
 def setup(cfg, dist_info, directory):
-    """(Run, Progress): everything checked and built, out_dir held (`directory`: run_dir.RunDir); nothing trained
-    yet."""
+    """(Run, Progress): everything checked and built, out_dir held (run_dir.RunDir); nothing trained yet."""
     train_data, val_data, vocab_size = agree(dist_info, lambda: launch.load_data(cfg), USER_ERRORS)
     cfg, start, ckpt = launch.resolve_run(cfg, dist_info, directory, train_data.vocabulary)
     hellaswag_examples = launch.setup_hellaswag(cfg, train_data, dist_info)
@@ -434,7 +428,6 @@ def fit(run, progress):
     def time_s():
         return start_elapsed + time.perf_counter() - t_start
 
-    window = run.window
     while True:
         it = progress.iter_num
         directory.check_requests(progress, time_s())
@@ -443,13 +436,13 @@ def fit(run, progress):
         val_loss = None
         if cfg.eval_only or ((evaluation_due or hellaswag_due) and progress.evaluated_iter != it):
             val_loss = evaluate_all(run, progress, time_s())
-            window.restart()
+            run.window.restart()
             if cfg.eval_only:
                 break
         directory.save_if_due(progress, time_s(), val_loss)
         if it >= cfg.max_iters:
             break
-        step_and_log(run, progress, window, time_s, first=it == start_iter)
+        step_and_log(run, progress, run.window, time_s, first=it == start_iter)
 
 
 def step_and_log(run, progress, window, time_s, first=False):
@@ -486,19 +479,7 @@ def record_skip(run, progress, result, time_s):
         )
         run.metrics.write({**stamp(progress, time_s), metrics.SKIPPED_STEPS: progress.skipped_steps})
     if progress.bad_steps >= run.cfg.max_bad_steps:
-        run.directory.wait_for_writes()  # the checkpoint named below is on disk
-        newest = run.directory.newest()
-        advice = (
-            f"The newest checkpoint, written before the trouble, is {newest}: resume it with --init_from=resume "
-            f"and a lower learning_rate (now {run.cfg.learning_rate}; auto resumes it too, counting bad steps anew)"
-            if newest
-            else f"No checkpoint was written before the trouble: start over with a lower learning_rate (now "
-            f"{run.cfg.learning_rate}) and --overwrite=True"
-        )
-        raise TrainingStopped(
-            f"{progress.bad_steps} consecutive steps (up to iter {it}) had a non-finite loss or gradient norm "
-            f"(max_bad_steps={run.cfg.max_bad_steps}); stopped. {advice}, or check the data"
-        )
+        raise run.directory.diverged(progress)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -554,36 +535,26 @@ def exit_status(e, cfg, dist_info, directory, progress):
         if master or not isinstance(e, SetupError):
             print(f"error: {e}", file=sys.stderr)
         return 2
-    if isinstance(e, RunStopped):  # a signal, a failed write, a lost lock: rank 0 knows the checkpoints
+    if isinstance(e, RunStopped):  # a signal, divergence, a failed write: rank 0 knows the checkpoints
         if e.line:
             print(e.line, file=sys.stderr)
         return e.status
-    if isinstance(e, TrainingStopped):
-        if master:
-            print(f"error: {e}", file=sys.stderr)
-        return 1
     if isinstance(e, KeyboardInterrupt):  # Ctrl-C (torchrun passes it to every rank): one line, not a traceback
-        if master:
-            if cfg is None:  # while reading the configuration
-                print("interrupted before the run started", file=sys.stderr)
-            else:
-                if directory is not None:
-                    directory.wait_for_writes()  # a save in flight is the newest checkpoint
-                where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
-                print(f"interrupted {where}; {resume_advice(cfg, directory)}", file=sys.stderr)
+        if master and directory is None:  # while reading the configuration or joining the ranks
+            print("interrupted before the run started", file=sys.stderr)
+        elif master:
+            directory.wait_for_writes()  # a save in flight is the newest checkpoint
+            where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
+            print(f"interrupted {where}; {directory.resume_advice()}", file=sys.stderr)
         return 130
     if is_collective_timeout(e, dist_info):
         print(
             f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
-            f"(another rank died or hangs); {resume_advice(cfg, directory)}",
+            f"(another rank died or hangs); {directory.resume_advice()}",
             file=sys.stderr,
         )
         return TIMED_OUT
     return None
-
-
-def resume_advice(cfg, directory):
-    return directory.resume_advice() if directory is not None else "run the same command again"
 
 
 if __name__ == "__main__":

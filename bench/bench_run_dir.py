@@ -8,7 +8,7 @@ The checkpoint is GPT-2 small's (124M parameters, the tied embedding stored once
 a temporary directory on this machine's disk. Rows:
   * hashlib's candidates for the checksum, GiB/s on one core: checkpoint.py uses sha256;
   * a save as it was (torch.save into an atomic, fsync'ed file) against checkpoint.save_checkpoint (the same,
-    with the bytes hashed as they are written and the checksum trailer): the cost of the checksum;
+    with the bytes hashed as they are written and the checksum trailer), called in turn: the checksum's cost;
   * checkpoint.verify: the hashing read every load adds;
   * checkpoint.keep_copy: writing best.pt or a kept ckpt_<iter>.pt as a copy instead of a hard link;
   * checkpoint.cpu_copy: what a save blocks training for on the CPU (on a GPU, the device-to-host copy);
@@ -51,6 +51,18 @@ def hash_rate(name, data, repeats):
     """GiB/s of hashlib's `name` over `data` on one core."""
     seconds = time_it(lambda: hashlib.new(name, data).digest(), warmup=1, repeats=repeats)
     return len(data) / seconds / GIB
+
+
+def alternating(a, b, repeats):
+    """Median seconds of a() and of b(), called in turn (a b a b ...: both see the same load and page cache
+    state), after one untimed round."""
+    times = ([], [])
+    for _ in range(repeats + 1):
+        for fn, timed in zip((a, b), times):
+            t0 = time.perf_counter()
+            fn()
+            timed.append(time.perf_counter() - t0)
+    return tuple(sorted(t[1:])[len(t[1:]) // 2] for t in times)
 
 
 def agreement_worker(rank, port, steps, results):
@@ -98,8 +110,7 @@ def run(quick=False):
                 with atomic_writer(path) as f:
                     torch.save(state, f)
 
-            plain_s = time_it(plain_save, warmup=1, repeats=repeats)
-            hashed_s = time_it(lambda: checkpoint.save_checkpoint(path, state), warmup=1, repeats=repeats)
+            plain_s, hashed_s = alternating(plain_save, lambda: checkpoint.save_checkpoint(path, state), repeats)
             size = os.path.getsize(path)
             verify_s = time_it(lambda: checkpoint.verify(path), warmup=1, repeats=repeats)
             copy_s = time_it(lambda: checkpoint.keep_copy(path, copy), warmup=1, repeats=repeats)

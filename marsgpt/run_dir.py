@@ -647,6 +647,26 @@ class RunDir:
     def _failed_write_line(self, what):
         return f"{what}: a write failed (above); {self.resume_advice()} once {self.path} has room"
 
+    def diverged(self, progress):
+        """The RunStopped (status 1) for a run that skipped max_bad_steps steps in a row, naming the newest
+        checkpoint: one from before the trouble, since none is written while steps are skipped."""
+        self.wait_for_writes()  # the checkpoint named is on disk
+        lr = self.cfg.learning_rate
+        if self.latest is not None:
+            advice = (
+                f"The newest checkpoint, written before the trouble, is {self.newest()}: resume it with "
+                f"--init_from=resume and a lower learning_rate (now {lr}; auto resumes it too, counting bad steps anew)"
+            )
+        else:
+            advice = f"No checkpoint was written before the trouble: start over with a lower learning_rate (now {lr})"
+        return RunStopped(
+            1,
+            self._master_line(
+                f"error: {progress.bad_steps} consecutive steps (up to iter {progress.iter_num}) had a non-finite "
+                f"loss or gradient norm (max_bad_steps={self.cfg.max_bad_steps}); stopped. {advice}, or check the data"
+            ),
+        )
+
     def wait_for_writes(self):
         """Block until the checkpoint in flight is on disk (a failure was reported the moment it happened)."""
         with contextlib.suppress(CheckpointError):

@@ -1,7 +1,9 @@
-"""marsgpt/checkpoint.py: atomic and background saves, safe and memory-mapped loads, the RNG part."""
+"""marsgpt/checkpoint.py: atomic and background saves, checksums, independent copies, safe and memory-mapped
+loads, the RNG part."""
 
 import dataclasses
 import errno
+import hashlib
 import os
 import random
 import threading
@@ -268,3 +270,83 @@ def test_load_model_refuses_a_checkpoint_of_another_model(tmp_path):
     checkpoint.save_checkpoint(path, {"model": [], "model_args": {}})
     with pytest.raises(checkpoint.CheckpointError, match="is not a training checkpoint"):
         checkpoint.load_model(path)
+
+
+def test_every_checkpoint_carries_the_checksum_of_its_bytes_and_a_load_checks_it(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, state(1, iter_num=7))
+    trailer = checkpoint.read_trailer(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        assert hashlib.sha256(f.read(trailer.size)).hexdigest() == trailer.digest  # what sha256sum would say
+    assert trailer.iter == 7 and trailer.size < size and checkpoint.verify(path) == trailer
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(3))  # still a torch file
+    with open(path, "r+b") as f:  # one bit of the tensor's bytes
+        data = bytearray(f.read(trailer.size))
+        offset = data.index(torch.ones(3).numpy().tobytes())
+        f.seek(offset)
+        f.write(bytes([data[offset] ^ 1]))
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="ckpt.pt is damaged: its bytes do not match the sha256"):
+        checkpoint.load_checkpoint(path)
+    os.truncate(path, trailer.size // 2)  # cut in half: no trailer to check, and no zip directory either
+    assert checkpoint.read_trailer(path) is None
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="is not a readable checkpoint"):
+        checkpoint.load_checkpoint(path)
+
+
+def test_a_checkpoint_longer_or_shorter_than_written_is_damaged(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, state(1))
+    with open(path, "rb") as f:
+        data = f.read()
+    footer = data[-checkpoint.FOOTER_SIZE :]
+    with open(path, "wb") as f:  # bytes lost from the middle, the trailer intact
+        f.write(data[:100] + data[200:])
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=r"has [\d,]+ bytes but was written with"):
+        checkpoint.verify(path)
+    assert footer.startswith(checkpoint.FOOTER_PREFIX)
+
+
+def test_a_write_error_inside_torch_save_is_reported_with_the_os_reason(tmp_path, monkeypatch):
+    """torch.save turns its file's OSError into 'unexpected pos ...'; the save reports the OS's reason."""
+
+    class FullDisk:  # a file on a disk with 1000 bytes free
+        def __init__(self, file):
+            self.file, self.written = file, 0
+
+        def write(self, data):
+            self.written += memoryview(data).nbytes
+            if self.written > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(data)
+
+        def flush(self):
+            self.file.flush()
+
+    real_init = checkpoint.HashingFile.__init__
+    monkeypatch.setattr(checkpoint.HashingFile, "__init__", lambda self, file: real_init(self, FullDisk(file)))
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": {"w": torch.randn(1000)}, "model_args": {}})
+    assert "[ENOSPC] No space left on device; the previous one is kept (free space in" in str(raised.value)
+    assert "unexpected pos" not in str(raised.value) and os.listdir(tmp_path) == []
+
+
+def test_a_failed_background_write_is_handed_over_at_once(tmp_path, monkeypatch):
+    """The writer reports a failure the moment its thread meets it (run_dir prints it then), not at the next
+    save; a success hands over the path and iteration."""
+    failed, saved, happened = [], [], threading.Event()
+
+    def on_error(error):
+        failed.append(error)
+        happened.set()
+
+    writer = checkpoint.CheckpointWriter(on_saved=lambda *a: saved.append(a), on_error=on_error)
+    writer.save(str(tmp_path / "ckpt.pt"), state(1, iter_num=3))
+    writer.wait()
+    assert saved == [(str(tmp_path / "ckpt.pt"), 3)]
+    monkeypatch.setattr(checkpoint.torch, "save", lambda obj, f: (_ for _ in ()).throw(OSError(errno.EROFS, "RO")))
+    writer.save(str(tmp_path / "ckpt.pt"), state(2))
+    assert happened.wait(60)  # without wait(): the thread said so itself
+    assert "cannot write checkpoint" in str(failed[0]) and "[EROFS] RO" in str(failed[0])
+    with pytest.raises(checkpoint.CheckpointError):
+        writer.wait()

@@ -338,6 +338,21 @@ def test_a_diverged_run_keeps_its_last_good_checkpoint_names_it_and_resumes_with
     assert "resume: learning_rate 10000.0 -> 0.003" in printed and iteration_of(out) == 20
 
 
+def test_a_resume_counts_bad_steps_anew(data_path, tmp_path, capsys):
+    """A checkpoint written during a streak of skipped steps (as they were before checkpoints were held back)
+    carries its count; resumed in float16, whose GradScaler skips the first 7 steps here, the run goes on
+    instead of stopping at the first skip as the 10th in a row."""
+    out = str(tmp_path / "out")
+    assert run(tiny_args(data_path, out, max_iters=2, eval_interval=2), capsys)[0] == 0
+    ckpt = checkpoint.load_checkpoint(out)
+    ckpt["progress"]["bad_steps"] = 9
+    checkpoint.save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
+    args = tiny_args(data_path, out, dtype="float16", grad_multiplier=1000, max_iters=12, init_from="resume")
+    status, printed, err = run(args, capsys)
+    assert status == 0, err
+    assert "iter 3: non-finite loss or gradient norm nan; step skipped (1 in a row" in printed
+
+
 def test_float16_s_skipped_first_steps_hold_a_checkpoint_back_only_until_a_step_succeeds(data_path, tmp_path, capsys):
     """The GradScaler starts at a loss scale that overflows here (grad_multiplier=1000) and skips the first steps
     as it lowers the scale: the checkpoints due meanwhile are held back, then written as training goes on."""
