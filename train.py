@@ -39,7 +39,7 @@ from marsgpt.launch import USER_ERRORS
 from marsgpt.memory_plan import MemoryPlan
 from marsgpt.metrics import LogWindow, MetricsLog
 from marsgpt.optimizers import build_optimizer, is_sharded, set_lr
-from marsgpt.run_dir import CHECKPOINT_PARTS, Part, RunDir, RunStopped
+from marsgpt.run_dir import CHECKPOINT_PARTS, Part, RunDir, RunStopped, StopSignals
 from marsgpt.runtime import (
     SetupError,
     agree,
@@ -131,8 +131,10 @@ def checkpoint_parts(run, progress):
     return dict(zip(CHECKPOINT_PARTS, objects, strict=True))
 
 
-def setup(cfg, dist_info, directory):
-    """(Run, Progress): everything checked and built, out_dir held (run_dir.RunDir); nothing trained yet."""
+def setup(cfg, dist_info, directory=None):
+    """(Run, Progress, resumed): everything checked and built, out_dir held (`directory`, a run_dir.RunDir;
+    main's handles the stop signals); nothing trained yet."""
+    directory = directory or RunDir(cfg, dist_info)
     train_data, val_data, vocab_size = agree(dist_info, lambda: launch.load_data(cfg), USER_ERRORS)
     cfg, start, ckpt = launch.resolve_run(cfg, dist_info, directory, train_data.vocabulary)
     hellaswag_examples = launch.setup_hellaswag(cfg, train_data, dist_info)
@@ -176,7 +178,7 @@ def setup(cfg, dist_info, directory):
     if ckpt is not None:
         directory.restore(ckpt, skip=("model",))  # launch.build_model loaded the weights as it built the model
     run.metrics = directory.metrics = launch.open_metrics(cfg, dist_info, progress, resumed=ckpt is not None)
-    return run, progress
+    return run, progress, ckpt is not None
 
 
 def zero_grad(run):
@@ -269,7 +271,7 @@ def train_step(run, it):
     A non-finite gradient norm (from a non-finite loss, or an overflow) skips the update: parameters,
     optimizer state and MARS's last gradient stay as they were. The decision uses the all-reduced norm,
     so every rank takes the same one. This reads the norms from the device once per step, and the ranks'
-    agreed requests (a signal, a save the clock asks for: run_dir.RunDir.read) come with them.
+    agreed requests (a signal, a save the clock asks for: run_dir.RunDir.with_requests) come with them.
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
     set_lr(optimizer, it, cfg)
@@ -283,7 +285,8 @@ def train_step(run, it):
     loss = forward_backward(run, it)
     scaler.unscale_(optimizer)
     norms.append(clip_gradients(run))
-    norm_values = run.directory.read(torch.stack(norms))  # the per-step device sync
+    directory = run.directory  # the ranks' agreed requests (a signal, the checkpoint clock) come with the read
+    norm_values = directory.receive(directory.with_requests(torch.stack(norms)).tolist())  # the per-step sync
     grad_norm = norm_values[-1]
     skipped = not all(math.isfinite(n) for n in norm_values)
     if skipped:
@@ -497,8 +500,8 @@ def main(argv=None):
         if cfg.dry_run:
             return memory_plan.dry_run(cfg)
         dist_info = setup_distributed(cfg)
-        directory = RunDir(cfg, dist_info)
-        run, progress = setup(cfg, dist_info, directory)
+        directory = RunDir(cfg, dist_info, StopSignals().install())
+        run, progress, _ = setup(cfg, dist_info, directory)
         if dist_info.is_master:
             launch.describe(run, progress)
         fit(run, progress)

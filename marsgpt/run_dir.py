@@ -418,8 +418,10 @@ class StopSignals:
         self._previous = {}
 
     def install(self):
+        """Take the two signals over (train.main does; a RunDir built elsewhere leaves them alone); returns self."""
         if threading.current_thread() is threading.main_thread():  # Python sets handlers from there only
             self._previous = {s: signal.signal(s, self._record) for s in self.SIGNALS}
+        return self
 
     def _record(self, signum, frame):
         self.received = self.received or signum
@@ -456,14 +458,13 @@ class RunDir:
     """out_dir for one training run: rank 0 holds its lock and writes its files; every rank takes part in its
     checkpoints (the optimizer and RNG parts gather across ranks) and agrees on when they happen."""
 
-    def __init__(self, cfg, dist_info):
+    def __init__(self, cfg, dist_info, signals=None):
         self.cfg, self.dist = cfg, dist_info
         self.path = cfg.out_dir
         self.ckpt_path = os.path.join(self.path, CKPT_NAME)
         self.lock = None  # rank 0's, from start()
         self.created = False  # out_dir was made by this launch (removed again if it ends empty)
-        self.signals = StopSignals()
-        self.signals.install()
+        self.signals = signals or StopSignals()  # installed by train.main: a stop signal ends the run
         self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed)
         self.write_failed = False
         self.metrics = None  # the run's MetricsLog, whose failed writes stop the run too
@@ -519,30 +520,36 @@ class RunDir:
 
     # --- every step
 
-    def read(self, values):
-        """values.tolist(), bringing along every rank's requests (Requests): the step's one host read.
+    def with_requests(self, values):
+        """`values` (the step's norms, on the device) with every rank's requests appended for the step's one host
+        read; receive() takes them back. Under DDP each rank's requests (Requests: a signal, and rank 0's
+        clock, failed write and lost lock) are 4 numbers all-reduced (max) so that they reach every rank at the
+        same step: one all-reduce of 4 numbers per step, read with the step's own synchronisation."""
+        if not self.dist.ddp:
+            return values
+        flags = torch.tensor([float(v) for v in self._my_requests()], device=values.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return torch.cat([values.flatten(), flags])
 
-        Under DDP each rank's requests go into a tensor of 4 numbers, all-reduced (max) so that a signal
-        on any rank, or rank 0's clock, failed write or lost lock, reaches every rank at the same step. The
-        cost: one all-reduce of 4 numbers per step, read with the step's own synchronisation."""
+    def receive(self, read):
+        """The step's values read back (a list), without the requests with_requests appended, which are kept
+        as the agreed requests for the next step boundary."""
+        if self.dist.ddp:
+            read, requests = read[: -len(dataclasses.fields(Requests))], read[-len(dataclasses.fields(Requests)) :]
+        else:
+            requests = self._my_requests()
+        self.agreed = Requests(int(requests[0]), bool(requests[1]), bool(requests[2]), bool(requests[3]))
+        return read
+
+    def _my_requests(self):
         master = self.dist.is_master
-        mine = [
+        minutes = self.cfg.checkpoint_minutes
+        return [
             self.signals.received,
-            master
-            and self.cfg.checkpoint_minutes > 0
-            and time.monotonic() - self.clock >= 60 * self.cfg.checkpoint_minutes,
+            master and minutes > 0 and time.monotonic() - self.clock >= 60 * minutes,
             master and (self.write_failed or bool(self.metrics is not None and self.metrics.failed)),
             master and self.lock is not None and self.lock.lost is not None,
         ]
-        if self.dist.ddp:
-            flags = torch.tensor([float(v) for v in mine], device=values.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            read = torch.cat([values.flatten(), flags]).tolist()
-            read, mine = read[: values.numel()], read[values.numel() :]
-        else:
-            read = values.tolist()
-        self.agreed = Requests(int(mine[0]), bool(mine[1]), bool(mine[2]), bool(mine[3]))
-        return read
 
     def check_requests(self, progress, time_s):
         """At a step boundary: end the run when the last step's agreed requests say so (RunStopped). A lost lock
@@ -696,7 +703,7 @@ class RunDir:
         elif self.dist.is_master and not self.cfg.eval_only:
             held = self.saved_iter == progress.iter_num and self.latest is not None
             where = f"{self._holder()} holds it" if held else self.resume_advice()
-            print(f"finished at iter {progress.iter_num:,}; {where}", flush=True)
+            print(f"finished at iter {progress.iter_num:,}; {where}", file=sys.stderr, flush=True)
         return 1 if failed else 0
 
     def close(self):

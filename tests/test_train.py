@@ -663,7 +663,7 @@ def bucket_worker(rank, port, data_path, out, report_path):
     torch.set_num_threads(1)
     cfg = train.load_config(tiny_args(data_path, out, gradient_accumulation_steps=4, max_iters=3, eval_interval=3))
     dist_info = train.setup_distributed(cfg)
-    run, _ = train.setup(cfg, dist_info, train.RunDir(cfg, dist_info))
+    run, _, _ = train.setup(cfg, dist_info)
     params = list(run.model.parameters())
     storages = []  # per backward pass: the distinct storages of the gradients and their bytes
 
