@@ -174,7 +174,7 @@ def setup(cfg, dist_info, directory=None):
         memory_plan=memory_plan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
     extras = dict(model_args=model_args, config=config_to_dict(cfg), vocabulary=train_data.vocabulary)
-    directory.register(checkpoint_parts(run, progress), extras)
+    directory.register(cfg, checkpoint_parts(run, progress), extras)
     if ckpt is not None:
         directory.restore(ckpt, skip=("model",))  # launch.build_model loaded the weights as it built the model
     run.metrics = directory.metrics = launch.open_metrics(cfg, dist_info, progress, resumed=ckpt is not None)

@@ -506,10 +506,11 @@ class RunDir:
             with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w") as f:
                 json.dump(config_to_dict(cfg), f, indent=1)
 
-    def register(self, parts, extras):
-        """The run's stateful parts (name -> an object with state_dict() and load_state_dict(state); the model
-        part a torch.nn.Module), handed over once, and the plain values every checkpoint records beside them."""
-        self.parts, self.extras = parts, extras
+    def register(self, cfg, parts, extras):
+        """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
+        state_dict() and load_state_dict(state); the model part a torch.nn.Module), handed over once, and the
+        plain values every checkpoint records beside them."""
+        self.cfg, self.parts, self.extras = cfg, parts, extras
 
     def restore(self, ckpt, skip=()):
         """Load every part but those in `skip` (the model, which launch.build_model built from the checkpoint)."""
