@@ -6,25 +6,25 @@
 
 The configuration (marsgpt/config.py) is checked, and so are the data, the world size, out_dir and any
 checkpoint, before any work starts; a mistake prints `error: ...` and exits 2, on every rank at once.
-What init_from, resume and relaunch mean for out_dir is marsgpt/launch.py's; this file is the run: its state, one
-optimizer step, evaluation, saving, the loop and main().
+What init_from, resume and relaunch mean for out_dir, when a checkpoint is written and what stops a run
+early (a signal, a failed write) is marsgpt/run_dir.py's; this file is the run: its state, one optimizer
+step, evaluation, the loop and main().
 
 Data parallelism: gradient_accumulation_steps counts the micro-batches of one optimizer step across ALL
 ranks. Micro-batch k of step s is TokenData.get_batch(seed, s, k) wherever it runs; rank r takes
 k = r, r + world_size, ... . So the windows, and up to float rounding the model, do not depend on the
 number of GPUs, and a run can resume on a different number of GPUs.
 
-Exact resume: checkpoints are written after the evaluation that follows a step, holding everything the
-next steps depend on (checkpoint_parts below); batches and dropout masks are pure functions of
-(seed, step, micro-batch); evaluation windows are fixed. A run killed at any moment and restarted with
---init_from=resume ends with the same losses and parameters as one left alone (bit for bit on CPU; on
-CUDA with --deterministic=True, see runtime.set_deterministic).
+Exact resume: checkpoints are written at step boundaries, holding everything the next steps depend on
+(checkpoint_parts below), including which evaluations of their step are done; batches and dropout masks
+are pure functions of (seed, step, micro-batch); evaluation windows are fixed. A run killed at any moment
+and restarted with --init_from=resume ends with the same losses and parameters as one left alone (bit for
+bit on CPU; on CUDA with --deterministic=True, see runtime.set_deterministic).
 """
 
 import contextlib
 import dataclasses
 import math
-import os
 import sys
 import time
 
@@ -33,12 +33,13 @@ import torch
 import torch.distributed as dist
 
 from marsgpt import checkpoint, launch, memory_plan, metrics, optimizers
-from marsgpt.checkpoint import CheckpointError, CheckpointWriter, RNGState
+from marsgpt.checkpoint import RNGState
 from marsgpt.config import config_to_dict, load_config, print_help, wants_help
-from marsgpt.launch import CHECKPOINT_PARTS, USER_ERRORS
+from marsgpt.launch import USER_ERRORS
 from marsgpt.memory_plan import MemoryPlan
 from marsgpt.metrics import LogWindow, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS, build_optimizer, is_sharded, set_lr
+from marsgpt.run_dir import CHECKPOINT_PARTS, Part, RunDir, RunStopped, StopSignals
 from marsgpt.runtime import (
     SetupError,
     agree,
@@ -51,15 +52,12 @@ from marsgpt.runtime import (
 from marsgpt.tokens import TokenData
 
 
-class TrainingStopped(Exception):
-    """The run cannot continue (diverged); the message is the one line the user sees."""
-
-
 @dataclasses.dataclass
 class Progress(checkpoint.DataclassState):
     """What the loop carries from step to step (a checkpoint part)."""
 
-    iter_num: int = 0
+    iter_num: int = 0  # also the data's position: batches are a function of the step
+    evaluated_iter: int = -1  # the step whose evaluations are done and recorded (the metrics' cursor)
     best_val_loss: float = math.inf
     tokens: int = 0
     elapsed_s: float = 0.0
@@ -67,6 +65,12 @@ class Progress(checkpoint.DataclassState):
     skipped_steps: int = 0
     clip_count: int = 0
     wandb_run_id: str = ""
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        if "evaluated_iter" not in state:  # written before the field: always right after its step's evaluation
+            self.evaluated_iter = self.iter_num
+        self.bad_steps = 0  # a resume (with a lower learning rate, say) starts with a clean count
 
 
 # The steps after which a CUDA run prints its measured peak memory beside the plan: by then the optimizer
@@ -95,7 +99,8 @@ class Run:
     train_batches: list
     hellaswag_examples: list | None
     metrics: MetricsLog
-    writer: CheckpointWriter
+    window: LogWindow  # the steps since the last train line
+    directory: RunDir
     memory_plan: MemoryPlan | None = None  # rank 0's, printed by launch.describe()
 
     @property
@@ -112,29 +117,40 @@ class Run:
 
 
 def checkpoint_parts(run, progress):
-    """Each checkpoint part's object: what it saves with state_dict() and restores with load_state_dict()."""
-    return dict(zip(CHECKPOINT_PARTS, (run.model, run.optimizer, run.scaler, run.rng, progress), strict=True))
+    """Each checkpoint part's object: what it saves (state_dict) and how a resume restores it (load_state_dict):
+    the optimizer under this run's hyperparameters, the GradScaler where float16 enables it."""
+
+    def load_scaler(state):
+        if run.scaler.is_enabled() and state:
+            run.scaler.load_state_dict(state)
+
+    def load_optimizer(state):
+        optimizers.load_state(run.optimizer, state, OPTIMIZERS.entry(run.cfg), run.cfg)
+
+    optimizer = Part(run.optimizer.state_dict, load_optimizer)
+    rng = Part(run.rng.state_dict, lambda state: run.rng.load_state_dict(state, run.dist.world_size))
+    window = Part(run.window.state_dict, lambda state: run.window.load_state_dict(state, run.dist.world_size))
+    objects = (run.model, optimizer, Part(run.scaler.state_dict, load_scaler), rng, progress, window)
+    return dict(zip(CHECKPOINT_PARTS, objects, strict=True))
 
 
-def setup(cfg, dist_info):
-    """(Run, Progress, resumed): everything checked and built; nothing trained yet."""
+def setup(cfg, dist_info, directory=None):
+    """(Run, Progress, resumed): everything checked and built, out_dir held (`directory`, a run_dir.RunDir;
+    main's handles the stop signals); nothing trained yet."""
+    directory = directory or RunDir(cfg, dist_info)
     train_data, val_data, vocab_size = agree(dist_info, lambda: launch.load_data(cfg), USER_ERRORS)
-    cfg, ckpt = launch.resolve_run(cfg, dist_info)
+    cfg, start, ckpt = launch.resolve_run(cfg, dist_info, directory, train_data.vocabulary)
     hellaswag_examples = launch.setup_hellaswag(cfg, train_data, dist_info)
     model, model_args = agree(dist_info, lambda: launch.build_model(cfg, vocab_size, ckpt), USER_ERRORS)
     if dist_info.is_master:
-        launch.prepare_out_dir(cfg, ckpt, OPTIMIZERS.entry(cfg))
+        changes = launch.config_changes(ckpt["config"], cfg, OPTIMIZERS.entry(cfg)) if ckpt else []
+        directory.prepare(cfg, start, ckpt, changes)
     set_deterministic(cfg.deterministic, dist_info.device_type)
     model.to(dist_info.device)
     model.activation_checkpointing = cfg.activation_checkpointing
     autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
     optimizer = build_optimizer(model, cfg, dist_info.device_type, dist_info.world_size)
-    rng = RNGState(dist_info.rank, launch.gather_rng(dist_info))
     progress = Progress()
-    if ckpt is not None:
-        launch.restore(ckpt, cfg, dist_info, optimizer=optimizer, scaler=scaler, rng=rng, progress=progress)
-    resumed = ckpt is not None
-    ckpt = None  # with mmap, this unmaps the file: everything is in the model and optimizer now
 
     compile_model = cfg.compile if cfg.compile is not None else dist_info.device_type == "cuda"
     eval_model = torch.compile(model) if compile_model else model
@@ -153,15 +169,21 @@ def setup(cfg, dist_info):
         scaler=scaler,
         look_ahead=OPTIMIZERS.entry(cfg).look_ahead(optimizer, cfg),
         autocast=autocast,
-        rng=rng,
+        rng=RNGState(dist_info.rank, launch.gather_rng(dist_info)),
         train_data=train_data,
         val_data=val_data,
-        metrics=launch.open_metrics(cfg, dist_info, progress, resumed),
+        metrics=None,
+        window=LogWindow(device=dist_info.device, rank=dist_info.rank, gather=launch.gather_by_rank(dist_info)),
         hellaswag_examples=hellaswag_examples,
-        writer=CheckpointWriter(),
+        directory=directory,
         memory_plan=memory_plan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
-    return run, progress, resumed
+    extras = dict(model_args=model_args, config=config_to_dict(cfg), vocabulary=train_data.vocabulary)
+    directory.register(cfg, checkpoint_parts(run, progress), extras)
+    if ckpt is not None:
+        directory.restore(ckpt, skip=("model",))  # launch.build_model loaded the weights as it built the model
+    run.metrics = directory.metrics = launch.open_metrics(cfg, dist_info, progress, resumed=ckpt is not None)
+    return run, progress, ckpt is not None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -248,7 +270,8 @@ def train_step(run, it):
 
     A non-finite gradient norm (from a non-finite loss, or an overflow) skips the update: parameters,
     optimizer state and MARS's last gradient stay as they were. The decision uses the all-reduced norm,
-    so every rank takes the same one. This reads one number from the device per step.
+    so every rank takes the same one. This reads the norms from the device once per step, and the ranks'
+    agreed requests (a signal, a save the clock asks for: run_dir.RunDir.with_requests) come with them.
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
     # Gradients are cleared in place under DDP (they are views of its buckets, see runtime.wrap_ddp), else set
@@ -265,7 +288,8 @@ def train_step(run, it):
     loss = forward_backward(run, it)
     scaler.unscale_(optimizer)
     norms.append(clip_gradients(run))
-    norm_values = torch.stack(norms).tolist()  # the per-step device sync
+    directory = run.directory  # the ranks' agreed requests (a signal, the checkpoint clock) come with the read
+    norm_values = directory.receive(directory.with_requests(torch.stack(norms)).tolist())  # the per-step sync
     grad_norm = norm_values[-1]
     skipped = not all(math.isfinite(n) for n in norm_values)
     if skipped and scaler.is_enabled():
@@ -312,21 +336,6 @@ def evaluate(run, batches):
         loss_sum += loss.float()
     run.eval_model.train()
     return all_reduce_sum(run, loss_sum).item() / run.cfg.eval_iters
-
-
-def save_checkpoints(run, progress, is_best):
-    """ckpt.pt (the latest, what resume reads), plus best.pt and periodic copies as the config asks.
-
-    Every rank takes part (the RNG part gathers each rank's CUDA generators); rank 0 hands the state to
-    the background writer and goes on training.
-    """
-    cfg = run.cfg
-    state = {name: part.state_dict() for name, part in checkpoint_parts(run, progress).items()}
-    if not run.dist.is_master:
-        return
-    state.update(model_args=run.model_args, config=config_to_dict(cfg))
-    copies = launch.checkpoint_copies(cfg, progress.iter_num, is_best)
-    run.writer.save(os.path.join(cfg.out_dir, checkpoint.CKPT_NAME), state, copies)
 
 
 def stamp(progress, time_s):
@@ -384,25 +393,29 @@ def log_train(run, progress, window, result, time_s):
     run.metrics.write(record)
 
 
-def evaluate_and_save(run, progress, time_s):
-    """Validation and train-estimate losses at progress.iter_num, and for a compiled model the seconds they
-    took (a process's first evaluation includes compiling the eval graph); ckpt.pt unless eval_only."""
-    t0 = time.perf_counter()
-    val_loss = evaluate(run, run.val_batches)
-    train_loss = evaluate(run, run.train_batches)
-    eval_s = time.perf_counter() - t0
-    is_best = val_loss < progress.best_val_loss
-    if is_best:
-        progress.best_val_loss = val_loss
-    if run.dist.is_master:
-        print(f"step {progress.iter_num}: train loss {train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
-        record = {**stamp(progress, time_s), metrics.VAL_LOSS: val_loss, metrics.EVAL_TRAIN_LOSS: train_loss}
-        if run.compiled:
-            record[metrics.EVAL_S] = eval_s
-        run.metrics.write(record)
-    if not run.cfg.eval_only:
-        progress.elapsed_s = time_s
-        save_checkpoints(run, progress, is_best)
+def evaluate_all(run, progress, time_s):
+    """The evaluations due at progress.iter_num: validation and train-estimate losses every eval_interval steps,
+    at the end and for eval_only (now), HellaSwag every hellaswag_interval steps. Each is recorded once: an
+    evaluation its step already has in metrics.jsonl (an eval_only relaunch) is printed, not recorded again.
+    Returns the validation loss, or None when it was not due."""
+    cfg, it = run.cfg, progress.iter_num
+    record, val_loss = progress.evaluated_iter != it, None
+    if cfg.eval_only or it % cfg.eval_interval == 0 or it == cfg.max_iters:
+        t0 = time.perf_counter()
+        val_loss = evaluate(run, run.val_batches)
+        train_loss = evaluate(run, run.train_batches)
+        eval_s = time.perf_counter() - t0  # a compiled model's first evaluation includes compiling its graph
+        if run.dist.is_master:
+            print(f"step {it}: train loss {train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
+            entry = {**stamp(progress, time_s), metrics.VAL_LOSS: val_loss, metrics.EVAL_TRAIN_LOSS: train_loss}
+            if run.compiled:
+                entry[metrics.EVAL_S] = eval_s
+            if record:
+                run.metrics.write(entry)
+    if run.hellaswag_examples and it % cfg.hellaswag_interval == 0 and not cfg.eval_only:
+        evaluate_hellaswag(run, progress, time_s)
+    progress.evaluated_iter = it
+    return val_loss
 
 
 def evaluate_hellaswag(run, progress, time_s):
@@ -425,32 +438,30 @@ def evaluate_hellaswag(run, progress, time_s):
 # The loop.
 
 
-def fit(run, progress, resumed):
-    """Train from progress.iter_num to max_iters, evaluating every eval_interval steps and at the end.
-
-    A resumed run does not repeat the evaluation its checkpoint was written after.
-    """
-    cfg = run.cfg
+def fit(run, progress):
+    """Train from progress.iter_num to max_iters: the evaluations due at each step boundary (evaluate_all), the
+    checkpoints run_dir says are due there, and an early end when it says so (a signal, a failed write)."""
+    cfg, directory = run.cfg, run.directory
     start_iter, start_elapsed, t_start = progress.iter_num, progress.elapsed_s, time.perf_counter()
 
     def time_s():
         return start_elapsed + time.perf_counter() - t_start
 
-    window = LogWindow()
     while True:
         it = progress.iter_num
-        repeat = resumed and it == start_iter and not cfg.eval_only
-        if (it % cfg.eval_interval == 0 or it == cfg.max_iters) and not repeat:
-            evaluate_and_save(run, progress, time_s())
+        directory.check_requests(progress, time_s())
+        evaluation_due = it % cfg.eval_interval == 0 or it == cfg.max_iters
+        hellaswag_due = run.hellaswag_examples and it % cfg.hellaswag_interval == 0
+        val_loss = None
+        if cfg.eval_only or ((evaluation_due or hellaswag_due) and progress.evaluated_iter != it):
+            val_loss = evaluate_all(run, progress, time_s())
+            run.window.restart()
             if cfg.eval_only:
                 break
-            window.restart()
-        if run.hellaswag_examples and it % cfg.hellaswag_interval == 0 and not repeat:
-            evaluate_hellaswag(run, progress, time_s())
-            window.restart()
+        directory.save_if_due(progress, time_s(), val_loss)
         if it >= cfg.max_iters:
             break
-        step_and_log(run, progress, window, time_s, first=progress.iter_num == start_iter)
+        step_and_log(run, progress, run.window, time_s, first=it == start_iter)
 
 
 def step_and_log(run, progress, window, time_s, first=False):
@@ -487,13 +498,7 @@ def record_skip(run, progress, result, time_s):
         )
         run.metrics.write({**stamp(progress, time_s), metrics.SKIPPED_STEPS: progress.skipped_steps})
     if progress.bad_steps >= run.cfg.max_bad_steps:
-        latest = os.path.join(run.cfg.out_dir, checkpoint.CKPT_NAME)
-        raise TrainingStopped(
-            f"{progress.bad_steps} consecutive steps (up to iter {it}) had a non-finite "
-            f"loss or gradient norm (max_bad_steps={run.cfg.max_bad_steps}); stopped. The last "
-            f"good checkpoint is {latest}: resume it with --init_from=resume and a lower "
-            f"learning_rate, or check the data"
-        )
+        raise run.directory.diverged(progress)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -505,27 +510,25 @@ def main(argv=None):
     if wants_help(argv):
         print_help()
         return 0
-    cfg = dist_info = run = progress = status = None
+    cfg = dist_info = directory = progress = status = None
     try:
         cfg = load_config(argv)
         if cfg.dry_run:
             return memory_plan.dry_run(cfg)
         dist_info = setup_distributed(cfg)
-        run, progress, resumed = setup(cfg, dist_info)
+        directory = RunDir(cfg, dist_info, StopSignals().install())
+        run, progress, _ = setup(cfg, dist_info, directory)
         if dist_info.is_master:
             launch.describe(run, progress)
-        fit(run, progress, resumed)
-        run.writer.wait()
-        status = 0
+        fit(run, progress)
+        status = directory.finish(progress)
     except BaseException as e:
-        status = exit_status(e, cfg, dist_info, run, progress)
+        status = exit_status(e, cfg, dist_info, directory, progress)
         if status is None:
             raise
     finally:
-        if run is not None:
-            with contextlib.suppress(CheckpointError):
-                run.writer.wait()  # a checkpoint in flight reaches the disk before the process ends
-            run.metrics.close()
+        if directory is not None:
+            directory.close()  # the checkpoint in flight on disk, the lock released
         # After a collective timed out the process group cannot be torn down: destroying it waits on the
         # dead peer (exit_process then leaves at once).
         if dist_info is not None and dist_info.ddp and dist.is_initialized() and status != TIMED_OUT:
@@ -542,32 +545,31 @@ def is_collective_timeout(e, dist_info):
     return isinstance(e, RuntimeError) and dist_info is not None and dist_info.ddp and "timed out" in str(e).lower()
 
 
-def exit_status(e, cfg, dist_info, run, progress):
+def exit_status(e, cfg, dist_info, directory, progress):
     """The exit status for the exception that ended main(), after its one line on stderr; None for an
     exception that is not one of this repository's (it keeps its traceback)."""
+    master = dist_info is None or dist_info.is_master
     if isinstance(e, USER_ERRORS):
         # a setup decision every rank took together fails on every rank: rank 0 says it once
-        if dist_info is None or dist_info.is_master or not isinstance(e, SetupError):
+        if master or not isinstance(e, SetupError):
             print(f"error: {e}", file=sys.stderr)
         return 2
-    if isinstance(e, TrainingStopped):
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if isinstance(e, RunStopped):  # a signal, divergence, a failed write: rank 0 knows the checkpoints
+        if e.line:
+            print(e.line, file=sys.stderr)
+        return e.status
     if isinstance(e, KeyboardInterrupt):  # Ctrl-C (torchrun passes it to every rank): one line, not a traceback
-        if dist_info is None or dist_info.is_master:
-            if run is not None:
-                with contextlib.suppress(CheckpointError):
-                    run.writer.wait()  # a save in flight is the newest checkpoint
-            if cfg is None:  # while reading the configuration
-                print("interrupted before the run started", file=sys.stderr)
-            else:
-                where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
-                print(f"interrupted {where}; {launch.resume_advice(cfg)}", file=sys.stderr)
+        if master and directory is None:  # while reading the configuration or joining the ranks
+            print("interrupted before the run started", file=sys.stderr)
+        elif master:
+            directory.wait_for_writes()  # a save in flight is the newest checkpoint
+            where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
+            print(f"interrupted {where}; {directory.resume_advice()}", file=sys.stderr)
         return 130
     if is_collective_timeout(e, dist_info):
         print(
             f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
-            f"(another rank died or hangs); {launch.resume_advice(cfg)}",
+            f"(another rank died or hangs); {directory.resume_advice()}",
             file=sys.stderr,
         )
         return TIMED_OUT

@@ -1,25 +1,44 @@
-"""Checkpoints: atomic saves written in the background, safe loads, and the model loader the tools share.
+"""Checkpoint files: written atomically in the background with a checksum taken as the bytes are written,
+verified on every load, read without running code; and the model loader the tools share.
 
 A checkpoint is one torch.save'd dict that torch.load(weights_only=True) accepts, so loading one cannot
 run code: every value is a tensor, a number, a string or a list/tuple/dict of them. It holds
 
     model_args    the GPTConfig fields the model was built with
     config        the run's full configuration (config.config_to_dict)
-    <part>        the state_dict() of each stateful part train.py names in checkpoint_parts():
-                  model, optimizer, scaler, rng (RNGState), progress (train.Progress); the optimizer's is
-                  the unsharded optimizer's format also under ZeRO-1 (optimizers.ShardedOptimizer gathers every
+    vocabulary    the fingerprint of the data's character vocabulary (tokens.TokenData.vocabulary)
+    <part>        the state_dict() of each stateful part train.py hands to marsgpt/run_dir.py: model,
+                  optimizer, scaler, rng (RNGState), progress (train.Progress); the optimizer's is the
+                  unsharded optimizer's format also under ZeRO-1 (optimizers.ShardedOptimizer gathers every
                   rank's share on rank 0), so any number of ranks, sharded or not, resumes it
 
 and nothing else: what a resume restores is exactly what was saved, part by part. The batches need no
 state of their own: tokens.TokenData.get_batch is a pure function of (seed, step, micro_step), so the
 progress's iter_num and the config are all the sampler needs.
+
+Integrity. After torch.save's bytes the file ends with a short trailer: a JSON record (the SHA-256 of those
+bytes, their count, the checkpoint's iteration) and a fixed-size footer that says how long the record is.
+The hash is taken as torch.save writes (HashingFile, in a second thread), so saving reads nothing back; a
+load hashes the bytes once before torch.load reads them (from the page cache by then). The trailer is inside
+the file, so the file and its checksum are renamed into place together: no crash can pair a new file with
+an old checksum, and a copy taken anywhere (cp, rsync) carries its own. torch.load ignores bytes after the
+zip archive's end record, so the file stays a plain torch checkpoint. A file without a trailer (written
+before checksums, or by another program) loads unverified, and callers say so.
+
+SHA-256 because it is the fastest of hashlib's candidates on CPUs with SHA extensions (bench/bench_checkpoint.py
+measures them) and `sha256sum` can check it by hand: `head -c <size> ckpt.pt | sha256sum`.
 """
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import errno
+import hashlib
+import json
 import os
 import pickle
 import random
-import shutil
+import sys
 import threading
 import weakref
 import zipfile
@@ -27,53 +46,167 @@ import zipfile
 import numpy as np
 import torch
 
-from marsgpt.files import atomic_path, atomic_writer
+from marsgpt.files import atomic_writer, copy_file, os_reason
 
-CKPT_NAME = "ckpt.pt"
-BEST_NAME = "best.pt"
 COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter with this prefix
 
 REQUIRED_KEYS = ("model", "model_args")  # what the tools after training (sample, hellaswag, export) read
+
+DIGEST = "sha256"
+# The last bytes of a checkpoint with a checksum: this prefix, the JSON record's length in 10 digits, "\n".
+FOOTER_PREFIX = b"\n#marsgpt checksum record of "
+FOOTER_SIZE = len(FOOTER_PREFIX) + 11
+HASH_CHUNK = 16 << 20  # bytes hashed per read when verifying
 
 
 class CheckpointError(Exception):
     """A missing, corrupt or mismatching checkpoint; the message is the one line the user sees."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint file that cannot be what was written: its bytes do not match its checksum, or torch cannot
+    read it. run_dir falls back to an older checkpoint past one of these; the tools refuse it."""
+
+
 def checkpoint_path(path):
-    """`path` itself when it names a file, else the latest checkpoint inside the directory `path`."""
-    return os.path.join(path, CKPT_NAME) if os.path.isdir(path) else path
+    """`path` itself when it names a file, else the checkpoint a resume continues in the run directory `path`."""
+    from marsgpt import run_dir  # here: run_dir builds on this module
+
+    return os.path.join(path, run_dir.CKPT_NAME) if os.path.isdir(path) else path
+
+
+class HashingFile:
+    """A binary file that hashes what is written through it, and keeps the first OSError a write raised.
+
+    A large write is hashed by a second thread while this one writes it: both let go of the GIL, so the
+    checksum costs little more time than the write alone (bench/bench_run_dir.py). The write returns only
+    once its bytes are hashed too, as torch.save may reuse its buffer after that. torch.save turns an error
+    of its file object into "unexpected pos 704 vs 598" (the bytes it expected to have written); the OSError
+    kept here is the reason to report: [ENOSPC] No space left on device."""
+
+    PARALLEL_BYTES = 1 << 20  # smaller writes (zip headers, small tensors) are hashed in line
+
+    def __init__(self, file):
+        self.file, self.hash, self.size, self.error = file, hashlib.new(DIGEST), 0, None
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint hash")
+
+    def write(self, data):
+        size = memoryview(data).nbytes
+        hashing = self._hasher.submit(self.hash.update, data) if size >= self.PARALLEL_BYTES else None
+        try:
+            written = self.file.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        finally:
+            if hashing is not None:
+                hashing.result()
+        if hashing is None:
+            self.hash.update(data)
+        self.size += size
+        return written
+
+    def flush(self):
+        self.file.flush()
+
+    def close(self):
+        self._hasher.shutdown()
+
+
+def iteration(ckpt):
+    """The step a checkpoint was saved after (its progress part's iter_num), or None when it has none."""
+    progress = ckpt.get("progress")
+    return progress.get("iter_num") if isinstance(progress, dict) else None
 
 
 def save_checkpoint(path, state):
-    """Write `state` to `path` atomically: a crash, kill -9 or full disk leaves any previous file intact."""
+    """Write `state` to `path` atomically, with its checksum trailer: a crash, kill -9 or full disk leaves any
+    previous file intact. A failure raises CheckpointError naming the file and the OS reason."""
     try:
-        with atomic_writer(path) as f:
-            torch.save(state, f)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        directory = os.path.dirname(os.path.abspath(path))
+        with atomic_writer(path) as f, contextlib.closing(HashingFile(f)) as hashing:
+            try:
+                torch.save(state, hashing)
+            except RuntimeError:
+                if hashing.error is not None:  # the OS's reason, not torch's "unexpected pos"
+                    raise hashing.error from None
+                raise
+            record = json.dumps({DIGEST: hashing.hash.hexdigest(), "size": hashing.size, "iter": iteration(state)})
+            f.write(record.encode() + FOOTER_PREFIX + b"%010d\n" % len(record))
+    except (OSError, RuntimeError) as e:
+        advice = f" (free space in {os.path.dirname(os.path.abspath(path))})" if _no_space(e) else ""
         raise CheckpointError(
-            f"cannot write checkpoint {path}: {getattr(e, 'strerror', None) or e}; the previous one is "
-            f"kept (free disk space in {directory} and resume)"
+            f"cannot write checkpoint {path}: {os_reason(e)}; the previous one is kept{advice}"
         ) from None
 
 
-def keep_copy(src, dst):
-    """Make `dst` an atomic copy of the finished checkpoint `src` (best-val and periodic checkpoints).
+def _no_space(error):
+    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
 
-    A hard link costs no I/O and stays valid after `src` is replaced by the next save (the rename
-    gives `src` a new inode); filesystems without hard links get a real copy. Either is renamed into
-    place and made durable as every write is (marsgpt/files.py).
-    """
+
+def keep_copy(src, dst):
+    """Make `dst` an independent copy of the finished checkpoint `src` (best.pt, kept ckpt_<iter>.pt): damage
+    done to one file later never reaches the other (files.copy_file). Its trailer comes along, so the copy
+    verifies on its own."""
     try:
-        try:
-            with atomic_path(dst) as tmp:
-                os.link(src, tmp)  # src's bytes are on disk already: save_checkpoint fsync'ed them
-        except OSError:
-            with open(src, "rb") as f, atomic_writer(dst) as copy:
-                shutil.copyfileobj(f, copy)
+        copy_file(src, dst)
     except OSError as e:
-        raise CheckpointError(f"cannot write checkpoint {dst}: {e.strerror or e}") from None
+        raise CheckpointError(f"cannot write checkpoint {dst}: {os_reason(e)}") from None
+
+
+@dataclasses.dataclass
+class Trailer:
+    """What a checkpoint's trailer records: the checksum of the `size` bytes before it, and the iteration."""
+
+    digest: str
+    size: int
+    iter: int | None
+
+
+def read_trailer(path):
+    """The Trailer at the end of the checkpoint file `path`, or None when it has none (a file from before
+    checksums, or another program's). DamagedCheckpoint when the file's end is a trailer that cannot be the
+    one written (its length does not fit the file's)."""
+    with open(path, "rb") as f:
+        file_size = f.seek(0, os.SEEK_END)
+        if file_size < FOOTER_SIZE:
+            return None
+        f.seek(file_size - FOOTER_SIZE)
+        footer = f.read(FOOTER_SIZE)
+        if not (footer.startswith(FOOTER_PREFIX) and footer[-11:-1].isdigit()):
+            return None
+        record_size = int(footer[-11:-1])
+        f.seek(max(file_size - FOOTER_SIZE - record_size, 0))
+        try:
+            record = json.loads(f.read(record_size))
+            trailer = Trailer(record[DIGEST], int(record["size"]), record["iter"])
+        except (ValueError, KeyError, TypeError):
+            raise DamagedCheckpoint(f"{path} is damaged: its checksum record cannot be read") from None
+    if trailer.size + record_size + FOOTER_SIZE != file_size:
+        raise DamagedCheckpoint(
+            f"{path} is damaged: it has {file_size:,} bytes but was written with "
+            f"{trailer.size + record_size + FOOTER_SIZE:,}"
+        )
+    return trailer
+
+
+def verify(path):
+    """Check the checkpoint file `path` against its checksum, reading it once; return its Trailer, or None when
+    it has none (nothing to check against). DamagedCheckpoint, naming the file, when the bytes differ."""
+    trailer = read_trailer(path)
+    if trailer is None:
+        return None
+    digest, buffer = hashlib.new(DIGEST), bytearray(HASH_CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        remaining = trailer.size
+        while remaining:
+            read = f.readinto(memoryview(buffer)[: min(remaining, HASH_CHUNK)])
+            if not read:
+                break
+            digest.update(memoryview(buffer)[:read])
+            remaining -= read
+    if remaining or digest.hexdigest() != trailer.digest:
+        raise DamagedCheckpoint(f"{path} is damaged: its bytes do not match the {DIGEST} recorded when it was written")
+    return trailer
 
 
 class DataclassState:
@@ -84,8 +217,10 @@ class DataclassState:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state):
+        """Every field the state holds; a field added since the checkpoint was written keeps its value."""
         for f in dataclasses.fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
 
 
 _handed_over = weakref.WeakValueDictionary()  # id -> CPU tensor that hand_over gave to the next cpu_copy
@@ -149,16 +284,20 @@ class CheckpointWriter:
     """Writes checkpoints in a background thread, so training goes on while the bytes reach storage.
 
     save() takes a CPU copy of the state at once (the checkpoint is exactly the state at that moment),
-    then a thread writes it atomically and makes its copies (best.pt, periodic ones). One write is in
-    flight at a time: the next save, or wait(), first waits for it and raises its error, if any (always
-    a CheckpointError, whatever went wrong). With a GPT-2 XL checkpoint (~25 GB) on storage at 40 MB/s
-    a synchronous save would stall every rank for ten minutes and trip the collective timeout; here it
-    costs the device-to-host copy. The cost is host memory for one copy of the state on the saving rank.
+    then a thread writes it atomically and makes its copies (best.pt, kept ones). One write is in flight
+    at a time: the next save, or wait(), first waits for it and raises its error, if any (always a
+    CheckpointError, whatever went wrong). The thread also hands each outcome to its caller the moment it
+    is known: on_saved(path, iteration) after the file and its copies are in place, on_error(error) after
+    a failure, so a failed write is reported at once rather than at the next save. With a GPT-2 XL
+    checkpoint (~25 GB) on storage at 40 MB/s a synchronous save would stall every rank for ten minutes and
+    trip the collective timeout; here it costs the device-to-host copy. The cost is host memory for one
+    copy of the state on the saving rank.
     """
 
-    def __init__(self):
+    def __init__(self, on_saved=None, on_error=None):
         self._thread = None
         self._error = None
+        self.on_saved, self.on_error = on_saved, on_error
 
     def save(self, path, state, copies=()):
         self.wait()
@@ -177,6 +316,11 @@ class CheckpointWriter:
             error = CheckpointError(f"cannot write checkpoint {path}: {type(e).__name__}: {e}")
             error.__cause__ = e
             self._error = error
+        if self._error is not None:
+            if self.on_error is not None:
+                self.on_error(self._error)
+        elif self.on_saved is not None:
+            self.on_saved(path, iteration(snapshot))
 
     def wait(self):
         """Block until the write in flight is on disk; raise its error, if it had one."""
@@ -192,23 +336,27 @@ RESUME_ADVICE = "train with --init_from=scratch first, or point out_dir at the r
 TOOL_ADVICE = "train a model first (python train.py ...), or give the out_dir of a trained run"  # the tools'
 
 
-def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE):
-    """The checkpoint dict at `path` (a file, or a directory holding ckpt.pt), loaded onto the CPU.
+def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True):
+    """The checkpoint dict at `path` (a file, or a run directory), checked against its checksum and loaded onto
+    the CPU. DamagedCheckpoint names a file whose bytes are not the ones written, or that torch cannot read.
 
     mmap=True maps the file instead of reading it: the tensors are paged in from the page cache as they
     are copied to their device, so the 8 ranks of a node resuming a GPT-2 XL run share one copy of the
     file in memory instead of holding 8 (about 200 GB). The mapping is private (copy-on-write), and
     checkpoints are only ever replaced by a rename, which leaves a mapped file intact. `missing_advice`
-    ends the error for a missing file: what the user of this tool should do.
+    ends the error for a missing file: what the user of this tool should do. verify_checksum=False skips
+    the hashing pass, for a file this process has just verified.
     """
     path = checkpoint_path(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}; {missing_advice}")
+    if verify_checksum:
+        verify(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"{path} is not a readable checkpoint ({reason}); it may be truncated or from an incompatible version"
         ) from None
     if not isinstance(ckpt, dict) or any(key not in ckpt for key in REQUIRED_KEYS):
@@ -265,6 +413,11 @@ def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):
 
     path = checkpoint_path(path_or_out_dir)
     ckpt = load_checkpoint(path, missing_advice=missing_advice)
+    if read_trailer(path) is None:
+        print(
+            f"note: {path} has no checksum (written before checksums, or by another program): not verified",
+            file=sys.stderr,
+        )
     if not isinstance(ckpt["model"], dict) or not isinstance(ckpt["model_args"], dict):
         raise CheckpointError(f"{path} is not a training checkpoint (its model and model_args are not dicts)")
     try:
@@ -276,12 +429,6 @@ def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):
     model.to(device)
     model.eval()
     return model, ckpt
-
-
-def iteration(ckpt):
-    """The step a checkpoint was saved after (its progress part's iter_num), or None when it has none."""
-    progress = ckpt.get("progress")
-    return progress.get("iter_num") if isinstance(progress, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -92,14 +92,30 @@ class TrainConfig:
     """Every key of a training run (train.py)."""
 
     # --- run and checkpoints
-    out_dir: str = key("out", "directory of the run: ckpt.pt, best.pt, metrics.jsonl, config.json", non_empty)
+    out_dir: str = key(
+        "out", "directory of the run: ckpt.pt, best.pt, metrics.jsonl, config.json (marsgpt/run_dir.py)", non_empty
+    )
     init_from: Literal["scratch", "resume", "auto", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] = key(
         "scratch",
-        "scratch: a new run (refused when out_dir holds one); resume: continue out_dir's ckpt.pt; "
-        "auto: resume when out_dir holds a checkpoint, else scratch; gpt2*: start from OpenAI's weights",
+        "scratch: a new run (refused when out_dir holds one); resume: continue out_dir's newest intact "
+        "checkpoint (ckpt.pt, else a kept copy or best.pt); auto: resume when out_dir holds a checkpoint, else "
+        "scratch; gpt2*: start from OpenAI's weights",
     )
     overwrite: bool = key(False, "with init_from=scratch: delete out_dir's previous run (checkpoints, metrics) first")
     eval_interval: int = key(2000, "evaluate (and write ckpt.pt) every this many steps", positive)
+    checkpoint_interval: int = key(0, "also write ckpt.pt every this many steps; 0 = at evaluations only", non_negative)
+    checkpoint_minutes: float = key(
+        15.0,
+        "also write ckpt.pt when this many minutes have passed since the last one (rank 0's clock, agreed by "
+        "every rank); 0 = off. A preemption without warning loses at most this much training",
+        non_negative,
+    )
+    lock_timeout_s: int = key(
+        120,
+        "out_dir's lock (run.lock) is refreshed every lock_timeout_s / 4 seconds; a lock from another machine "
+        "left unrefreshed this long belongs to a dead run and is taken over",
+        positive,
+    )
     log_interval: int = key(1, "print and record a train line every this many steps", positive)
     eval_iters: int = key(200, "fixed batches per evaluation", positive)
     eval_only: bool = key(False, "stop right after the first evaluation")
@@ -128,7 +144,11 @@ class TrainConfig:
         non_negative,
     )
     block_size: int = key(1024, "sequence length in tokens", positive, fixed=True)
-    seed: int = key(5000, "seed of the weights, batches and dropout (the reference's 5000)")
+    seed: int = key(
+        5000,
+        "seed of the weights, batches and dropout (the reference's 5000)",
+        lambda v: None if 0 <= v < 2**64 else "must be in [0, 2**64) (numpy's and torch's seeds are unsigned 64-bit)",
+    )
     # --- model
     n_layer: int = key(12, "transformer blocks", positive, fixed=True)
     n_head: int = key(12, "attention heads", positive, fixed=True)

@@ -1,13 +1,16 @@
-"""Atomic file writes, and the JSON-lines reader that the HellaSwag loader and the prepare scripts share.
+"""Atomic file writes and copies, how a failed write is worded, and the JSON-lines reader that the HellaSwag
+loader and the prepare scripts share.
 
-Every writer in the repository (token shards, checkpoints, downloads, metrics.jsonl's truncation) goes
-through atomic_writer, so a crash, kill -9 or full disk leaves either the previous file or none, never a
-truncated one under the final name.
+Every writer in the repository (token shards, checkpoints and their copies, downloads, metrics.jsonl's
+truncation) goes through atomic_writer, so a crash, kill -9 or full disk leaves either the previous file or
+none, never a truncated one under the final name.
 """
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 
 
 @contextlib.contextmanager
@@ -28,8 +31,8 @@ def atomic_writer(path, mode="wb"):
 @contextlib.contextmanager
 def atomic_path(path):
     """The temporary name beside `path` to create a complete file under (its bytes already on disk), renamed
-    over `path` on success, then the directory fsync'ed; removed when the body raises. atomic_writer's
-    renaming, for a file made some other way (checkpoint.keep_copy's hard link)."""
+    over `path` on success, then the directory fsync'ed; removed when the body raises (atomic_writer's
+    renaming)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         yield tmp
@@ -51,7 +54,7 @@ def remove_stale_temporaries(directory):
         stem, sep, pid = name.rpartition(".tmp.")
         path = os.path.join(directory, name)
         # Files only: marsgpt/export_hf.py's temporary folder beside its export is its own to clean up.
-        if not (stem and sep and pid.isdigit()) or not os.path.isfile(path) or _process_alive(int(pid)):
+        if not (stem and sep and pid.isdigit()) or not os.path.isfile(path) or process_alive(int(pid)):
             continue
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove: left as it is
             os.remove(path)
@@ -60,7 +63,8 @@ def remove_stale_temporaries(directory):
     return removed
 
 
-def _process_alive(pid):
+def process_alive(pid):
+    """Whether process `pid` exists on this machine (in this pid namespace)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -68,6 +72,43 @@ def _process_alive(pid):
     except PermissionError:  # alive, another user's
         pass
     return True
+
+
+def copy_file(src, dst):
+    """Make `dst` a copy of `src` that shares nothing with it, written atomically and made durable.
+
+    A hard link would cost nothing, but it is the same file: `truncate` or `cp other.pt src` (which writes into
+    src's existing inode) would damage both. copy_file_range lets the kernel copy without passing the bytes
+    through Python, and where the filesystem can clone (XFS and btrfs reflinks, NFS 4.2's server-side copy)
+    the copy costs no data I/O and still shares nothing writable: a write into either file gives it blocks
+    of its own. Elsewhere it falls back to a plain read and write.
+    """
+    with open(src, "rb") as source, atomic_writer(dst) as target:
+        remaining = os.fstat(source.fileno()).st_size
+        try:
+            while remaining > 0:
+                copied = os.copy_file_range(source.fileno(), target.fileno(), remaining)
+                if copied == 0:
+                    break
+                remaining -= copied
+        except (AttributeError, OSError) as e:  # no copy_file_range here (not Linux), or not between these two
+            if isinstance(e, OSError) and e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            remaining = -1
+        if remaining:
+            source.seek(0)
+            target.seek(0)
+            target.truncate()
+            shutil.copyfileobj(source, target, 16 << 20)
+
+
+def os_reason(error):
+    """A failed write's OS reason in one line: '[ENOSPC] No space left on device' (the symbol names it for
+    grep, the text for people), or the error's own text when it carries no errno."""
+    code = getattr(error, "errno", None)
+    if code is None or not getattr(error, "strerror", None):
+        return str(error) or type(error).__name__
+    return f"[{errno.errorcode.get(code, code)}] {error.strerror}"
 
 
 def atomic_write_bytes(path, data):

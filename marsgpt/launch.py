@@ -1,9 +1,9 @@
-"""How a training run starts: what init_from means for out_dir, what a resume must keep and may change, and
-the parts train.py builds from the configuration before its first step.
+"""How a training run starts: what a resume must keep and may change, and the parts train.py builds from the
+configuration before its first step.
 
-Runs and out_dir: init_from=scratch refuses an out_dir that already holds a run (--overwrite=True deletes it
-first); init_from=resume continues out_dir's ckpt.pt; init_from=auto does whichever applies, so a preempted
-job relaunched with the same command continues. A resume applies the configuration it is given: changed
+What init_from means for out_dir -- its lock, which checkpoint a resume continues, when a fresh start is
+refused -- is marsgpt/run_dir.py's; rank 0 decides it, and every rank then loads the checkpoint chosen and
+checks it here (resolve_run). A resume applies the configuration it is given: changed
 hyperparameters (learning rates, weight decays, betas, clip, ...) take effect, each printed as
 `resume: key old -> new`; keys that cannot change mid-run (config's fixed keys: the model shape, the
 optimizer and its MARS variant) are refused, and a key the run's optimizer does not read is neither.
@@ -14,33 +14,25 @@ cannot read it makes every rank exit with the same error instead of a hang.
 """
 
 import dataclasses
-import glob
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, memory_plan, metrics, optimizers
+from marsgpt import checkpoint, memory_plan
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys
-from marsgpt.files import atomic_writer, remove_stale_temporaries
-from marsgpt.metrics import MetricsLog
+from marsgpt.metrics import MetricsError, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS
+from marsgpt.run_dir import CHECKPOINT_PARTS, NEWER_PARTS, RunDirError
 from marsgpt.runtime import SetupError, agree, decide_on_master
 from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
 
-# The errors a user's input or a missing file can cause: each is one `error:` line and exit status 2.
-USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError)
-
-# The parts of a run a checkpoint holds, by name (train.checkpoint_parts maps them to the run's objects).
-CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress")
-
-# The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
-# unless told to.
-RUN_FILE_NAMES = (checkpoint.CKPT_NAME, checkpoint.BEST_NAME, metrics.FILE_NAME)
+# The errors a user's input, a missing or damaged file or an unusable out_dir can cause: each is one `error:`
+# line and exit status 2.
+USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError, RunDirError, MetricsError)
 
 
 def load_data(cfg):
@@ -52,73 +44,25 @@ def load_data(cfg):
     return train_data, val_data, vocab_size
 
 
-def run_files(out_dir, names=RUN_FILE_NAMES):
-    """The files in out_dir that belong to a run: its checkpoints and its metrics (those of `names` there are)."""
-    found = [os.path.join(out_dir, n) for n in names if os.path.isfile(os.path.join(out_dir, n))]
-    return found + sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
-
-
-def resolve_init_from(cfg, names=RUN_FILE_NAMES):
-    """init_from as this launch means it: 'auto' becomes 'resume' when out_dir holds ckpt.pt, else 'scratch'.
-
-    A fresh start (anything but resume) into an out_dir that holds a run (run_files with `names`) is refused
-    unless overwrite is set: a relaunch that forgot --init_from=resume must not erase days of training.
-    """
-    has_checkpoint = os.path.isfile(os.path.join(cfg.out_dir, checkpoint.CKPT_NAME))
-    init_from = cfg.init_from
-    if init_from == "auto":
-        init_from = "resume" if has_checkpoint else "scratch"
-    previous = run_files(cfg.out_dir, names)
-    if cfg.init_from == "auto" and not has_checkpoint:
-        previous = []  # a run killed before its first checkpoint: nothing to keep
-    if init_from != "resume" and previous and not cfg.overwrite:
-        if not has_checkpoint:  # e.g. an eval_only run's metrics: nothing to resume
-            raise ConfigError(
-                f"out_dir {cfg.out_dir} holds {os.path.basename(previous[0])} but no {checkpoint.CKPT_NAME} to "
-                f"resume; start elsewhere with a new --out_dir, or replace it with --overwrite=True"
-            )
-        raise ConfigError(
-            f"out_dir {cfg.out_dir} already holds a run ({os.path.basename(previous[0])}); continue it with "
-            f"--init_from=resume (or auto), start elsewhere with a new --out_dir, or delete it with --overwrite=True"
-        )
-    return init_from
-
-
-def remove_previous_run(cfg):
-    """--overwrite=True: the old run's checkpoints and metrics go before the new run writes anything."""
-    for path in run_files(cfg.out_dir):
-        os.remove(path)
-
-
-def resolve_run(cfg, dist_info):
-    """(cfg with init_from decided, the checkpoint to resume or None), agreed on by every rank."""
-    init_from = decide_on_master(dist_info, lambda: resolve_init_from(cfg), USER_ERRORS)
-    cfg = dataclasses.replace(cfg, init_from=init_from)
+def resolve_run(cfg, dist_info, directory, vocabulary):
+    """(cfg with init_from decided, the run_dir.Start, the checkpoint to resume or None), agreed on by every
+    rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), then every rank loads the checkpoint it
+    chose and checks it against this launch's configuration and data (`vocabulary`: TokenData.vocabulary)."""
+    start = decide_on_master(dist_info, lambda: directory.start(cfg), USER_ERRORS)
+    cfg = dataclasses.replace(cfg, init_from=start.init_from)
     ckpt = None
-    if init_from == "resume":
-        ckpt = agree(dist_info, lambda: load_resume_checkpoint(cfg, dist_info.device_type), USER_ERRORS)
-    return cfg, ckpt
+    if start.path is not None:
+        ckpt = agree(dist_info, lambda: load_resume_checkpoint(cfg, start.path, dist_info, vocabulary), USER_ERRORS)
+    return cfg, start, ckpt
 
 
-def prepare_out_dir(cfg, ckpt, optimizer_entry, at=None):
-    """Rank 0, once every check has passed: what a killed save left goes, --overwrite=True removes the old
-    run, and a resume says where it continues (`at`; by default the checkpoint's iteration) and what its
-    configuration changes (config_changes, for the run's optimizers.OptimizerEntry)."""
-    remove_stale_temporaries(cfg.out_dir)
-    if cfg.overwrite and cfg.init_from != "resume":
-        remove_previous_run(cfg)
-    if ckpt is not None:
-        at = at or f"iter {ckpt['progress']['iter_num']:,}"
-        print(f"resuming {checkpoint.checkpoint_path(cfg.out_dir)} at {at}", flush=True)
-        for line in config_changes(ckpt["config"], cfg, optimizer_entry):
-            print(line, flush=True)
-
-
-def load_resume_checkpoint(cfg, device_type):
-    """The checkpoint to resume, checked for every part and for keys the configuration may not change."""
-    path = checkpoint.checkpoint_path(cfg.out_dir)
-    ckpt = checkpoint.load_checkpoint(path, mmap=device_type == "cuda")
-    missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt]
+def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
+    """The checkpoint at `path`, checked for every part, for keys the configuration may not change and for the
+    data's vocabulary. Rank 0 verified its checksum while choosing it; the other ranks verify it here."""
+    ckpt = checkpoint.load_checkpoint(
+        path, mmap=dist_info.device_type == "cuda", verify_checksum=not dist_info.is_master
+    )
+    missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt and part not in NEWER_PARTS]
     if missing:
         raise CheckpointError(
             f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
@@ -130,6 +74,13 @@ def load_resume_checkpoint(cfg, device_type):
         raise CheckpointError(
             f"{path} was trained with {key}={old!r} but the config gives {key}={new!r}; a resumed run cannot "
             f"change {key}: resume with --{key}={old!r}, or start a new run in a new out_dir"
+        )
+    if ckpt.get("vocabulary", vocabulary) != vocabulary:
+        data_dir = os.path.join(cfg.data_path, cfg.dataset)
+        raise CheckpointError(
+            f"{path} was trained on another vocabulary than {data_dir}'s (its ids map to other tokens: fingerprint "
+            f"{ckpt['vocabulary']}, the data's {vocabulary}; was the dataset prepared again from other text?); "
+            "resume on the data it was trained on, or start a new run in a new out_dir"
         )
     return ckpt
 
@@ -221,16 +172,6 @@ def build_model(cfg, vocab_size, ckpt):
     return model, model_args
 
 
-def restore(ckpt, cfg, dist_info, optimizer, scaler, rng, progress):
-    """Load a resumed run's parts from its checkpoint: the optimizer under this run's hyperparameters
-    (optimizers.load_state), the loss scale where float16 uses one, every rank's RNG state, the progress."""
-    optimizers.load_state(optimizer, ckpt["optimizer"], OPTIMIZERS.entry(cfg), cfg)
-    if scaler.is_enabled() and ckpt["scaler"]:
-        scaler.load_state_dict(ckpt["scaler"])
-    rng.load_state_dict(ckpt["rng"], dist_info.world_size)
-    progress.load_state_dict(ckpt["progress"])
-
-
 def eval_windows(cfg, data, dist_info):
     """This rank's share of the fixed evaluation windows: every world_size-th (train.evaluate all-reduces)."""
     batches = data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.windows_per_stream)
@@ -238,8 +179,9 @@ def eval_windows(cfg, data, dist_info):
 
 
 def open_metrics(cfg, dist_info, progress, resumed):
-    """The run's MetricsLog (metrics.jsonl and wandb on rank 0); a resumed run continues its records and its
-    wandb run (or the one --wandb_run_id names), whose id progress then carries."""
+    """The run's MetricsLog (metrics.jsonl and wandb on rank 0); a resumed run continues its records (an
+    eval_only launch, which trains nothing, cuts none) and its wandb run (or the one --wandb_run_id names),
+    whose id progress then carries."""
     if cfg.wandb_run_id:
         progress.wandb_run_id = cfg.wandb_run_id
     log = agree(
@@ -250,6 +192,7 @@ def open_metrics(cfg, dist_info, progress, resumed):
             resume_iter=progress.iter_num if resumed else None,
             wandb_run_id=progress.wandb_run_id,
             config=config_to_dict(cfg),
+            truncate=not cfg.eval_only,
         ),
         USER_ERRORS,
     )
@@ -290,19 +233,24 @@ def setup_hellaswag(cfg, train_data, dist_info):
 def gather_rng(dist_info):
     """RNGState's gather: every rank's CUDA generator states (a collective under DDP on CUDA); None, RNGState's
     default (this rank's alone), otherwise."""
-    if not (dist_info.ddp and torch.cuda.is_available()):
+    return gather_by_rank(dist_info) if torch.cuda.is_available() else None
+
+
+def gather_by_rank(dist_info):
+    """A function from this rank's value to every rank's, in rank order (a collective), under DDP; else None."""
+    if not dist_info.ddp:
         return None
 
-    def gather(state):
-        states = [None] * dist_info.world_size
-        dist.all_gather_object(states, state)
-        return states
+    def gather(value):
+        values = [None] * dist_info.world_size
+        dist.all_gather_object(values, value)
+        return values
 
     return gather
 
 
 def describe(run, progress):
-    """Print the effective configuration and the token budget; record the configuration in out_dir."""
+    """Print the effective configuration and the token budget."""
     cfg = run.cfg
     micro_batches = cfg.gradient_accumulation_steps // run.dist.world_size
     config = config_to_dict(cfg)
@@ -340,27 +288,3 @@ def describe(run, progress):
             f"note: mfu is logged as null: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name()} "
             "(model.PEAK_BF16_FLOPS)"
         )
-    with atomic_writer(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-
-
-def resume_advice(cfg):
-    """What continues a run that stopped: its checkpoint, or starting over when it has none yet."""
-    path = checkpoint.checkpoint_path(cfg.out_dir)
-    if os.path.isfile(path):
-        return f"resume from {path} with --init_from=resume (or auto)"
-    if cfg.init_from == "auto" or cfg.overwrite:  # a relaunch starts over by itself
-        return "no checkpoint was written yet: run the same command again to start over"
-    return "no checkpoint was written yet: start over with --overwrite=True (or --init_from=auto)"
-
-
-def checkpoint_copies(cfg, it, is_best):
-    """The paths ckpt.pt is copied to after the evaluation at iteration `it`: best.pt when the validation loss
-    is the run's best (save_best), and ckpt_<it>.pt every keep_every_n_evals evaluations."""
-    copies = []
-    if is_best and cfg.save_best:
-        copies.append(os.path.join(cfg.out_dir, checkpoint.BEST_NAME))
-    evals = it // cfg.eval_interval
-    if cfg.keep_every_n_evals and it > 0 and it % cfg.eval_interval == 0 and evals % cfg.keep_every_n_evals == 0:
-        copies.append(os.path.join(cfg.out_dir, f"ckpt_{it:07d}.pt"))
-    return copies

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from marsgpt.files import atomic_writer
+from marsgpt.files import atomic_writer, os_reason
 
 # The x axes, in every record.
 ITER, TOKENS, TIME_S = "iter", "tokens", "time_s"
@@ -40,6 +40,10 @@ EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"
 
 LOSS_SERIES = (TRAIN_LOSS, VAL_LOSS)  # what marsgpt/plot.py draws
 FILE_NAME = "metrics.jsonl"
+
+
+class MetricsError(ValueError):
+    """metrics.jsonl cannot be read or written (a full disk, a read-only file system); one line for the user."""
 
 
 def _json_number(value):
@@ -81,22 +85,31 @@ class MetricsLog:
     """out_dir/metrics.jsonl (always) and wandb (when cfg.wandb_log): the same records, from rank 0 only.
 
     On resume the file is cut back to the checkpoint's iteration, so the steps redone after a crash are
-    not recorded twice; wandb continues the checkpoint's run (its id is in every checkpoint).
+    not recorded twice (truncate=False appends without cutting: an evaluation that trains nothing); wandb
+    continues the checkpoint's run (its id is in every checkpoint).
+
+    A record that cannot be written (a full disk, a quota) is reported at once in one line naming the file
+    and the OS reason; `failed` then holds that line, nothing more is written, and train.py stops the run at
+    its next step (marsgpt/run_dir.py): every rank, not only the one that writes.
     """
 
-    def __init__(self, cfg, is_master, resume_iter, wandb_run_id, config):
+    def __init__(self, cfg, is_master, resume_iter, wandb_run_id, config, truncate=True):
         self.enabled = is_master
         self.wandb = None
         self.wandb_run_id = wandb_run_id
+        self.failed = None
         if not self.enabled:
             return
-        os.makedirs(cfg.out_dir, exist_ok=True)
         self.path = os.path.join(cfg.out_dir, FILE_NAME)
-        if resume_iter is not None:
-            self._truncate(resume_iter)
-        elif os.path.exists(self.path):
-            os.remove(self.path)  # a fresh run where train.py allowed one (init_from=auto before any checkpoint)
-        self.file = open(self.path, "a")
+        try:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            if resume_iter is not None and truncate:
+                self._truncate(resume_iter)
+            elif resume_iter is None and os.path.exists(self.path):
+                os.remove(self.path)  # a fresh run where marsgpt/run_dir.py allowed one (before any checkpoint)
+            self.file = open(self.path, "a")
+        except OSError as e:
+            raise MetricsError(f"cannot write {self.path}: {os_reason(e)}") from None
         if cfg.wandb_log:
             import wandb
 
@@ -136,29 +149,47 @@ class MetricsLog:
             f.writelines(kept)
 
     def write(self, record):
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
         record = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.failed = f"cannot append to {self.path}: {os_reason(e)}"
+            sys.stderr.write(f"error: {self.failed}\n")
+            sys.stderr.flush()
+            return
         if self.wandb is not None:
             self.wandb.log(record)
 
     def close(self):
         if self.enabled:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # the buffered tail of a failed write: reported when it failed
+                pass
             if self.wandb is not None:
                 self.wandb.finish()
 
 
 @dataclasses.dataclass
 class LogWindow:
-    """Steps since the last train line: their losses (on the device) and wall-clock time."""
+    """Steps since the last train line: their losses (on the device) and wall-clock time.
+
+    A checkpoint part, the metrics' cursor within a train line: a run resumed between two train lines averages
+    the same steps' losses into the next one as the run left alone. Each rank's sum is its own (the train line
+    all-reduces them), so state_dict() takes every rank's (gathered by `gather`, a collective under DDP) and
+    load_state_dict() gives each rank its own when the world size is the same, else the total to rank 0.
+    The timing restarts with the process."""
 
     loss_sum: torch.Tensor | None = None
     losses: int = 0
     steps: int = 0
     t0: float = dataclasses.field(default_factory=time.perf_counter)
+    device: str = "cpu"
+    rank: int = 0
+    gather: object = None  # this rank's loss sum -> every rank's
 
     def add(self, loss, skipped):
         self.steps += 1
@@ -168,6 +199,18 @@ class LogWindow:
 
     def restart(self):
         self.loss_sum, self.losses, self.steps, self.t0 = None, 0, 0, time.perf_counter()
+
+    def state_dict(self):
+        mine = 0.0 if self.loss_sum is None else self.loss_sum.item()  # a float32 value: exact as a float
+        return {"loss_sums": self.gather(mine) if self.gather else [mine], "losses": self.losses}
+
+    def load_state_dict(self, state, world_size=1):
+        sums = state["loss_sums"]
+        mine = sums[self.rank] if len(sums) == world_size else sum(sums) if self.rank == 0 else 0.0
+        self.restart()
+        self.losses = state["losses"]
+        if self.losses:
+            self.loss_sum = torch.tensor(mine, dtype=torch.float32, device=self.device)
 
 
 def _numbered_records(path):
@@ -183,6 +226,13 @@ def _numbered_records(path):
                     continue  # a half-written last line: the run was killed mid-write
                 raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
             yield lineno, record
+
+
+def last_iteration(run_dir):
+    """The highest `iter` of run_dir/metrics.jsonl's records, or None when it holds none; ValueError naming a
+    malformed line, OSError when it cannot be read."""
+    records = _numbered_records(os.path.join(run_dir, FILE_NAME))
+    return max((record.get(ITER, 0) for _, record in records), default=None)
 
 
 def read_records(run_dir):

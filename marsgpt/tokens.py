@@ -15,6 +15,7 @@ The data/<name>/prepare.py scripts write these files; what they share besides is
 
 import glob
 import hashlib
+import json
 import os
 import pickle
 import tempfile
@@ -147,12 +148,34 @@ def write_meta(path, itos):
     atomic_write_bytes(path, pickle.dumps(meta))
 
 
+class _DataUnpickler(pickle.Unpickler):
+    """Unpickles plain data only. Code can enter a pickle only through the classes and functions it names
+    (find_class); nanoGPT's meta.pkl names none: its dicts, ints and strings have opcodes of their own. So
+    every name is refused but the two containers old pickle protocols spell by name (Python 2's module name
+    included), and a meta.pkl from a shared dataset cannot run code on every rank that reads it."""
+
+    ALLOWED = {(module, name) for module in ("builtins", "__builtin__") for name in ("set", "frozenset")}
+
+    class Refused(pickle.UnpicklingError):
+        """The pickle names a class or function: what it would call is the message."""
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise self.Refused(f"{module}.{name}")
+
+
 def read_meta(path):
     """A character vocabulary's meta.pkl (nanoGPT's: vocab_size, itos, stoi), checked for the vocab_size
-    train.py reads; a DataError names the file when it is not one."""
+    train.py reads; a DataError names the file when it is not one, and refuses one that would run code."""
     try:
         with open(path, "rb") as f:
-            meta = pickle.load(f)  # the user's own dataset file, written by data/<name>/prepare.py
+            meta = _DataUnpickler(f).load()
+    except _DataUnpickler.Refused as e:
+        raise DataError(
+            f"{path} asks to call {e} while unpickling: a meta.pkl holds plain data only (dicts, lists, strings, "
+            "numbers), so it is refused unread (it could run code); rerun the dataset's prepare.py"
+        ) from None
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError) as e:
         raise DataError(
             f"{path} is not a readable meta.pkl ({type(e).__name__}); rerun the dataset's prepare.py"
@@ -244,6 +267,19 @@ class TokenData:
         self.meta = read_meta(meta_path) if os.path.exists(meta_path) else None
         self.vocab_size = int(self.meta["vocab_size"]) if self.meta else EOT_TOKEN + 1  # GPT-2's
         self._max_id = None  # set by check_vocab; get_batch then checks every batch
+
+    @property
+    def vocabulary(self):
+        """A fingerprint of the id -> token mapping: 'gpt2' for GPT-2 BPE data, else 16 hex digits of the SHA-256
+        of meta.pkl's mapping. Checkpoints record it, so a resume on a dataset prepared again from other text
+        (the same number of ids, other characters) is refused instead of training the model on what it
+        never learned."""
+        if self.meta is None:
+            return "gpt2"
+        mapping = self.meta.get("itos") or {i: t for t, i in self.meta.get("stoi", {}).items()}
+        items = mapping.items() if isinstance(mapping, dict) else enumerate(mapping)
+        text = json.dumps(sorted((int(i), str(t)) for i, t in items))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def read(self, index, start, out):
         """Fill the uint16 array `out` with tokens start, start + 1, ... of file `index`; returns it."""

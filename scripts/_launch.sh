@@ -12,5 +12,9 @@ if [[ -z "${NPROC:-}" ]]; then
     || gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || gpus=0
   NPROC=$(( gpus > 0 ? gpus : 1 ))
 fi
+# A SIGTERM to torchrun (a preemption, the SLURM example's time limit) reaches the ranks too; torchrun then
+# waits this long for them to write their checkpoint and exit before it kills them (torch 2.12 and later read
+# it; older ones wait 30 s). A GPT-2 XL checkpoint (~25 GB) needs minutes on slow storage.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 read -r -a launcher <<< "${TORCHRUN_ARGS:---standalone}"
 exec torchrun "${launcher[@]}" --nproc_per_node="$NPROC" train.py --init_from=auto "$@"

@@ -43,8 +43,9 @@ import numpy as np
 
 from bench import bench_mars
 from marsgpt import metrics
-from marsgpt.checkpoint import CKPT_NAME, load_checkpoint
+from marsgpt.checkpoint import load_checkpoint
 from marsgpt.files import atomic_writer
+from marsgpt.run_dir import CKPT_NAME
 from marsgpt.tokens import write_bin
 from model import GPT2_VOCAB_SIZE
 

@@ -1,6 +1,9 @@
-"""marsgpt/checkpoint.py: atomic and background saves, safe and memory-mapped loads, the RNG part."""
+"""marsgpt/checkpoint.py: atomic and background saves, checksums, independent copies, safe and memory-mapped
+loads, the RNG part."""
 
 import dataclasses
+import errno
+import hashlib
 import os
 import random
 import threading
@@ -191,20 +194,33 @@ def test_writer_reports_any_failure_of_its_thread_as_a_checkpoint_error(tmp_path
     assert os.listdir(tmp_path) == []
 
 
-def test_kept_copies_have_the_checkpoint_bytes_with_or_without_hard_links(tmp_path, monkeypatch):
-    path = str(tmp_path / "ckpt.pt")
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_kept_copies_are_independent_of_the_checkpoint(tmp_path, monkeypatch, kernel_copy):
+    """best.pt and ckpt_<iter>.pt share nothing with ckpt.pt: truncating it, or `cp other.pt ckpt.pt` (which
+    writes into its inode), leaves them whole and verifiable. Where copy_file_range cannot copy between the
+    two files, a plain copy does the same."""
+    if not kernel_copy:
+
+        def cross_device(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", cross_device)
+    path, other = str(tmp_path / "ckpt.pt"), str(tmp_path / "other.pt")
     checkpoint.save_checkpoint(path, state(1))
-    checkpoint.keep_copy(path, str(tmp_path / "best.pt"))
-
-    def no_links(src, dst):
-        raise OSError(1, "Operation not permitted")
-
-    monkeypatch.setattr(checkpoint.os, "link", no_links)
-    checkpoint.keep_copy(path, str(tmp_path / "ckpt_0000002.pt"))
-    assert sorted(os.listdir(tmp_path)) == ["best.pt", "ckpt.pt", "ckpt_0000002.pt"]  # no temporary file left
-    original = (tmp_path / "ckpt.pt").read_bytes()
-    assert (tmp_path / "best.pt").read_bytes() == original == (tmp_path / "ckpt_0000002.pt").read_bytes()
-    assert os.path.samefile(path, tmp_path / "best.pt") and not os.path.samefile(path, tmp_path / "ckpt_0000002.pt")
+    checkpoint.save_checkpoint(other, state(2))
+    copies = [str(tmp_path / "best.pt"), str(tmp_path / "ckpt_0000002.pt")]
+    for copy in copies:
+        checkpoint.keep_copy(path, copy)
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "ckpt.pt", "ckpt_0000002.pt", "other.pt"]  # no temporary file
+    original = open(path, "rb").read()
+    assert all(open(copy, "rb").read() == original for copy in copies)
+    assert all(os.stat(copy).st_nlink == 1 and not os.path.samefile(path, copy) for copy in copies)
+    os.truncate(path, 100)
+    with open(other, "rb") as source, open(path, "r+b") as target:  # what cp does: the same inode, new bytes
+        target.write(source.read())
+    for copy in copies:
+        assert open(copy, "rb").read() == original
+        assert checkpoint.load_checkpoint(copy)["model"]["w"][0] == 1.0
 
 
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
@@ -254,3 +270,83 @@ def test_load_model_refuses_a_checkpoint_of_another_model(tmp_path):
     checkpoint.save_checkpoint(path, {"model": [], "model_args": {}})
     with pytest.raises(checkpoint.CheckpointError, match="is not a training checkpoint"):
         checkpoint.load_model(path)
+
+
+def test_every_checkpoint_carries_the_checksum_of_its_bytes_and_a_load_checks_it(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, state(1, iter_num=7))
+    trailer = checkpoint.read_trailer(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        assert hashlib.sha256(f.read(trailer.size)).hexdigest() == trailer.digest  # what sha256sum would say
+    assert trailer.iter == 7 and trailer.size < size and checkpoint.verify(path) == trailer
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(3))  # still a torch file
+    with open(path, "r+b") as f:  # one bit of the tensor's bytes
+        data = bytearray(f.read(trailer.size))
+        offset = data.index(torch.ones(3).numpy().tobytes())
+        f.seek(offset)
+        f.write(bytes([data[offset] ^ 1]))
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="ckpt.pt is damaged: its bytes do not match the sha256"):
+        checkpoint.load_checkpoint(path)
+    os.truncate(path, trailer.size // 2)  # cut in half: no trailer to check, and no zip directory either
+    assert checkpoint.read_trailer(path) is None
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="is not a readable checkpoint"):
+        checkpoint.load_checkpoint(path)
+
+
+def test_a_checkpoint_longer_or_shorter_than_written_is_damaged(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, state(1))
+    with open(path, "rb") as f:
+        data = f.read()
+    footer = data[-checkpoint.FOOTER_SIZE :]
+    with open(path, "wb") as f:  # bytes lost from the middle, the trailer intact
+        f.write(data[:100] + data[200:])
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=r"has [\d,]+ bytes but was written with"):
+        checkpoint.verify(path)
+    assert footer.startswith(checkpoint.FOOTER_PREFIX)
+
+
+def test_a_write_error_inside_torch_save_is_reported_with_the_os_reason(tmp_path, monkeypatch):
+    """torch.save turns its file's OSError into 'unexpected pos ...'; the save reports the OS's reason."""
+
+    class FullDisk:  # a file on a disk with 1000 bytes free
+        def __init__(self, file):
+            self.file, self.written = file, 0
+
+        def write(self, data):
+            self.written += memoryview(data).nbytes
+            if self.written > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(data)
+
+        def flush(self):
+            self.file.flush()
+
+    real_init = checkpoint.HashingFile.__init__
+    monkeypatch.setattr(checkpoint.HashingFile, "__init__", lambda self, file: real_init(self, FullDisk(file)))
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": {"w": torch.randn(1000)}, "model_args": {}})
+    assert "[ENOSPC] No space left on device; the previous one is kept (free space in" in str(raised.value)
+    assert "unexpected pos" not in str(raised.value) and os.listdir(tmp_path) == []
+
+
+def test_a_failed_background_write_is_handed_over_at_once(tmp_path, monkeypatch):
+    """The writer reports a failure the moment its thread meets it (run_dir prints it then), not at the next
+    save; a success hands over the path and iteration."""
+    failed, saved, happened = [], [], threading.Event()
+
+    def on_error(error):
+        failed.append(error)
+        happened.set()
+
+    writer = checkpoint.CheckpointWriter(on_saved=lambda *a: saved.append(a), on_error=on_error)
+    writer.save(str(tmp_path / "ckpt.pt"), state(1, iter_num=3))
+    writer.wait()
+    assert saved == [(str(tmp_path / "ckpt.pt"), 3)]
+    monkeypatch.setattr(checkpoint.torch, "save", lambda obj, f: (_ for _ in ()).throw(OSError(errno.EROFS, "RO")))
+    writer.save(str(tmp_path / "ckpt.pt"), state(2))
+    assert happened.wait(60)  # without wait(): the thread said so itself
+    assert "cannot write checkpoint" in str(failed[0]) and "[EROFS] RO" in str(failed[0])
+    with pytest.raises(checkpoint.CheckpointError):
+        writer.wait()

@@ -1,12 +1,14 @@
-"""marsgpt/files.py: a file appears under its final name only when it is complete."""
+"""marsgpt/files.py: a file appears under its final name only when it is complete; copies are copies; a failed
+write names its OS reason."""
 
+import errno
 import os
 import subprocess
 import sys
 
 import pytest
 
-from marsgpt.files import atomic_write_bytes, atomic_writer, remove_stale_temporaries
+from marsgpt.files import atomic_write_bytes, atomic_writer, copy_file, os_reason, remove_stale_temporaries
 
 
 def test_stale_temporaries_are_files_of_dead_processes_only(tmp_path):
@@ -43,3 +45,24 @@ def test_the_file_appears_only_when_the_writer_closes(tmp_path):
         f.write("line\n")
         assert not path.exists()
     assert path.read_text() == "line\n"
+
+
+def test_a_copy_shares_nothing_with_its_source(tmp_path):
+    """copy_file's copy is a file of its own: writing into the source's inode, or truncating it, leaves it."""
+    source, copy = tmp_path / "ckpt.pt", tmp_path / "best.pt"
+    source.write_bytes(os.urandom(3 << 20))
+    original = source.read_bytes()
+    copy_file(str(source), str(copy))
+    assert copy.read_bytes() == original and os.stat(copy).st_nlink == 1 and not os.path.samefile(source, copy)
+    with open(source, "r+b") as f:
+        f.write(b"overwritten in place")
+    os.truncate(source, 10)
+    assert copy.read_bytes() == original
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "ckpt.pt"]  # no temporary file left
+
+
+def test_a_failed_write_is_worded_with_its_os_reason():
+    assert os_reason(OSError(errno.ENOSPC, "No space left on device")) == "[ENOSPC] No space left on device"
+    assert os_reason(OSError(errno.EDQUOT, "Disk quota exceeded")) == "[EDQUOT] Disk quota exceeded"
+    assert os_reason(OSError(errno.EROFS, "Read-only file system")) == "[EROFS] Read-only file system"
+    assert os_reason(RuntimeError("unexpected pos 1 vs 2")) == "unexpected pos 1 vs 2"

@@ -1,10 +1,12 @@
 """scripts/: each run script launches torchrun over the node's GPUs with its config files after
 --init_from=auto (a rerun resumes; the caller's own --init_from wins); multinode.sh and the SLURM example do
-the same across nodes. torchrun, nvidia-smi, python, srun and scontrol are stand-ins on PATH."""
+the same across nodes, and the SLURM example stops and requeues its job before the time limit. torchrun,
+nvidia-smi, python, srun, scancel and scontrol are stand-ins on PATH."""
 
 import glob
 import os
 import re
+import signal
 import subprocess
 
 from marsgpt.config import config_to_dict, load_config
@@ -13,17 +15,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "scripts", "slurm_mars_small.sbatch")
 
 
-def fake_bin(tmp_path, gpus=None, torch_gpus=0):
-    """A PATH where torchrun prints its arguments, nvidia-smi lists `gpus` GPUs, python (asked for
-    torch.cuda.device_count()) prints torch_gpus or fails when that is None (no torch), srun prints the
-    SRUN_CPUS_PER_TASK its step gets and runs its command, and scontrol lists the hosts node0 and node1."""
+def fake_bin(tmp_path, gpus=None, torch_gpus=0, torchrun='echo "$@"'):
+    """A PATH where torchrun runs `torchrun` (prints its arguments), nvidia-smi lists `gpus` GPUs, python (asked
+    for torch.cuda.device_count()) prints torch_gpus or fails when that is None (no torch), srun prints the
+    SRUN_CPUS_PER_TASK its step gets and runs its command (after its options), scontrol lists the hosts node0
+    and node1 and prints its other commands, and scancel prints its arguments and sends TERM to the step."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
     tools = {
-        "torchrun": 'echo "$@"',
+        "torchrun": torchrun,
         "python": "exit 1" if torch_gpus is None else f"echo {torch_gpus}",
-        "srun": 'echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-unset}"; exec "$@"',
-        "scontrol": '[[ "$1 $2" == "show hostnames" ]] && printf "node0\\nnode1\\n"',
+        "srun": 'echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-unset}"; while [[ $1 == -* ]]; do shift; done; '
+        'exec "$@"',
+        "scontrol": '[[ "$1 $2" == "show hostnames" ]] && printf "node0\\nnode1\\n" || echo "scontrol $*"',
+        "scancel": f'echo "scancel $*"; kill -TERM "$(cat {tmp_path}/step.pid)"',
     }
     if gpus is not None:
         tools["nvidia-smi"] = f'for i in $(seq 0 {gpus - 1}); do echo "GPU $i: H100 (UUID: x)"; done'
@@ -148,6 +153,33 @@ def test_slurm_example_requeues_and_gives_the_step_its_cpus(tmp_path):
     ]
     options = sbatch_options()
     assert {"--requeue", "--open-mode=append", "--cpus-per-task=32"} <= set(options)
+
+
+def test_slurm_example_stops_the_step_at_a_checkpoint_and_requeues_before_the_time_limit(tmp_path):
+    """SLURM sends SIGUSR1 to the batch script 10 minutes before --time runs out (B:, the script only); the script
+    passes SIGTERM to the job step (train.py saves and exits; here a stand-in that says it got TERM), waits for it
+    to end, and requeues the job. srun ends the whole step when one node's torchrun fails."""
+    assert "--signal=B:USR1@600" in sbatch_options()
+    assert "srun --kill-on-bad-exit=1 bash scripts/multinode.sh" in open(SBATCH).read()
+    step = f'echo $$ > {tmp_path}/step.pid; trap "echo step stopped by TERM; exit 0" TERM; echo training; '
+    step += "while :; do sleep 0.05; done"
+    slurm = dict(SLURM_SUBMIT_DIR=ROOT, SLURM_NNODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_NODEID="0")
+    env = {**fake_bin(tmp_path, torchrun=step), **slurm, "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "32"}
+    job = subprocess.Popen(["bash", SBATCH], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in job.stdout:  # the step is running: the time limit is near
+        lines.append(line)
+        if line.startswith("training"):
+            break
+    job.send_signal(signal.SIGUSR1)
+    output = "".join(lines) + job.communicate(timeout=60)[0]
+    assert job.returncode == 0, output
+    assert output.splitlines()[-4:] == [
+        "time limit near: stopping job 4242 at a checkpoint, then requeueing it",
+        "scancel --signal=TERM 4242",
+        "step stopped by TERM",
+        "scontrol requeue 4242",
+    ], output
 
 
 def test_slurm_example_s_world_sizes_divide_each_recipe_s_micro_batches():

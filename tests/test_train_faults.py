@@ -1,4 +1,5 @@
-"""train.py across processes: kill -9 (also during a save) and resume, DDP equivalence, dead and hung ranks.
+"""train.py across processes: kill -9 (also during a save) and resume, SIGTERM (one process, or one rank of a
+torchrun job) and resume, DDP equivalence, dead and hung ranks.
 
 Every run is a subprocess with one thread (train_helpers.subprocess_env), so runs compare bit for bit.
 """
@@ -100,6 +101,58 @@ def test_kill_9_during_a_save_and_mid_run_then_resume_ends_identical(data_path, 
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 12
     # 3. resumed from step 12 to the end: the same losses, weights and optimizer state as never killed
     run_to_end(args + ["--init_from=resume"])
+    assert_same_run(out, uninterrupted)
+
+
+def test_kill_9_after_a_checkpoint_between_evaluations_resumes_identical(data_path, uninterrupted, tmp_path):
+    """checkpoint_interval=3 writes ckpt.pt at 3, 6, 9, 15 between the evaluations at 0, 4, 8, 12, 16: killed
+    before step 11, the run resumes from the iter-9 checkpoint and ends as the run left alone (which wrote
+    checkpoints at its evaluations only: saving changes nothing in training)."""
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = tiny_args(data_path, out, checkpoint_interval=3, **RESUME_RUN)
+    proc = launch(args, env=subprocess_env(TEST_PAUSE=f"0:11:{pause}"))
+    wait_for_line(proc, "paused before step 11")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 9
+    output = run_to_end(args + ["--init_from=auto"])
+    assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 9" in output
+    assert_same_run(out, uninterrupted)
+
+
+def test_the_checkpoint_clock_writes_between_evaluations(data_path, tmp_path):
+    """checkpoint_minutes (here so small that every step boundary is due) saves where no evaluation is."""
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = tiny_args(data_path, out, max_iters=12, eval_interval=12, checkpoint_minutes=1e-9)
+    proc = launch(args, env=subprocess_env(TEST_PAUSE=f"0:9:{pause}"))
+    wait_for_line(proc, "paused before step 9")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] in (8, 9)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_finishes_the_step_writes_a_checkpoint_and_the_run_resumes_identical(
+    data_path, uninterrupted, tmp_path, name
+):
+    """SIGTERM (a preemption) or SIGUSR1 (the SLURM example's warning) while step 10 is about to run: the step
+    runs, ckpt.pt gets iter 11 (between the evaluations at 8 and 12), the run exits 0 with one line saying so,
+    and the same command continues to the very end the run left alone reaches."""
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    proc = launch(args + ["--init_from=auto"], env=subprocess_env(TEST_PAUSE=f"0:10:{pause}"))
+    wait_for_line(proc, "paused before step 10")
+    proc.send_signal(getattr(signal, name))
+    open(f"{pause}.10", "w").close()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert (
+        output.splitlines()[-1] == f"stopped by {name} after iter 11: {ckpt} holds it; run the same command to continue"
+    )
+    assert "Traceback" not in output and "iter 12:" not in output
+    assert torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 11
+    run_to_end(args + ["--init_from=auto"])
     assert_same_run(out, uninterrupted)
 
 
@@ -251,6 +304,41 @@ def test_a_dead_rank_ends_the_job_which_then_resumes(data_path, ddp_run, tmp_pat
     procs = launch_ranks(args + ["--init_from=resume"], fail="", timeout_s=60)
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outputs
+    assert_same_run(out, ddp_run[0])
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint_and_the_job_resumes_identical(
+    data_path, ddp_run, tmp_path
+):
+    """Under torchrun a signal that reaches one rank is enough: the ranks agree on it with the step's own
+    read, all take part in one checkpoint (iter 5, between the evaluations at 3 and 6), and exit 0 -- torchrun
+    too, with no traceback. Resumed under torchrun, the job ends where the job left alone ends."""
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = tiny_args(data_path, out, gradient_accumulation_steps=4, **DDP_RUN) + ["--init_from=auto"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen(
+        [*cmd, os.path.join(ROOT, "tests", "train_helpers.py"), *args],
+        cwd=ROOT,
+        env=subprocess_env(TEST_PAUSE=f"1:4:{pause}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        seen = wait_for_line(proc, "paused before step 4", timeout=240)
+        rank_1 = int(seen.rsplit("(pid ", 1)[1].split(")")[0])
+        os.kill(rank_1, signal.SIGTERM)
+        open(f"{pause}.4", "w").close()
+        output = seen + proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert f"stopped by SIGTERM after iter 5: {ckpt} holds it; run the same command to continue" in output
+    assert output.count("stopped by SIGTERM") == 1 and "Traceback" not in output and "iter 6:" not in output
+    assert torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 5
+    torchrun(args)
     assert_same_run(out, ddp_run[0])
 
 

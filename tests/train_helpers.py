@@ -12,6 +12,10 @@ so train.py and marsgpt/checkpoint.py carry no test code:
                            no answer to collectives)
     TEST_UNREADABLE=RANK:PATH  on rank RANK the file PATH does not exist (a node without the shared
                            file system): os.path.isfile says False and open raises FileNotFoundError
+    TEST_PAUSE=RANK:ITERS:PATH  on rank RANK, just before each step of ITERS (comma-separated), waits for
+                           the checkpoint in flight, prints 'paused before step ITER (pid P)' and waits
+                           until the file PATH.ITER exists: meanwhile the test sends a signal, fills the
+                           disk, launches a second run
 """
 
 import builtins
@@ -129,14 +133,14 @@ def wait_for_line(proc, prefix, timeout=120):
 
 def _install_hooks():
     import train
-    from marsgpt import checkpoint
+    from marsgpt import checkpoint, run_dir
 
     slow_save = int(os.environ.get("TEST_SLOW_SAVE", "0"))
     if slow_save:
         real_replace, renames = os.replace, [0]
 
         def replace(src, dst):
-            if str(dst).endswith(checkpoint.CKPT_NAME):
+            if str(dst).endswith(run_dir.CKPT_NAME):
                 renames[0] += 1
                 if renames[0] == slow_save:
                     print(f"renaming {dst}", flush=True)
@@ -158,6 +162,20 @@ def _install_hooks():
             return real_step(run, it)
 
         train.train_step = train_step
+
+    if os.environ.get("TEST_PAUSE"):
+        rank, iters, until = os.environ["TEST_PAUSE"].split(":", 2)
+        real_pause_step = train.train_step
+
+        def paused_train_step(run, it):
+            if run.dist.rank == int(rank) and str(it) in iters.split(","):
+                run.directory.wait_for_writes()  # nothing in flight while the test looks
+                print(f"paused before step {it} (pid {os.getpid()})", flush=True)
+                while not os.path.exists(f"{until}.{it}"):
+                    time.sleep(0.05)
+            return real_pause_step(run, it)
+
+        train.train_step = paused_train_step
 
     if os.environ.get("TEST_UNREADABLE"):
         rank, hidden = os.environ["TEST_UNREADABLE"].split(":", 1)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mars import MARS
-from marsgpt import checkpoint, launch, optimizers
+from marsgpt import checkpoint, launch, optimizers, run_dir
 from marsgpt.checkpoint import CheckpointError, RNGState
 from marsgpt.config import (
     ConfigError,
@@ -295,12 +295,13 @@ def load_resume_checkpoint(cfg):
 
 # A CIFAR run is its checkpoint: metrics.jsonl without one holds at most the record of the epoch whose save
 # was cut short (nothing at all after a Ctrl-C in the first epoch), so the same command may start again.
-RUN_FILE_NAMES = (checkpoint.CKPT_NAME,)
+RUN_FILE_NAMES = (run_dir.CKPT_NAME,)
 
 
 def setup(cfg):
     """(Run, Progress, resumed): everything checked and built; nothing trained yet."""
-    cfg = dataclasses.replace(cfg, init_from=launch.resolve_init_from(cfg, RUN_FILE_NAMES))
+    start = run_dir.decide_start(cfg, RUN_FILE_NAMES)
+    cfg = dataclasses.replace(cfg, init_from=start.init_from)
     try:
         device = resolve_device(cfg.device)
     except ValueError as e:
@@ -325,7 +326,8 @@ def setup(cfg):
         run.saved_epoch = progress.epoch
     # Everything is checked: the first change to out_dir, as train.py makes it (what a killed save left goes,
     # --overwrite=True removes the old run, a resume says where it continues and what it changes).
-    launch.prepare_out_dir(cfg, ckpt, CIFAR_OPTIMIZERS.entry(cfg), at=f"epoch {progress.epoch}")
+    changes = launch.config_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS.entry(cfg)) if ckpt is not None else ()
+    run_dir.prepare_out_dir(cfg, start, ckpt, changes, at=f"epoch {progress.epoch}")
     return run, progress, ckpt is not None
 
 
@@ -384,7 +386,7 @@ def evaluate(run):
 def save_checkpoint(run, progress):
     state = {name: part.state_dict() for name, part in checkpoint_parts(run, progress).items()}
     state.update(model_args=run.model_args, config=config_to_dict(run.cfg))
-    checkpoint.save_checkpoint(os.path.join(run.cfg.out_dir, checkpoint.CKPT_NAME), state)
+    checkpoint.save_checkpoint(os.path.join(run.cfg.out_dir, run_dir.CKPT_NAME), state)
     run.saved_epoch = progress.epoch
 
 
@@ -461,7 +463,7 @@ def interrupted(run):
     where = f"interrupted at epoch {min(run.saved_epoch + 1, cfg.epochs)}/{cfg.epochs}"
     if run.saved_epoch == 0:
         return f"{where}, before any checkpoint was written; rerun the same command to start again"
-    ckpt_path = os.path.join(cfg.out_dir, checkpoint.CKPT_NAME)
+    ckpt_path = os.path.join(cfg.out_dir, run_dir.CKPT_NAME)
     return f"{where}; {ckpt_path} holds epoch {run.saved_epoch}: resume with --init_from=resume (or auto)"
 
 

@@ -1,0 +1,721 @@
+"""The run directory (out_dir): one run's files, and the rules that keep them through the accidents of a shared
+cluster -- preemption, a second launch, a full disk, a damaged or deleted file, divergence, a requeue on
+another node. docs/training.md has the table of what survives what.
+
+    ckpt.pt            the newest checkpoint: what a resume continues
+    best.pt            the checkpoint of the best evaluation so far (save_best)
+    ckpt_<iter>.pt     a checkpoint kept every keep_every_n_evals evaluations
+    metrics.jsonl      the run's records (marsgpt/metrics.py)
+    config.json        the run's configuration: written when it starts and when a resume changes it
+    run.lock           who holds the directory (machine, pid, since when), refreshed while it runs
+
+The rules, each in one place below:
+- One run per out_dir (RunLock). A launch holds the directory for the run's life; a second one is refused
+  in one line naming the holder; a lock left by a dead run is taken over with a message.
+- What a launch does there (decide_start), before anything in it changes. init_from=auto resumes the
+  newest intact checkpoint (ckpt.pt, else the newest kept copy or best.pt) and never starts over on top of
+  a run's files; nothing of an earlier run is deleted or overwritten without --overwrite=True.
+- Integrity: every checkpoint carries the checksum of its bytes (marsgpt/checkpoint.py) and is verified
+  when loaded; a damaged one is named and passed over for the newest intact one.
+- Copies: best.pt and the kept ckpt_<iter>.pt are copies that share nothing with ckpt.pt (files.copy_file).
+- When a checkpoint is written (RunDir.save_if_due): after every evaluation, every checkpoint_interval
+  steps, every checkpoint_minutes minutes, and when a signal stops the run -- never from a suspect state
+  (steps being skipped as non-finite, non-finite weights, a non-finite evaluation).
+- Signals (StopSignals): SIGTERM or SIGUSR1 on any rank ends the run at the next step boundary with one
+  checkpoint all ranks agree on, exit status 0 and one line saying where it is.
+- Failed writes (a checkpoint, a copy, metrics.jsonl) are reported at once, one line naming the file and
+  the OS reason, and stop the run at the next step boundary: training on without a checkpoint burns GPU
+  hours that the next preemption takes back, where a stopped job is seen at once and continues, with
+  nothing else lost, once there is room.
+
+train.py hands its stateful parts to a RunDir once (register) and asks it to restore them, to save at each
+step boundary and to say where a stopped run continues: what a checkpoint holds is written once, there.
+"""
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from marsgpt import checkpoint, metrics
+from marsgpt.checkpoint import RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
+from marsgpt.config import ConfigError, config_to_dict
+from marsgpt.files import atomic_writer, os_reason, process_alive, remove_stale_temporaries
+
+CKPT_NAME = "ckpt.pt"
+BEST_NAME = "best.pt"
+CONFIG_NAME = "config.json"
+LOCK_NAME = "run.lock"
+KEPT_NAME = re.compile(r"ckpt_(\d+)\.pt")
+
+
+def kept_name(iteration):
+    return f"ckpt_{iteration:07d}.pt"
+
+
+# The parts of a run a checkpoint holds, by name (train.checkpoint_parts maps them to the run's objects).
+CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress", "log_window")
+# Parts added since the first checkpoints: an older checkpoint resumes them fresh (the log window was empty
+# wherever those were written, right after an evaluation).
+NEWER_PARTS = ("log_window",)
+
+# The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
+# unless told to.
+RUN_FILE_NAMES = (CKPT_NAME, BEST_NAME, metrics.FILE_NAME)
+
+
+class RunDirError(Exception):
+    """out_dir cannot be used as asked (another run holds it, it cannot be written); the message is the one line
+    the user sees."""
+
+
+class RunStopped(Exception):
+    """The run ends before max_iters at a step boundary (a signal, a failed write, a lost lock) with exit
+    `status`; `line`, on rank 0, says what happened and where the run continues from."""
+
+    def __init__(self, status, line=None):
+        super().__init__(line or "")
+        self.status, self.line = status, line
+
+
+def is_checkpoint(path):
+    name = os.path.basename(path)
+    return name in (CKPT_NAME, BEST_NAME) or KEPT_NAME.fullmatch(name) is not None
+
+
+def run_files(out_dir, names=RUN_FILE_NAMES):
+    """The files in out_dir that belong to a run: those of `names` there are, and the kept ckpt_<iter>.pt."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = [os.path.join(out_dir, n) for n in names if os.path.isfile(os.path.join(out_dir, n))]
+    kept = sorted(n for n in os.listdir(out_dir) if KEPT_NAME.fullmatch(n))
+    return found + [os.path.join(out_dir, n) for n in kept]
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a launch does in out_dir.
+
+
+@dataclasses.dataclass
+class Start:
+    """What a launch does in out_dir, decided before anything there changes (picklable: rank 0 decides)."""
+
+    init_from: str  # scratch, resume or gpt2*: never auto
+    path: str | None = None  # the checkpoint to resume
+    iteration: int | None = None  # its iteration
+    verified: bool = False  # its checksum matched (False: it has none to check)
+    notes: tuple = ()  # the checkpoints passed over, and why: printed once the launch goes ahead
+
+
+def decide_start(cfg, names=RUN_FILE_NAMES):
+    """What init_from means for this launch in out_dir (a Start): 'auto' resumes when out_dir holds a
+    checkpoint, else starts fresh; 'resume' resumes (the newest intact checkpoint: choose_checkpoint) or fails.
+
+    A fresh start into an out_dir that holds a run (run_files with `names`) is refused unless overwrite is
+    set: a relaunch that forgot --init_from=resume must not erase days of training. The one exception is
+    init_from=auto over a run stopped before its first checkpoint, whose metrics.jsonl holds nothing past
+    iter 0 (what the new run writes again), so that a job preempted while it started continues by itself.
+    """
+    previous = run_files(cfg.out_dir, names)
+    checkpoints = [path for path in previous if is_checkpoint(path)]
+    if cfg.init_from in ("resume", "auto") and checkpoints:
+        return choose_checkpoint(cfg.out_dir, checkpoints)
+    if cfg.init_from == "resume":
+        raise CheckpointError(f"no checkpoint at {os.path.join(cfg.out_dir, CKPT_NAME)}; {RESUME_ADVICE}")
+    init_from = "scratch" if cfg.init_from == "auto" else cfg.init_from
+    if not previous or cfg.overwrite or (cfg.init_from == "auto" and stopped_before_first_checkpoint(previous)):
+        return Start(init_from)
+    if not checkpoints:  # e.g. an eval_only run's metrics: nothing to resume
+        raise ConfigError(
+            f"out_dir {cfg.out_dir} holds {os.path.basename(previous[0])} but no {CKPT_NAME} to "
+            f"resume; start elsewhere with a new --out_dir, or replace it with --overwrite=True"
+        )
+    raise ConfigError(
+        f"out_dir {cfg.out_dir} already holds a run ({os.path.basename(previous[0])}); continue it with "
+        f"--init_from=resume (or auto), start elsewhere with a new --out_dir, or delete it with --overwrite=True"
+    )
+
+
+def stopped_before_first_checkpoint(previous):
+    """Whether a run's files are only a metrics.jsonl with nothing past iter 0 (one that cannot be read is kept)."""
+    if [os.path.basename(p) for p in previous] != [metrics.FILE_NAME]:
+        return False
+    try:
+        return (metrics.last_iteration(os.path.dirname(previous[0])) or 0) == 0
+    except (OSError, ValueError):
+        return False
+
+
+def checkpoint_order(path):
+    """Sort key of the checkpoints a resume may continue: ckpt.pt first (it is what the run wrote last, or what
+    the user put there to go back to), then the others newest first (by their checksum record, else by name)."""
+    name = os.path.basename(path)
+    if name == CKPT_NAME:
+        return (0, 0)
+    try:
+        trailer = checkpoint.read_trailer(path)
+    except (OSError, DamagedCheckpoint):
+        trailer = None
+    kept = KEPT_NAME.fullmatch(name)
+    iteration = trailer.iter if trailer and trailer.iter is not None else int(kept.group(1)) if kept else -1
+    return (1, -iteration)
+
+
+def choose_checkpoint(out_dir, paths):
+    """The Start that resumes the newest intact checkpoint among `paths` (in checkpoint_order). A file is
+    intact when its bytes match its checksum and torch reads it (memory-mapped: its tensors are not read).
+    The files passed over, and why, become the Start's notes; CheckpointError when none is intact."""
+    passed = []
+    for path in sorted(paths, key=checkpoint_order):
+        try:
+            trailer = checkpoint.verify(path)
+            ckpt = checkpoint.load_checkpoint(path, mmap=True, verify_checksum=False)
+        except DamagedCheckpoint as e:
+            passed.append(str(e))
+            continue
+        if os.path.basename(path) != CKPT_NAME and CKPT_NAME not in map(os.path.basename, paths):
+            passed.insert(0, f"{os.path.join(out_dir, CKPT_NAME)} is missing")
+        notes = tuple(f"{note}; resuming the newest intact checkpoint instead" for note in passed)
+        return Start("resume", path, checkpoint.iteration(ckpt), trailer is not None, notes)
+    if len(passed) == 1:
+        raise DamagedCheckpoint(f"{passed[0]}; start a new run with --overwrite=True or in a new --out_dir")
+    raise CheckpointError(
+        f"out_dir {out_dir} holds no intact checkpoint ({'; '.join(passed)}); start a new run with "
+        "--overwrite=True or in a new --out_dir"
+    )
+
+
+def prepare_out_dir(cfg, start, ckpt=None, changes=(), at=None):
+    """Rank 0, once every check has passed: the first changes to out_dir. What a killed save left goes,
+    --overwrite=True removes the old run, and a resume says which checkpoint it continues and why (the
+    files passed over), where (`at`; by default the checkpoint's iteration) and what its configuration
+    changes (`changes`: launch.config_changes' lines)."""
+    remove_stale_temporaries(cfg.out_dir)
+    if cfg.overwrite and start.init_from != "resume":
+        for path in run_files(cfg.out_dir):
+            os.remove(path)
+    for note in start.notes:
+        print(note, flush=True)
+    if ckpt is not None:
+        at = at or f"iter {checkpoint.iteration(ckpt):,}"
+        unverified = "" if start.verified else " (it has no checksum to verify: written before checksums)"
+        print(f"resuming {start.path} at {at}{unverified}", flush=True)
+        for line in changes:
+            print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One run per out_dir.
+
+
+def _read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def _process_start(pid):
+    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat's 22nd field), or None where that
+    cannot be read: it tells a live holder from another process that was given its pid later."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _machine():
+    """What processes that can see each other's pids share: the boot (a reboot ends every holder) and the pid
+    namespace (two containers on one host each have their own pids)."""
+    parts = []
+    with contextlib.suppress(OSError):
+        parts.append(_read_text("/proc/sys/kernel/random/boot_id").strip())
+    with contextlib.suppress(OSError):
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return "/".join(parts)
+
+
+def describe_holder(holder):
+    if holder is None:
+        return "an unreadable lock"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+    return f"pid {holder.get('pid')} on {holder.get('host')} since {since}"
+
+
+class RunLock:
+    """One run per out_dir: out_dir/run.lock, created only if it does not exist, held for the run's life.
+
+    fcntl locks are not honoured by every network filesystem and do not reach across nodes, but creating a
+    file that must not exist yet (O_EXCL) is atomic on all of them (NFS since v3, Lustre, GPFS). The file
+    records its holder -- host, pid, when it started, and the machine identity and process start time
+    that tell a live holder from a reused pid -- and a heartbeat: a thread refreshes its modification time
+    every timeout_s / 4 seconds, and checks that the file is still its own (`lost` says when not).
+
+    A launch that finds the lock judges the holder. On the same machine it is alive while its process is.
+    On another machine it is alive while its heartbeat is younger than timeout_s: the launch watches the
+    heartbeat for the rest of that bound (at most wait_limit_s), and one that moves is alive. A live holder
+    refuses the launch in one line; a dead one's lock is taken over, with a message. Takeovers go through
+    a second O_EXCL file, so two launches that find the same dead holder do not both take its place.
+    """
+
+    def __init__(self, path, token, timeout_s):
+        self.path, self.token, self.timeout_s = path, token, timeout_s
+        self.lost = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="run.lock heartbeat", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def acquire(cls, directory, timeout_s, wait_limit_s):
+        """The lock on `directory`, taken over from a dead holder if need be; RunDirError when a live one holds
+        it; OSError when the directory cannot be written."""
+        path = os.path.join(directory, LOCK_NAME)
+        token = uuid.uuid4().hex
+        mine = dict(
+            host=socket.gethostname(),
+            machine=_machine(),
+            pid=os.getpid(),
+            process_start=_process_start(os.getpid()),
+            since=time.time(),
+            token=token,
+        )
+        for _attempt in range(20):  # each round ends with the lock, or with its holder judged
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                text, holder, mtime_ns = cls._read(path)
+                if text is None:  # released meanwhile
+                    continue
+                reason = cls._judge(directory, holder, mtime_ns, mine, timeout_s, wait_limit_s)
+                if cls._take_over(path, text):
+                    print(f"out_dir {directory}: took over the lock of {describe_holder(holder)}: {reason}", flush=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(mine))
+                f.flush()
+                os.fsync(f.fileno())
+            return cls(path, token, timeout_s)
+        raise RunDirError(f"out_dir {directory}: could not take {path}: other launches keep taking it; try again")
+
+    @staticmethod
+    def _read(path):
+        """(text, holder dict or None when it cannot be parsed, mtime in ns), or (None, None, None) when gone."""
+        try:
+            mtime_ns = os.stat(path).st_mtime_ns
+            text = _read_text(path)
+        except FileNotFoundError:
+            return None, None, None
+        try:
+            holder = json.loads(text)
+        except ValueError:  # being written this moment, or not ours: the heartbeat rule judges it
+            holder = None
+        return text, holder if isinstance(holder, dict) else None, mtime_ns
+
+    @staticmethod
+    def _judge(directory, holder, mtime_ns, mine, timeout_s, wait_limit_s):
+        """Why the holder is dead (a reason to print), or RunDirError when it is alive."""
+        path = os.path.join(directory, LOCK_NAME)
+        refusal = RunDirError(
+            f"out_dir {directory} is in use by the run of {describe_holder(holder)} (it holds {path}); wait "
+            "for it to end or stop it, or use another --out_dir"
+        )
+        if holder is not None and (holder.get("host"), holder.get("machine")) == (mine["host"], mine["machine"]):
+            pid = holder.get("pid")
+            started = _process_start(pid) if isinstance(pid, int) else None
+            if isinstance(pid, int) and process_alive(pid) and started in (None, holder.get("process_start")):
+                raise refusal
+            return "its process is gone"
+        age = time.time() - mtime_ns / 1e9
+        if age >= timeout_s:
+            return f"its heartbeat stopped {age:.0f} s ago (lock_timeout_s={timeout_s})"
+        wait = min(timeout_s - age, wait_limit_s)
+        print(
+            f"out_dir {directory} is locked by {describe_holder(holder)}, last refreshed {age:.0f} s ago: "
+            f"watching for {wait:.0f} s whether that run is alive",
+            flush=True,
+        )
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, timeout_s / 20))
+            try:
+                if os.stat(path).st_mtime_ns != mtime_ns:
+                    raise refusal
+            except FileNotFoundError:
+                return "it was released"
+        if wait < timeout_s - age:
+            raise RunDirError(
+                f"out_dir {directory} is locked by {describe_holder(holder)}, not refreshed for "
+                f"{age + wait:.0f} s; it is taken over once it is lock_timeout_s={timeout_s} s old: launch again then"
+            )
+        return f"its heartbeat stopped for lock_timeout_s={timeout_s} s"
+
+    @staticmethod
+    def _take_over(path, text):
+        """Remove the lock judged dead, if it is still the one judged (`text`); False when another launch is
+        taking it over or has taken it (the caller looks again)."""
+        claim = path + ".takeover"
+        try:
+            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(claim).st_mtime > 60:  # left by a launch that died while taking over
+                    os.remove(claim)
+            time.sleep(0.2)
+            return False
+        try:
+            if RunLock._read(path)[0] != text:
+                return False
+            os.remove(path)
+            return True
+        finally:
+            os.close(fd)
+            os.remove(claim)
+
+    def _beat(self):
+        while not self._stop.wait(max(self.timeout_s / 4, 0.05)):
+            text, holder, _ = self._read(self.path)
+            if text is not None and holder is None:
+                continue  # a read that met a write: look again at the next beat
+            if holder is None or holder.get("token") != self.token:
+                taker = "removed" if text is None else f"taken by {describe_holder(holder)}"
+                self.lost = f"the lock on its out_dir ({self.path}) was {taker}"
+                return
+            with contextlib.suppress(OSError):  # a passing filesystem error: the next beat tries again
+                os.utime(self.path)
+
+    def release(self):
+        self._stop.set()
+        self._thread.join()
+        text, holder, _ = self._read(self.path)
+        if holder is not None and holder.get("token") == self.token:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Signals, and the requests every rank agrees on at each step.
+
+
+class StopSignals:
+    """SIGTERM (a scheduler's preemption or time limit, `kill`, torchrun passing one on) and SIGUSR1 (what
+    scripts/slurm_mars_small.sbatch asks SLURM for before the time limit) end the run at the next step
+    boundary with a checkpoint. The handler only records the first one; the loop acts on it."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received = 0
+        self._previous = {}
+
+    def install(self):
+        """Take the two signals over (train.main does; a RunDir built elsewhere leaves them alone); returns self."""
+        if threading.current_thread() is threading.main_thread():  # Python sets handlers from there only
+            self._previous = {s: signal.signal(s, self._record) for s in self.SIGNALS}
+        return self
+
+    def _record(self, signum, frame):
+        self.received = self.received or signum
+
+    def restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
+@dataclasses.dataclass
+class Requests:
+    """What the ranks agreed, at the last step, that the run must do at the next step boundary."""
+
+    signal: int = 0  # the number of a stop signal some rank received
+    clock: bool = False  # checkpoint_minutes have passed since the last checkpoint (rank 0's clock)
+    write_failed: bool = False  # a checkpoint, copy or metrics record could not be written (rank 0)
+    lock_lost: bool = False  # another launch took out_dir's lock (rank 0)
+
+
+class Part:
+    """A checkpoint part made of two functions, for an object whose own load_state_dict is not how a resume
+    restores it (the optimizer under new hyperparameters, the GradScaler only where float16 enables it)."""
+
+    def __init__(self, state_dict, load_state_dict):
+        self.state_dict, self.load_state_dict = state_dict, load_state_dict
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run's directory, as train.py uses it.
+
+
+class RunDir:
+    """out_dir for one training run: rank 0 holds its lock and writes its files; every rank takes part in its
+    checkpoints (the optimizer and RNG parts gather across ranks) and agrees on when they happen."""
+
+    def __init__(self, cfg, dist_info, signals=None):
+        self.cfg, self.dist = cfg, dist_info
+        self.path = cfg.out_dir
+        self.ckpt_path = os.path.join(self.path, CKPT_NAME)
+        self.lock = None  # rank 0's, from start()
+        self.created = False  # out_dir was made by this launch (removed again if it ends empty)
+        self.signals = signals or StopSignals()  # installed by train.main: a stop signal ends the run
+        self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed)
+        self.write_failed = False
+        self.metrics = None  # the run's MetricsLog, whose failed writes stop the run too
+        self.parts, self.extras = {}, {}
+        self.latest = None  # (path, iteration) of the newest intact checkpoint on disk (rank 0)
+        self.saved_iter = None  # the iteration of the newest checkpoint written or resumed
+        self.held_back = None  # why a due checkpoint was not written (a suspect state), until one is
+        self.clock = time.monotonic()  # when the last checkpoint was written (rank 0's checkpoint_minutes)
+        self.agreed = Requests()
+
+    # --- the launch
+
+    def start(self, cfg):
+        """Rank 0: hold out_dir (its lock), then decide what this launch does there (decide_start)."""
+        self.cfg = cfg
+        try:
+            if not os.path.isdir(self.path):
+                os.makedirs(self.path)
+                self.created = True
+            # Under DDP the other ranks wait for this decision for at most ddp_timeout_s.
+            wait_limit = (
+                cfg.lock_timeout_s if self.dist.world_size == 1 else min(cfg.lock_timeout_s, cfg.ddp_timeout_s / 2)
+            )
+            self.lock = RunLock.acquire(self.path, cfg.lock_timeout_s, wait_limit)
+        except OSError as e:
+            raise RunDirError(
+                f"cannot write in out_dir {self.path}: {os_reason(e)}; give an --out_dir on a writable file system"
+            ) from None
+        return decide_start(cfg)
+
+    def prepare(self, cfg, start, ckpt, changes):
+        """Rank 0: prepare_out_dir, then config.json: the configuration of the run, written when it starts and
+        when a resume that trains changes it (an eval_only launch leaves it as it is)."""
+        self.cfg = cfg
+        prepare_out_dir(cfg, start, ckpt, changes)
+        if start.path is not None:
+            self.latest, self.saved_iter = (start.path, start.iteration), start.iteration
+        if ckpt is None or (changes and not cfg.eval_only):
+            with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w") as f:
+                json.dump(config_to_dict(cfg), f, indent=1)
+
+    def register(self, cfg, parts, extras):
+        """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
+        state_dict() and load_state_dict(state); the model part a torch.nn.Module), handed over once, and the
+        plain values every checkpoint records beside them."""
+        self.cfg, self.parts, self.extras = cfg, parts, extras
+
+    def restore(self, ckpt, skip=()):
+        """Load every part but those in `skip` (the model, which launch.build_model built from the checkpoint)."""
+        for name, part in self.parts.items():
+            if name not in skip and (name in ckpt or name not in NEWER_PARTS):
+                part.load_state_dict(ckpt[name])
+        self.saved_iter = checkpoint.iteration(ckpt)
+
+    # --- every step
+
+    def with_requests(self, values):
+        """`values` (the step's norms, on the device) with every rank's requests appended for the step's one host
+        read; receive() takes them back. Under DDP each rank's requests (Requests: a signal, and rank 0's
+        clock, failed write and lost lock) are 4 numbers all-reduced (max) so that they reach every rank at the
+        same step: one all-reduce of 4 numbers per step, read with the step's own synchronisation."""
+        if not self.dist.ddp:
+            return values
+        flags = torch.tensor([float(v) for v in self._my_requests()], device=values.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return torch.cat([values.flatten(), flags])
+
+    def receive(self, read):
+        """The step's values read back (a list), without the requests with_requests appended, which are kept
+        as the agreed requests for the next step boundary."""
+        if self.dist.ddp:
+            read, requests = read[: -len(dataclasses.fields(Requests))], read[-len(dataclasses.fields(Requests)) :]
+        else:
+            requests = self._my_requests()
+        self.agreed = Requests(int(requests[0]), bool(requests[1]), bool(requests[2]), bool(requests[3]))
+        return read
+
+    def _my_requests(self):
+        master = self.dist.is_master
+        minutes = self.cfg.checkpoint_minutes
+        return [
+            self.signals.received,
+            master and minutes > 0 and time.monotonic() - self.clock >= 60 * minutes,
+            master and (self.write_failed or bool(self.metrics is not None and self.metrics.failed)),
+            master and self.lock is not None and self.lock.lost is not None,
+        ]
+
+    def check_requests(self, progress, time_s):
+        """At a step boundary: end the run when the last step's agreed requests say so (RunStopped). A lost lock
+        stops it without a checkpoint (the run now holding out_dir writes there), a failed write at once, a
+        signal after a checkpoint of this step boundary (exit status 0: nothing failed)."""
+        agreed, it = self.agreed, progress.iter_num
+        if agreed.lock_lost:
+            lost = self.lock.lost if self.lock is not None else "the lock on out_dir was lost"
+            raise RunStopped(1, self._master_line(f"error: {lost}; stopped at iter {it} without writing more"))
+        if agreed.write_failed:
+            raise RunStopped(1, self._master_line(self._failed_write_line(f"stopped at iter {it}")))
+        if not agreed.signal:
+            return
+        name = signal.Signals(agreed.signal).name
+        problem = self._suspect(progress) if self.saved_iter != it else None
+        if self.saved_iter != it and problem is None:
+            self._save(progress, time_s, is_best=False, at_evaluation=False)
+        self.wait_for_writes()
+        if self.write_failed:
+            raise RunStopped(1, self._master_line(self._failed_write_line(f"stopped by {name} at iter {it}")))
+        if problem is not None:
+            line = f"stopped by {name} at iter {it} without a new checkpoint ({problem}); {self.resume_advice()}"
+        else:
+            line = f"stopped by {name} after iter {it}: {self._holder()} holds it; run the same command to continue"
+        raise RunStopped(0, self._master_line(line))
+
+    def save_if_due(self, progress, time_s, val_loss=None):
+        """At a step boundary, after the evaluations due there (`val_loss`: the validation loss of one that ran
+        now): write a checkpoint when one is due -- after an evaluation (best.pt and the kept copies come only
+        from these), every checkpoint_interval steps, when the agreed clock asks, or when an earlier one was
+        held back -- unless the state is suspect; then it is held back (one line) until a step boundary where
+        it is not. Every rank calls this at the same boundaries and decides the same."""
+        it, cfg = progress.iter_num, self.cfg
+        interval = cfg.checkpoint_interval > 0 and it % cfg.checkpoint_interval == 0
+        due = val_loss is not None or self.held_back or ((interval or self.agreed.clock) and self.saved_iter != it)
+        self.agreed.clock = False
+        if not due:
+            return
+        problem = self._suspect(progress, val_loss)
+        if problem is not None:
+            if self.held_back is None and self.dist.is_master:
+                print(f"iter {it}: checkpoint held back: {problem}; {self.resume_advice()}", flush=True)
+            self.held_back = problem
+            return
+        self.held_back = None
+        is_best = val_loss is not None and val_loss < progress.best_val_loss
+        if is_best:
+            progress.best_val_loss = val_loss
+        self._save(progress, time_s, is_best, at_evaluation=val_loss is not None)
+
+    def _suspect(self, progress, val_loss=None):
+        """Why the state must not become a checkpoint, or None: never while steps are being skipped as
+        non-finite (float16's GradScaler skips some as it searches its loss scale: the save waits for the next
+        step that is not skipped), from non-finite weights or after a non-finite evaluation."""
+        if progress.bad_steps:
+            return f"the last {progress.bad_steps} step(s) were skipped as non-finite"
+        if val_loss is not None and not math.isfinite(val_loss):
+            return f"the validation loss is {val_loss}"
+        largest = torch.nn.utils.get_total_norm(list(self.parts["model"].parameters()), norm_type=math.inf)
+        if not math.isfinite(largest.item()):
+            return "the weights are not finite"
+        return None
+
+    def _save(self, progress, time_s, is_best, at_evaluation):
+        progress.elapsed_s = time_s
+        state = {name: part.state_dict() for name, part in self.parts.items()}  # every rank: the parts gather
+        self.saved_iter, self.clock = progress.iter_num, time.monotonic()
+        if not self.dist.is_master:
+            return
+        state.update(self.extras)
+        copies = []
+        if is_best and self.cfg.save_best:
+            copies.append(os.path.join(self.path, BEST_NAME))
+        evals, keep = progress.iter_num // self.cfg.eval_interval, self.cfg.keep_every_n_evals
+        if (
+            at_evaluation
+            and keep
+            and progress.iter_num > 0
+            and evals % keep == 0
+            and progress.iter_num % self.cfg.eval_interval == 0
+        ):
+            copies.append(os.path.join(self.path, kept_name(progress.iter_num)))
+        self.wait_for_writes()  # a failure of the last write was reported; this one may find room again
+        self.writer.save(self.ckpt_path, state, copies)
+
+    # --- what happened, and where a stopped run continues
+
+    def _saved(self, path, iteration):  # the writer's thread
+        self.latest = (path, iteration)
+
+    def _write_failed(self, error):  # the writer's thread: reported at once, acted on at the next step
+        self.write_failed = True
+        sys.stderr.write(f"error: {error}\n")  # one write: no other thread's output lands inside the line
+        sys.stderr.flush()
+
+    def _holder(self):
+        return self.latest[0] if self.latest is not None else self.ckpt_path
+
+    def _master_line(self, line):
+        return line if self.dist.is_master else None
+
+    def _failed_write_line(self, what):
+        return f"{what}: a write failed (above); {self.resume_advice()} once {self.path} has room"
+
+    def diverged(self, progress):
+        """The RunStopped (status 1) for a run that skipped max_bad_steps steps in a row, naming the newest
+        checkpoint: one from before the trouble, since none is written while steps are skipped."""
+        self.wait_for_writes()  # the checkpoint named is on disk
+        lr = self.cfg.learning_rate
+        if self.latest is not None:
+            advice = (
+                f"The newest checkpoint, written before the trouble, is {self.newest()}: resume it with "
+                f"--init_from=resume and a lower learning_rate (now {lr}; auto resumes it too, counting bad steps anew)"
+            )
+        else:
+            advice = f"No checkpoint was written before the trouble: start over with a lower learning_rate (now {lr})"
+        return RunStopped(
+            1,
+            self._master_line(
+                f"error: {progress.bad_steps} consecutive steps (up to iter {progress.iter_num}) had a non-finite "
+                f"loss or gradient norm (max_bad_steps={self.cfg.max_bad_steps}); stopped. {advice}, or check the data"
+            ),
+        )
+
+    def wait_for_writes(self):
+        """Block until the checkpoint in flight is on disk (a failure was reported the moment it happened)."""
+        with contextlib.suppress(CheckpointError):
+            self.writer.wait()
+
+    def newest(self):
+        """'<path> (iter N)': the newest intact checkpoint (rank 0), or None when there is none yet."""
+        return None if self.latest is None else f"{self.latest[0]} (iter {self.latest[1]:,})"
+
+    def resume_advice(self):
+        """Where a stopped run continues: the newest intact checkpoint and its iteration, or starting over."""
+        if self.latest is not None:
+            return f"resume from {self.newest()} with --init_from=resume (or auto)"
+        if not self.dist.is_master and os.path.isfile(self.ckpt_path):  # rank 0 keeps count of the saves
+            return f"resume from {self.ckpt_path} with --init_from=resume (or auto)"
+        if self.cfg.init_from == "auto" or self.cfg.overwrite:  # a relaunch starts over by itself
+            return "no checkpoint was written yet: run the same command again to start over"
+        return "no checkpoint was written yet: start over with --overwrite=True (or --init_from=auto)"
+
+    def finish(self, progress):
+        """The end of a run that reached max_iters (or evaluated, eval_only): its exit status once the last
+        checkpoint is on disk, and a line saying what it holds; 1, with a line, when a write failed."""
+        self.wait_for_writes()
+        failed = self.write_failed or bool(self.metrics is not None and self.metrics.failed)
+        if self.dist.is_master and failed:
+            print(self._failed_write_line(f"finished at iter {progress.iter_num}"), file=sys.stderr, flush=True)
+        elif self.dist.is_master and not self.cfg.eval_only:
+            held = self.saved_iter == progress.iter_num and self.latest is not None
+            where = f"{self._holder()} holds it" if held else self.resume_advice()
+            print(f"finished at iter {progress.iter_num:,}; {where}", file=sys.stderr, flush=True)
+        return 1 if failed else 0
+
+    def close(self):
+        """Whatever ended the run: the checkpoint in flight reaches the disk, metrics.jsonl is closed, the lock
+        is released, the signal handlers are restored; an out_dir this launch made and left empty goes."""
+        self.wait_for_writes()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()
+        self.signals.restore()
+        if self.created:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)  # only if empty

@@ -1,0 +1,552 @@
+"""marsgpt/run_dir.py through train.py's command line: what survives what in out_dir.
+
+Each numbered point of the issue ("Nothing a run has written is lost") has its test here or in
+tests/test_train_faults.py (signals, kill -9 and torchrun): an init_from=auto relaunch never starts over on a
+run's files (1), one launch per out_dir (2), copies independent of ckpt.pt (3), checksums (4), divergence
+(5), failed writes on a tmpfs that fills (7), meta.pkl read as data (8), and the smaller items (9).
+"""
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+import zipfile
+
+import pytest
+import torch
+from train_helpers import launch, make_char_data, subprocess_env, tiny_args, wait_for_line
+
+import sample
+import train
+from marsgpt import checkpoint, export_hf, hellaswag, run_dir
+from marsgpt.tokens import write_meta
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def run(argv, capsys):
+    """train.main(argv) in this process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    status = train.main(argv)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def file_bytes(out_dir):
+    return {name: open(os.path.join(out_dir, name), "rb").read() for name in sorted(os.listdir(out_dir))}
+
+
+def iteration_of(path):
+    return checkpoint.load_checkpoint(path)["progress"]["iter_num"]
+
+
+def one_error_line(err, *parts):
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, err
+
+
+def flip_bytes_inside_a_tensor(path, count=16):
+    """Invert `count` bytes in the middle of the first tensor a checkpoint stores (the model's first weight);
+    the zip archive around it stays intact, so only a checksum can tell."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(next(n for n in archive.namelist() if n.endswith("/data/0")))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset)
+        name_length, extra_length = struct.unpack("<HH", f.read(30)[26:30])
+        offset = info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+        f.seek(offset)
+        original = f.read(count)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in original))
+
+
+@pytest.fixture
+def start():
+    """launch() for the test, whose processes are killed when it ends (a failed test leaves none paused)."""
+    procs = []
+
+    def start_process(args, **env):
+        procs.append(launch(args, env=subprocess_env(**env)))
+        return procs[-1]
+
+    yield start_process
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture
+def finished_run(data_path, tmp_path, capsys):
+    """A run of 10 steps with evaluations at 0, 5, 10, each kept: ckpt.pt, best.pt, ckpt_0000005.pt, ckpt_0000010.pt."""
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, max_iters=10, eval_interval=5, keep_every_n_evals=1)
+    assert run(args, capsys)[0] == 0
+    return out, args
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. init_from=auto never starts over on top of a run.
+
+
+def test_auto_resumes_the_newest_intact_copy_when_ckpt_pt_is_deleted_and_keeps_every_file(finished_run, capsys):
+    out, args = finished_run
+    os.remove(os.path.join(out, "ckpt.pt"))
+    before = file_bytes(out)
+    status, printed, _ = run(args + ["--init_from=auto"], capsys)
+    assert status == 0
+    assert f"{out}/ckpt.pt is missing; resuming the newest intact checkpoint instead" in printed
+    assert "at iter 10" in printed and "nothing to train" in printed
+    after = file_bytes(out)
+    assert {name: after[name] for name in before} == before  # metrics, best.pt and the kept copies as they were
+    status, printed, _ = run(args[:-1] + ["--max_iters=12", "--init_from=auto"], capsys)  # and it continues
+    assert status == 0 and [r["iter"] for r in records(out) if "val/loss" in r] == [0, 5, 10, 12]
+
+
+def test_auto_refuses_when_no_checkpoint_is_intact_and_changes_nothing(finished_run, capsys):
+    out, args = finished_run
+    for name in ("ckpt.pt", "best.pt", "ckpt_0000005.pt", "ckpt_0000010.pt"):
+        os.truncate(os.path.join(out, name), 1000)
+    before = file_bytes(out)
+    status, printed, err = run(args + ["--init_from=auto"], capsys)
+    assert status == 2 and printed == ""
+    one_error_line(err, f"out_dir {out} holds no intact checkpoint", "--overwrite=True")
+    assert file_bytes(out) == before
+
+
+def test_auto_starts_over_only_on_a_run_stopped_before_its_first_checkpoint(data_path, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    stopped = {"iter": 0, "tokens": 0, "time_s": 1.0, "val/loss": 3.4}
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps(stopped) + "\n")
+    args = tiny_args(data_path, out, max_iters=2, eval_interval=2, init_from="auto")
+    assert run(args, capsys)[0] == 0  # what a new run writes again
+    os.remove(os.path.join(out, "ckpt.pt"))
+    os.remove(os.path.join(out, "best.pt"))
+    before = file_bytes(out)  # metrics up to iter 2, no checkpoint: a run's records, not to be replaced
+    status, _, err = run(args, capsys)
+    assert status == 2
+    one_error_line(err, "holds metrics.jsonl but no ckpt.pt to resume")
+    assert file_bytes(out) == before
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. One run per out_dir.
+
+
+def release(pause, iteration):
+    open(f"{pause}.{iteration}", "w").close()
+
+
+@pytest.mark.slow
+def test_a_second_launch_is_refused_while_a_run_holds_out_dir_and_a_dead_run_s_lock_is_taken_over(
+    data_path, tmp_path, start
+):
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = tiny_args(data_path, out, max_iters=6, eval_interval=3)
+    first = start(args + ["--init_from=auto"], TEST_PAUSE=f"0:4:{pause}")
+    wait_for_line(first, "paused before step 4")
+    before = file_bytes(out)
+    second = start(args + ["--init_from=auto", "--learning_rate=0.1"])
+    output, _ = second.communicate(timeout=120)
+    assert second.returncode == 2, output
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert lines == [
+        f"error: out_dir {out} is in use by the run of pid {first.pid} on {socket.gethostname()} since "
+        + lines[0].split(" since ")[1]
+    ], output
+    assert "wait for it to end or stop it, or use another --out_dir" in lines[0]
+    assert file_bytes(out) == before  # the refused launch wrote nothing
+    release(pause, 4)
+    output, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, output
+    assert checkpoint.load_checkpoint(out)["config"]["learning_rate"] == 3e-3  # the first run's, to the end
+    assert not os.path.exists(os.path.join(out, "run.lock"))
+
+    # a run killed with kill -9 leaves its lock; the next launch on this machine takes it over
+    third = start(args + ["--init_from=auto", "--max_iters=9"], TEST_PAUSE=f"0:7:{pause}")
+    wait_for_line(third, "paused before step 7")
+    third.kill()
+    third.wait()
+    assert json.load(open(os.path.join(out, "run.lock")))["pid"] == third.pid
+    fourth = start(args + ["--init_from=auto", "--max_iters=9"])
+    output, _ = fourth.communicate(timeout=120)
+    assert fourth.returncode == 0, output
+    assert f"took over the lock of pid {third.pid} on {socket.gethostname()}" in output
+    assert "its process is gone" in output and iteration_of(out) == 9
+
+
+def foreign_lock(out, age_s, pid=4242):
+    """A lock as a run on another machine writes it, last refreshed `age_s` seconds ago."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "run.lock")
+    holder = dict(host="node-elsewhere", machine="other-boot/1", pid=pid, process_start=1, since=time.time() - 3600)
+    with open(path, "w") as f:
+        json.dump(dict(holder, token="theirs"), f)
+    os.utime(path, (time.time() - age_s,) * 2)
+    return path
+
+
+def test_a_lock_from_another_machine_is_judged_by_its_heartbeat(data_path, tmp_path, capsys):
+    """Across nodes a pid says nothing: a lock whose heartbeat stopped longer than lock_timeout_s ago is taken
+    over at once; a younger one is watched, and refused when it moves."""
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, max_iters=2, eval_interval=2, lock_timeout_s=10)
+    foreign_lock(out, age_s=3600)
+    status, printed, _ = run(args, capsys)
+    assert status == 0
+    assert "took over the lock of pid 4242 on node-elsewhere since" in printed and "its heartbeat stopped" in printed
+
+    lock = foreign_lock(str(tmp_path / "live"), age_s=0)
+    beating = threading.Event()
+
+    def heartbeat():  # the holder on the other machine, alive
+        while not beating.wait(0.2):
+            os.utime(lock)
+
+    thread = threading.Thread(target=heartbeat)
+    thread.start()
+    try:
+        status, printed, err = run(tiny_args(data_path, str(tmp_path / "live"), max_iters=2, lock_timeout_s=10), capsys)
+    finally:
+        beating.set()
+        thread.join()
+    assert status == 2 and "watching for" in printed
+    one_error_line(err, "is in use by the run of pid 4242 on node-elsewhere")
+    assert json.load(open(lock))["token"] == "theirs"
+
+    foreign_lock(str(tmp_path / "dead"), age_s=8)  # silent: taken over once it is 10 s old
+    status, printed, _ = run(tiny_args(data_path, str(tmp_path / "dead"), max_iters=2, lock_timeout_s=10), capsys)
+    assert status == 0 and "its heartbeat stopped for lock_timeout_s=10 s" in printed
+
+
+@pytest.mark.slow
+def test_under_ddp_rank_0_holds_the_lock_and_every_rank_learns_the_refusal(data_path, tmp_path):
+    """The test process plays the live holder: both ranks exit 2 at once, rank 0 saying why in one line."""
+    from test_train_faults import launch_ranks
+
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    holder = dict(
+        host=socket.gethostname(),
+        machine=run_dir._machine(),
+        pid=os.getpid(),
+        process_start=run_dir._process_start(os.getpid()),
+        since=time.time(),
+        token="mine",
+    )
+    with open(os.path.join(out, "run.lock"), "w") as f:
+        json.dump(holder, f)
+    procs = launch_ranks(tiny_args(data_path, out, max_iters=2, gradient_accumulation_steps=4), fail="", timeout_s=120)
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [2, 2], outputs
+    assert f"is in use by the run of pid {os.getpid()}" in outputs[0] and "Traceback" not in "".join(outputs)
+    assert json.load(open(os.path.join(out, "run.lock")))["token"] == "mine"
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. and 4. Copies that are copies; checksums that every load verifies.
+
+
+def test_damaging_ckpt_pt_in_place_leaves_best_pt_and_the_kept_copies_whole(finished_run, capsys):
+    out, args = finished_run
+    copies = ("best.pt", "ckpt_0000005.pt", "ckpt_0000010.pt")
+    before = {name: open(os.path.join(out, name), "rb").read() for name in copies}
+    assert all(os.stat(os.path.join(out, name)).st_nlink == 1 for name in (*copies, "ckpt.pt"))
+    ckpt = os.path.join(out, "ckpt.pt")
+    os.truncate(ckpt, 4096)
+    subprocess.run(["cp", os.path.join(out, "ckpt_0000005.pt"), ckpt], check=True)  # writes into ckpt.pt's inode
+    subprocess.run(["truncate", "-s", "100", ckpt], check=True)
+    assert {name: open(os.path.join(out, name), "rb").read() for name in copies} == before
+    status, printed, _ = run(args + ["--init_from=auto"], capsys)
+    assert status == 0
+    assert f"{ckpt} is not a readable checkpoint" in printed  # truncated: no checksum left, no zip directory
+    assert "resuming the newest intact checkpoint instead" in printed
+
+
+def test_bytes_flipped_inside_a_weight_are_refused_by_resume_and_by_every_tool(data_path, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, max_iters=4, eval_interval=2, save_best=False)
+    assert run(args, capsys)[0] == 0
+    ckpt = os.path.join(out, "ckpt.pt")
+    flip_bytes_inside_a_tensor(ckpt)
+    torch.load(ckpt, weights_only=True)  # torch reads it without complaint: only the checksum tells
+    damaged = f"{ckpt} is damaged: its bytes do not match the sha256 recorded when it was written"
+    status, printed, err = run(args + ["--init_from=resume", "--max_iters=6"], capsys)
+    assert status == 2 and printed == ""
+    one_error_line(err, damaged)
+    tools = {
+        sample.main: [f"--out_dir={out}", "--max_new_tokens=2", "--device=cpu"],
+        hellaswag.main: ["--ckpt", out, "--device=cpu"],
+        export_hf.main: [ckpt, str(tmp_path / "hf")],
+    }
+    for tool, argv in tools.items():
+        assert tool(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        one_error_line(captured.err, damaged)
+
+
+def test_a_checkpoint_without_a_checksum_still_resumes_and_says_it_was_not_verified(finished_run, capsys):
+    """Checkpoints written before checksums (or by another program) load unverified, and the resume says so."""
+    out, args = finished_run
+    ckpt = os.path.join(out, "ckpt.pt")
+    torch.save(torch.load(ckpt, weights_only=True), ckpt)
+    status, printed, _ = run(args + ["--init_from=resume", "--max_iters=11"], capsys)
+    assert status == 0
+    assert f"resuming {ckpt} at iter 10 (it has no checksum to verify: written before checksums)" in printed
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Divergence: no checkpoint from a suspect state.
+
+
+def test_a_diverged_run_keeps_its_last_good_checkpoint_names_it_and_resumes_with_a_clean_count(
+    data_path, tmp_path, capsys
+):
+    """learning_rate=1e4: steps are skipped as non-finite from step 3 on, with a finite but ruined validation
+    loss at the evaluations of iters 5 and 10. No checkpoint is written from that state; the stop names the
+    iter-0 checkpoint; a resume at a sane learning rate trains to the end (the count of bad steps restarts)."""
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, learning_rate=1e4, keep_every_n_evals=1)
+    status, printed, err = run(args, capsys)
+    assert status == 1
+    assert "iter 5: checkpoint held back: the last 2 step(s) were skipped as non-finite" in printed
+    one_error_line(
+        err,
+        "10 consecutive steps (up to iter 13)",
+        f"The newest checkpoint, written before the trouble, is {out}/ckpt.pt (iter 0): resume it with "
+        "--init_from=resume and a lower learning_rate (now 10000.0",
+    )
+    assert iteration_of(os.path.join(out, "ckpt.pt")) == 0 and iteration_of(os.path.join(out, "best.pt")) == 0
+    assert not any(name.startswith("ckpt_") for name in os.listdir(out))
+    status, printed, err = run(tiny_args(data_path, out, learning_rate=3e-3, init_from="auto"), capsys)
+    assert status == 0, err
+    assert "resume: learning_rate 10000.0 -> 0.003" in printed and iteration_of(out) == 20
+
+
+def test_a_resume_counts_bad_steps_anew(data_path, tmp_path, capsys):
+    """A checkpoint written during a streak of skipped steps (as they were before checkpoints were held back)
+    carries its count; resumed in float16, whose GradScaler skips the first 7 steps here, the run goes on
+    instead of stopping at the first skip as the 10th in a row."""
+    out = str(tmp_path / "out")
+    assert run(tiny_args(data_path, out, max_iters=2, eval_interval=2), capsys)[0] == 0
+    ckpt = checkpoint.load_checkpoint(out)
+    ckpt["progress"]["bad_steps"] = 9
+    checkpoint.save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
+    args = tiny_args(data_path, out, dtype="float16", grad_multiplier=1000, max_iters=12, init_from="resume")
+    status, printed, err = run(args, capsys)
+    assert status == 0, err
+    assert "iter 3: non-finite loss or gradient norm nan; step skipped (1 in a row" in printed
+
+
+def test_float16_s_skipped_first_steps_hold_a_checkpoint_back_only_until_a_step_succeeds(data_path, tmp_path, capsys):
+    """The GradScaler starts at a loss scale that overflows here (grad_multiplier=1000) and skips the first steps
+    as it lowers the scale: the checkpoints due meanwhile are held back, then written as training goes on."""
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, dtype="float16", grad_multiplier=1000, max_iters=12, eval_interval=4)
+    status, printed, err = run(args + ["--checkpoint_interval=1"], capsys)
+    assert status == 0, err
+    held = f"iter 1: checkpoint held back: the last 1 step(s) were skipped as non-finite; resume from {out}/ckpt.pt"
+    assert held + " (iter 0)" in printed
+    assert iteration_of(out) == 12 and iteration_of(os.path.join(out, "best.pt")) > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. and 9. Failed writes: a tmpfs that fills, a read-only file system.
+
+
+@contextlib.contextmanager
+def tmpfs(path, size="32m", read_only=False):
+    """A tmpfs of `size` mounted at `path` (root only: the test is skipped, saying why, where mounting is refused)."""
+    os.makedirs(path, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command here: a full or read-only file system cannot be made for the test")
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (mounting needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=True)
+
+
+def fill(directory, leave_bytes=0):
+    """Fill the file system of `directory` but `leave_bytes` (0: to the last byte) with one file; its path."""
+    filler = os.path.join(directory, "filler")
+    stat = os.statvfs(directory)
+    to_write = stat.f_bavail * stat.f_frsize - leave_bytes
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):  # ENOSPC: full
+        while leave_bytes == 0 or to_write > 0:
+            to_write -= f.write(b"\0" * (min(to_write, 1 << 16) if leave_bytes else 1 << 16))
+    return filler
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["its own stop", "SIGTERM", "Ctrl-C"])
+def test_a_full_disk_is_reported_at_once_with_the_os_reason(data_path, tmp_path, start, ending):
+    """The disk fills while the run trains (the test fills it at step 8, leaving room for metrics lines but
+    not for a checkpoint). The iter-10 save fails: one line at once naming the file and ENOSPC (not torch's
+    "unexpected pos"), and the run ends with a line naming the checkpoint to resume and its iteration.
+    Once there is room again, the same command continues from it."""
+    with tmpfs(str(tmp_path / "disk")) as disk:
+        out, pause = os.path.join(disk, "out"), str(tmp_path / "pause")
+        args = tiny_args(data_path, out, max_iters=14, eval_interval=5)
+        proc = start(args + ["--init_from=auto"], TEST_PAUSE=f"0:8,10:{pause}")
+        wait_for_line(proc, "paused before step 8")
+        filler = fill(disk, leave_bytes=256 << 10)
+        seen = ""
+        if ending == "SIGTERM":  # the run stops after step 8 and its save fails
+            proc.send_signal(signal.SIGTERM)
+        release(pause, 8)
+        if ending != "SIGTERM":  # the iter-10 save failed, and said so, before step 10 begins
+            seen = wait_for_line(proc, "paused before step 10")
+            assert "error: cannot write" in seen, seen
+            if ending == "Ctrl-C":
+                proc.send_signal(signal.SIGINT)
+            else:
+                release(pause, 10)
+        output = seen + proc.communicate(timeout=120)[0]
+        failure = f"error: cannot write checkpoint {out}/ckpt.pt: [ENOSPC] No space left on device; the previous one"
+        assert failure in output and "unexpected pos" not in output and "Traceback" not in output, output
+        resume = f"resume from {out}/ckpt.pt (iter 5) with --init_from=resume (or auto)"
+        expected = {
+            "its own stop": (1, f"stopped at iter 11: a write failed (above); {resume} once {out} has room"),
+            "SIGTERM": (1, f"stopped by SIGTERM at iter 9: a write failed (above); {resume} once {out} has room"),
+            "Ctrl-C": (130, f"interrupted at iter 10; {resume}"),
+        }[ending]
+        assert proc.returncode == expected[0] and expected[1] in output, output
+        assert output.index(failure) < output.index(expected[1])
+        assert iteration_of(os.path.join(out, "ckpt.pt")) == 5
+        os.remove(filler)
+        proc = start(args + ["--init_from=auto"])
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and f"resuming {out}/ckpt.pt at iter 5" in output, output
+        assert iteration_of(os.path.join(out, "ckpt.pt")) == 14
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_appending_metrics_is_one_line_and_stops_the_run(data_path, tmp_path, start):
+    with tmpfs(str(tmp_path / "disk"), size="8m") as disk:
+        out, pause = os.path.join(disk, "out"), str(tmp_path / "pause")
+        args = tiny_args(data_path, out, max_iters=400, eval_interval=1000, checkpoint_minutes=0)
+        proc = start(args, TEST_PAUSE=f"0:2:{pause}")
+        wait_for_line(proc, "paused before step 2")
+        fill(disk)
+        release(pause, 2)
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in output, output
+        failure = f"error: cannot append to {out}/metrics.jsonl: [ENOSPC] No space left on device"
+        assert failure in output and "a write failed (above); resume from" in output, output
+        assert "(iter 0)" in output
+
+
+def test_a_read_only_out_dir_is_one_line(data_path, tmp_path, capsys):
+    with tmpfs(str(tmp_path / "ro"), size="1m", read_only=True) as read_only:
+        status, printed, err = run(tiny_args(data_path, read_only, max_iters=1), capsys)
+    assert status == 2 and printed == ""
+    one_error_line(err, f"cannot write in out_dir {read_only}: [EROFS] Read-only file system")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 8. and 9. meta.pkl is data; the smaller items.
+
+
+def test_a_meta_pkl_that_would_run_code_is_refused_unread(tmp_path, capsys):
+    data_path = make_char_data(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with open(tmp_path / "tiny" / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 23, "itos": Payload()}, f)
+    status, printed, err = run(tiny_args(data_path, str(tmp_path / "out"), max_iters=1), capsys)
+    assert status == 2 and printed == "" and not marker.exists()
+    one_error_line(err, "meta.pkl asks to call posix.system while unpickling", "refused unread")
+
+
+def test_a_resume_on_data_with_another_character_mapping_of_the_same_size_is_refused(tmp_path, capsys):
+    data_path = make_char_data(tmp_path)
+    out = str(tmp_path / "out")
+    assert run(tiny_args(data_path, out, max_iters=2, eval_interval=2), capsys)[0] == 0
+    meta = os.path.join(data_path, "tiny", "meta.pkl")
+    itos = pickle.load(open(meta, "rb"))["itos"]
+    write_meta(meta, [itos[i] for i in reversed(range(len(itos)))])  # the same ids, other characters
+    before = file_bytes(out)
+    status, printed, err = run(tiny_args(data_path, out, max_iters=4, init_from="resume"), capsys)
+    assert status == 2 and printed == ""
+    one_error_line(err, "ckpt.pt was trained on another vocabulary than", "was the dataset prepared again")
+    assert file_bytes(out) == before
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_a_seed_outside_64_bits_is_one_line(data_path, tmp_path, capsys, seed):
+    status, printed, err = run(tiny_args(data_path, str(tmp_path / "out"), seed=seed), capsys)
+    assert status == 2 and printed == ""
+    one_error_line(err, "seed must be in [0, 2**64)", f"got {seed}")
+
+
+def test_an_eval_only_relaunch_changes_neither_config_json_nor_the_records(finished_run, capsys):
+    out, args = finished_run
+    before = file_bytes(out)
+    status, printed, _ = run(args + ["--init_from=resume", "--eval_only=True"], capsys)
+    assert status == 0 and "step 10: train loss" in printed  # evaluated and printed ...
+    assert file_bytes(out) == before  # ... but config.json says eval_only=False still, and no second row
+
+
+def test_config_json_is_the_run_s_and_follows_a_resume_that_changes_it(finished_run, capsys):
+    out, args = finished_run
+    config = os.path.join(out, "config.json")
+    before = open(config, "rb").read()
+    assert run(args + ["--init_from=resume"], capsys)[0] == 0  # the same configuration: left as it was
+    assert open(config, "rb").read() == before
+    assert run(args + ["--init_from=resume", "--max_iters=12", "--learning_rate=1e-3"], capsys)[0] == 0
+    assert json.load(open(config))["learning_rate"] == 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run directory's pieces, on their own.
+
+
+def test_the_lock_notices_when_another_launch_takes_it_and_releases_only_its_own(tmp_path):
+    lock = run_dir.RunLock.acquire(str(tmp_path), timeout_s=0.4, wait_limit_s=1)
+    path = tmp_path / "run.lock"
+    assert json.load(open(path))["pid"] == os.getpid() and lock.lost is None
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": 0, "token": "theirs"}))
+    deadline = time.monotonic() + 60
+    while lock.lost is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lock.lost.startswith(f"the lock on its out_dir ({path}) was taken by pid 1 on elsewhere since ")
+    lock.release()
+    assert json.load(open(path))["token"] == "theirs"  # not ours to remove
+
+
+def test_stop_signals_are_recorded_and_the_previous_handlers_restored():
+    signals = run_dir.StopSignals()
+    before = signal.getsignal(signal.SIGTERM)
+    signals.install()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not signals.received and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert signals.received == signal.SIGUSR1  # the first one counts
+    signals.restore()
+    assert signal.getsignal(signal.SIGTERM) == before
