@@ -430,7 +430,11 @@ def evaluate_hellaswag(run, progress, time_s):
         ctx=run.autocast,
     )
     if run.dist.is_master:
-        print(f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (n={result['n']})", flush=True)
+        print(
+            f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (lm-eval's, per character), "
+            f"acc {result['acc']:.4f}, acc_norm_tokens {result['acc_norm_tokens']:.4f} (n={result['n']})",
+            flush=True,
+        )
         run.metrics.write({**stamp(progress, time_s), metrics.HELLASWAG: result["acc_norm"]})
 
 
