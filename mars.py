@@ -386,6 +386,13 @@ class MARS(torch.optim.Optimizer):
         # load_state_dict would take the saved groups' values, so a fused=True optimizer restored from a
         # foreach run would silently stop compiling.
         paths = [{key: group[key] for key in ("foreach", "fused")} for group in self.param_groups]
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            missing = sorted(group.keys() - saved.keys())
+            if missing:
+                raise ValueError(
+                    f"this state dict's parameter groups lack {', '.join(missing)}: it was not written by this MARS "
+                    f"(mars.py {__version__}); load it with the version that wrote it"
+                )
         super().load_state_dict(state_dict)
         # Exact MARS's protocol restarts with the loaded state: a step() pending from before (torch's
         # set_optimizer_state_dict takes a zero-lr step() on an optimizer without state) would refuse the
