@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from mars import MARS, lr_1d_factor
 from marsgpt import checkpoint, metrics
+from marsgpt.fsdp import local as local_shard
 from model import hidden_matrix_params, matrix_params, param_groups
 
 
@@ -509,12 +510,14 @@ def _moment_norms(optimizer, sum_over_ranks=None, *, second_moment=False):
     parameters' device}: the norm of m over every tensor and, with second_moment (mars-adamw), that of v and
     their ratio (Lion's, Shampoo's and MARS-M's matrices keep no v: only the 1-D tensors' would count).
 
-    sum_over_ranks: under ZeRO-1 each rank holds a share of the state; an all-reduce (sum) of a tensor, which
-    every rank must then call. Nothing here reads a number back to the host."""
+    sum_over_ranks: where each rank holds a share of the state (ZeRO-1's whole tensors, FSDP2's rows of each), an
+    all-reduce (sum) of a tensor over the ranks that hold one share each, which they must then all call; the
+    norms are of this rank's share (a DTensor's local rows), their squares summed over the ranks. Nothing here
+    reads a number back to the host."""
     device = optimizer.param_groups[0]["params"][0].device
     states = [s for s in optimizer.state.values() if "exp_avg" in s]
-    m = _norm([s["exp_avg"] for s in states], device)
-    v = _norm([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s], device)
+    m = _norm([local_shard(s["exp_avg"]) for s in states], device)
+    v = _norm([local_shard(s["exp_avg_sq"]) for s in states if "exp_avg_sq" in s], device)
     if sum_over_ranks is not None:
         m, v = sum_over_ranks(torch.stack([m, v]).float() ** 2).sqrt()
     norms = {metrics.MOMENTUM_NORM: m.float()}
@@ -528,13 +531,22 @@ def _mars_label(cfg):
     return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
 
 
+def _mars_check(cfg):
+    if cfg.mars_fused and cfg.zero_stage == 3:
+        return (
+            "mars_fused=True does not apply to zero_stage=3: MARS steps FSDP2's sharded parameters with its "
+            "sharded multi-tensor path (docs/mars.md); drop mars_fused"
+        )
+    return None
+
+
 def _mars_m_check(cfg):
     if cfg.optimize_1d:
         return (
             "optimize_1d=True does not apply to mars_type=mars-m: it trains the embeddings, head and 1-D tensors "
             "with AdamW, as its reference; drop optimize_1d"
         )
-    return None
+    return _mars_check(cfg)
 
 
 # What every MARS variant reads; MARS-M's AdamW part takes learning_rate and weight_decay where the others'
@@ -559,6 +571,7 @@ def _mars_variant(mars_type, description, state_norms=_moment_norms):
         label=_mars_label,
         look_ahead=_exact_mars_look_ahead,
         state_norms=state_norms,
+        check=_mars_check,
     )
 
 
