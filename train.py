@@ -161,7 +161,7 @@ def setup(cfg, dist_info, directory=None):
     else:
         eval_model = torch.compile(model) if compile_model else model
         train_model = wrap_ddp(eval_model, dist_info) if dist_info.ddp else eval_model
-    optimizer = build_optimizer(model, cfg, dist_info.device_type, dist_info.world_size)  # over the shards, if any
+    optimizer = build_optimizer(model, cfg, dist_info.device_type, dist_info.world_size, fsdp=mesh is not None)
     progress = Progress()
 
     run = Run(
