@@ -362,14 +362,20 @@ def sum_over_ranks(run):
 
 @torch.no_grad()
 def evaluate(run, batches):
-    """Mean loss over the fixed windows (`batches` is this rank's share of cfg.eval_iters of them)."""
+    """Mean loss over the fixed windows (`batches` is this rank's share of cfg.eval_iters of them). Under FSDP2
+    every forward pass is a collective (its all-gathers), so a rank with one window fewer than others runs one
+    more pass, on zeros, whose loss it does not count."""
+    cfg = run.cfg
     run.eval_model.eval()
     loss_sum = torch.zeros((), device=run.dist.device)
-    for x, y in batches:
+    missing = -(-cfg.eval_iters // run.dist.world_size) - len(batches) if run.mesh is not None else 0
+    zeros = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)
+    for i, (x, y) in enumerate([*batches, *[(zeros, zeros)] * missing]):
         x, y = to_device(x, y, run.dist.device)
         with run.autocast:
             _, loss = run.eval_model(x, y, return_logits=False)
-        loss_sum += loss.float()
+        if i < len(batches):
+            loss_sum += loss.float()
     run.eval_model.train()
     return all_reduce_sum(run, loss_sum).item() / run.cfg.eval_iters
 
@@ -467,6 +473,7 @@ def evaluate_hellaswag(run, progress, time_s):
         rank=run.dist.rank,
         world_size=run.dist.world_size,
         ctx=run.autocast,
+        lockstep=run.mesh is not None,
     )
     if run.dist.is_master:
         print(f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (n={result['n']})", flush=True)
