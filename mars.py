@@ -310,14 +310,8 @@ class MARS(torch.optim.Optimizer):
         return {**super().__getstate__(), "_protocol": self._protocol, "_lr_1d_seen": self._lr_1d_seen}
 
     def __setstate__(self, state):
-        state = dict(state)
-        # a pickle written before the protocol was one dict
-        legacy = {key: state.pop(f"_{key}") for key in ("look_ahead", "last_grad_pending") if f"_{key}" in state}
         super().__setstate__(state)  # also what Optimizer.load_state_dict calls, with state and groups only
-        if "_protocol" not in self.__dict__:
-            self._protocol = {**_new_protocol(), **legacy}
-        for key, value in _new_protocol().items():
-            self._protocol.setdefault(key, value)
+        self.__dict__.setdefault("_protocol", _new_protocol())
         if len(self.__dict__.setdefault("_lr_1d_seen", [])) != len(self.param_groups):
             self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]
 
@@ -392,6 +386,13 @@ class MARS(torch.optim.Optimizer):
         # load_state_dict would take the saved groups' values, so a fused=True optimizer restored from a
         # foreach run would silently stop compiling.
         paths = [{key: group[key] for key in ("foreach", "fused")} for group in self.param_groups]
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            missing = sorted(group.keys() - saved.keys())
+            if missing:
+                raise ValueError(
+                    f"this state dict's parameter groups lack {', '.join(missing)}: it was not written by this MARS "
+                    f"(mars.py {__version__}); load it with the version that wrote it"
+                )
         super().load_state_dict(state_dict)
         # Exact MARS's protocol restarts with the loaded state: a step() pending from before (torch's
         # set_optimizer_state_dict takes a zero-lr step() on an optimizer without state) would refuse the
@@ -399,8 +400,6 @@ class MARS(torch.optim.Optimizer):
         self._protocol.update(_new_protocol(), zero_grad_calls=self._protocol["zero_grad_calls"])
         for group, path in zip(self.param_groups, paths):
             group.update(path)
-            # a checkpoint written before the key existed
-            group.setdefault("eps_1d_uncorrected", self.defaults["eps_1d_uncorrected"])
             group["last_grad_dtype"] = _dtype_by_name(group["last_grad_dtype"])
         # The groups are the checkpoint's now: what they hold is what the last step left there.
         self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]

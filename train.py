@@ -476,7 +476,11 @@ def evaluate_hellaswag(run, progress, time_s):
         lockstep=run.mesh is not None,
     )
     if run.dist.is_master:
-        print(f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (n={result['n']})", flush=True)
+        print(
+            f"step {progress.iter_num}: hellaswag acc_norm {result['acc_norm']:.4f} (lm-eval's, per character), "
+            f"acc {result['acc']:.4f}, acc_norm_tokens {result['acc_norm_tokens']:.4f} (n={result['n']})",
+            flush=True,
+        )
         run.metrics.write({**stamp(progress, time_s), metrics.HELLASWAG: result["acc_norm"]})
 
 
@@ -557,6 +561,7 @@ def main(argv=None):
         print_help()
         return 0
     cfg = dist_info = directory = progress = status = None
+    finished = False
     try:
         cfg = load_config(argv)
         if cfg.dry_run:
@@ -568,6 +573,7 @@ def main(argv=None):
             launch.describe(run, progress)
         fit(run, progress)
         status = directory.finish(progress)
+        finished = True
     except BaseException as e:
         status = exit_status(e, cfg, dist_info, directory, progress)
         if status is None:
@@ -578,6 +584,8 @@ def main(argv=None):
         # After a collective timed out the process group cannot be torn down: destroying it waits on the
         # dead peer (exit_process then leaves at once).
         if dist_info is not None and dist_info.ddp and dist.is_initialized() and status != TIMED_OUT:
+            if finished:  # gloo aborts a rank that tears down while its peer still sends ("terminate called ...")
+                dist.barrier()
             dist.destroy_process_group()
     return status
 

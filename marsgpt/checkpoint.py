@@ -54,6 +54,7 @@ import torch
 
 from marsgpt.files import atomic_writer, copy_file, os_reason
 
+CKPT_NAME = "ckpt.pt"  # the checkpoint a run directory resumes from (marsgpt/run_dir.py names the rest)
 COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter with this prefix
 
 REQUIRED_KEYS = ("model", "model_args")  # what the tools after training (sample, hellaswag, export) read
@@ -76,10 +77,9 @@ class DamagedCheckpoint(CheckpointError):
 
 
 def checkpoint_path(path):
-    """`path` itself when it names a file, else the checkpoint a resume continues in the run directory `path`."""
-    from marsgpt import run_dir  # here: run_dir builds on this module
-
-    return os.path.join(path, run_dir.CKPT_NAME) if os.path.isdir(path) else path
+    """`path` itself when it names a file, else the checkpoint a resume continues in the run directory `path`
+    (the run directory's other files are marsgpt/run_dir.py's)."""
+    return os.path.join(path, CKPT_NAME) if os.path.isdir(path) else path
 
 
 class HashingFile:

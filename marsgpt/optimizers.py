@@ -413,12 +413,8 @@ def group_hyperparameters(optimizer, entry, cfg):
 def load_state(optimizer, state, entry, cfg):
     """A checkpoint's optimizer state under this run's configuration: load_state_dict restores the moments,
     the step counts and each group's saved settings; group_hyperparameters then writes cfg's settings on top,
-    so a resume with --learning_rate=1e-4 trains at 1e-4. Groups saved before they had names take the names
-    of this optimizer's groups in order (build has always made them in the same order)."""
-    names = [group["name"] for group in optimizer.param_groups]
+    so a resume with --learning_rate=1e-4 trains at 1e-4."""
     optimizer.load_state_dict(state)
-    for group, name in zip(optimizer.param_groups, names):
-        group.setdefault("name", name)
     group_hyperparameters(optimizer, entry, cfg)
 
 

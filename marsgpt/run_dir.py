@@ -55,11 +55,10 @@ import torch
 import torch.distributed as dist
 
 from marsgpt import checkpoint, fsdp, metrics, shards
-from marsgpt.checkpoint import RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
+from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
 from marsgpt.config import ConfigError, config_to_dict
 from marsgpt.files import atomic_writer, os_reason, process_alive, remove_stale_temporaries
 
-CKPT_NAME = "ckpt.pt"
 BEST_NAME = "best.pt"
 CONFIG_NAME = "config.json"
 LOCK_NAME = "run.lock"

@@ -336,16 +336,17 @@ VERBS, THINGS = (
 
 
 def write_hellaswag_file(path, num_examples=HELLASWAG_EXAMPLES, seed=0):
-    """A tiny file in the official HellaSwag format (ctx, four endings, label) of made-up sentences:
-    enough to run marsgpt/hellaswag.py end to end, not to measure anything."""
+    """A tiny file in the official HellaSwag format (activity_label, ctx_a, ctx_b, ctx, four endings, label) of
+    made-up sentences: enough to run marsgpt/hellaswag.py end to end, not to measure anything."""
     rng = np.random.default_rng(seed)
     endings = [f"{verb} {thing}" for verb in VERBS for thing in THINGS]
     with atomic_writer(path, "w") as f:
         for i in range(num_examples):
             subject = SUBJECTS[i % len(SUBJECTS)]
-            ctx = f"{subject} walks into the {PLACES[i % len(PLACES)]}. Then {subject.lower()}"
+            ctx_a, ctx_b = f"{subject} walks into the {PLACES[i % len(PLACES)]}.", f"then {subject.lower()}"
             four = [endings[j] for j in rng.choice(len(endings), size=4, replace=False)]
-            f.write(json.dumps(dict(ctx=ctx, endings=four, label=int(rng.integers(4)))) + "\n")
+            example = dict(activity_label="Walking", ctx_a=ctx_a, ctx_b=ctx_b, ctx=f"{ctx_a} {ctx_b}")
+            f.write(json.dumps(dict(example, endings=four, label=int(rng.integers(4)))) + "\n")
 
 
 def check_data(ctx):
