@@ -127,7 +127,7 @@ def runs(data_path, tmp_path_factory):
             sharded, single = str(root / "sharded"), str(root / "single")
             output = torchrun(args_for(data_path, sharded, name))
             assert "world size 2 on cpu; 2 micro-batches per rank per step" in output
-            # assert "FSDP2 over 2 GPUs" in output
+            assert "FSDP2 over 2 GPUs" in output
             assert in_this_process(args_for(data_path, single, name)) == 0
             done[name] = sharded, single
         return done[name]
