@@ -314,3 +314,15 @@ def test_sample_py_reads_a_sharded_checkpoint_as_its_one_file_equal(runs, tmp_pa
         assert sample.main(["--out_dir", out, "--start=def", "--num_samples=2", "--max_new_tokens=24"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and len(texts[0]) > 24
+
+
+@pytest.mark.slow
+def test_hsdp_two_replicas_of_two_shards_train_what_one_process_trains(runs, data_path, tmp_path):
+    """4 ranks as a 2 x 2 mesh (--hsdp_replicas=2): each replica's 2 ranks hold the rows of one copy, the
+    replicas all-reduce their gradients; MARS-Shampoo's Newton-Schulz owners are within each replica."""
+    _, single = runs("mars-shampoo")
+    out = str(tmp_path / "hsdp")
+    output = torchrun(args_for(data_path, out, "mars-shampoo", hsdp_replicas=2), nproc=4)
+    assert "world size 4 on cpu; 1 micro-batch per rank per step" in output
+    assert "FSDP2 over 2 GPUs in each of 2 HSDP replicas" in output
+    assert_same_training(out, single, "mars-shampoo")
