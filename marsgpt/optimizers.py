@@ -217,7 +217,8 @@ class ShardedMuon(torch.optim.Muon):
     Newton-Schulz (60 all-reduces and 75 all-gathers a step for 10 matrices, each rank computing all ten), and
     its sharded matmuls round in bfloat16 in another order than one process does, so a run drifts from one
     process's at bfloat16's precision. Here each owner runs torch's own _zeropower_via_newtonschulz on the whole
-    matrix, as one process does, so the run equals one process to float64 rounding (tests/test_fsdp.py). The update is
+    matrix, as one process does: 2 ranks train what one process trains up to the bfloat16 rounding of Newton-Schulz
+    that the gradients' float32 rounding can flip, as plain DDP does (tests/test_fsdp.py). The update is
     _single_tensor_muon's, op for op; the state (momentum_buffer) and the checkpoint format are torch.optim.Muon's.
     Whole (not sharded) parameters take the same ops here."""
 

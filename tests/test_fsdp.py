@@ -1,24 +1,33 @@
 """train.py --zero_stage=3 (FSDP2, marsgpt/fsdp.py; sharded checkpoints, marsgpt/shards.py) through the command
-line: 2 gloo ranks under torchrun train what one process trains, for every optimizer the trainer offers; the
-sharded checkpoints resume on 2 ranks bit for bit after a kill -9 during a save, on 1 rank and from one process's
-checkpoint on 2; a damaged shard file is refused in one line; the tools read the sharded checkpoint directly.
-HSDP (4 ranks as 2 replicas x 2 shards) is one more launch, marked slow.
+line: 2 gloo ranks train what one process trains, for every optimizer the trainer offers; the sharded checkpoints
+resume on 2 ranks bit for bit after a kill -9 of the torchrun job during a save, on 1 rank, and from one
+process's checkpoint on 2 under torchrun; a damaged shard file is refused in one line naming it; nothing is
+overwritten; sample.py reads the sharded checkpoint directly. HSDP (torchrun, 4 ranks as 2 replicas x 2 shards)
+is one more launch, marked slow.
 
-Each optimizer is one torchrun launch of 4 steps (2 ranks x 2 micro-batches: the first micro-batch's gradients
-stay unsynchronised) and one run of train.main in this process (one thread), whose directories the tests
-read. Tolerances: both runs take the same windows in the same order; what differs is the order of float32
-additions (the reduce-scatter sums the two ranks' gradients, one process adds its micro-batches in turn), a
-few float32 roundings (2^-24 relative) per value, carried through 4 steps. rtol=1e-5, atol=1e-6 bounds that with
-room and is far below one step's change (the learning rate, 3e-3, times updates of order 1). Muon and Moonlight
-run Newton-Schulz in bfloat16 (torch.optim.Muon's rule): there a float32 rounding can flip a bfloat16 rounding
-(2^-8), which the next steps carry on, so their bound is relative to how far the parameters moved, as in
-tests/test_zero.py: after one update (iteration 2) 2^-5, after three (iteration 4) 2^-3. Measured: plain DDP
-(zero_stage=0) on 2 ranks differs from one process by 6.2% of the displacement at iteration 4, FSDP2 by 6.7%;
-a matrix orthogonalised in pieces, or by a wrong owner, would differ by the whole displacement.
+Each optimizer is one launch of 4 steps on 2 ranks (2 micro-batches each: the first one's gradients stay
+unsynchronised; 3 evaluation windows: rank 1 runs one uncounted pass to keep the collectives in step), started
+as torchrun's agent starts them (`ranks`), and one run of train.main in this process (one thread), whose
+directories the tests read. The killed job and its resume run under torchrun and end bit for bit as the sweep's
+run of the same optimizer: the two launchers train the same.
+
+Tolerances: both runs take the same windows in the same order; what differs is the order of float32 additions
+(the reduce-scatter sums the two ranks' gradients, one process adds its micro-batches in turn), a few float32
+roundings (2^-24 relative) per value, carried through 4 steps: measured at most 1.2e-7 on weights of order
+0.02-1. rtol=1e-5, atol=1e-6 bounds that with room and is far below one step's change (the learning rate,
+3e-3, times updates of order 1). Muon and Moonlight run Newton-Schulz in bfloat16 (torch.optim.Muon's rule):
+there a float32 rounding can flip a bfloat16 rounding (2^-8), which the next steps carry on, so their bound is
+relative to how far the parameters moved, as in tests/test_zero.py: after one update (iteration 2) 2^-5, after
+three (iteration 4) 2^-3. Measured: plain DDP (zero_stage=0) on 2 ranks differs from one process by 6.2% of the
+displacement at iteration 4, FSDP2 by 6.7%; a matrix orthogonalised in pieces, or by a wrong owner, would differ
+by about the whole displacement.
 """
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,18 +36,20 @@ import time
 
 import pytest
 import torch
-from train_helpers import ROOT, subprocess_env, tiny_args, wait_for_line
+from train_helpers import ROOT, launch, subprocess_env, tiny_args, wait_for_line
 
 import sample
 import train
+from bench.common import rendezvous
 from marsgpt import checkpoint
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 
-# checkpoints at 0, 2 and 4, each kept (ckpt_<iter>.pt): the resumes start from the kept one at 2
+# checkpoints at 0, 2 and 4, each kept (ckpt_<iter>.pt): the resumes start from the kept one at 2. 3 evaluation
+# windows: rank 1 has one fewer than rank 0 and runs one uncounted forward pass to keep FSDP2's collectives in step.
 RUN = dict(
-    max_iters=4, eval_interval=2, eval_iters=2, log_interval=1, gradient_accumulation_steps=4, keep_every_n_evals=1
+    max_iters=4, eval_interval=2, eval_iters=3, log_interval=1, gradient_accumulation_steps=4, keep_every_n_evals=1
 )
 OPTIMIZERS = {
     "mars-adamw-exact": dict(is_approx=False),
@@ -77,6 +88,33 @@ def torchrun(args, nproc=2, env=None, timeout=300):
             break
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+def ranks(args, nproc=2, timeout=300):
+    """The ranks of a job started as torchrun's agent starts them -- train.py's command line (through
+    train_helpers.py) with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and the address of a rendezvous store
+    -- but without the agent, a process of its own that imports torch too (about 2.5 s of CPU a launch here,
+    which the optimizer sweep would pay 7 times); the store is hosted by this process (bench.common.rendezvous).
+    The tests that need torchrun itself (a killed job, HSDP, a resume) launch it. Returns rank 0's output."""
+    with rendezvous() as env:
+        procs = [
+            launch(
+                args,
+                env=subprocess_env(
+                    **env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc)
+                ),
+            )
+            for r in range(nproc)
+        ]
+        try:
+            outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)
+    return outputs[0]
 
 
 def in_this_process(args):
@@ -125,7 +163,7 @@ def runs(data_path, tmp_path_factory):
         if name not in done:
             root = tmp_path_factory.mktemp(name)
             sharded, single = str(root / "sharded"), str(root / "single")
-            output = torchrun(args_for(data_path, sharded, name))
+            output = ranks(args_for(data_path, sharded, name))
             assert "world size 2 on cpu; 2 micro-batches per rank per step" in output
             assert "FSDP2 over 2 GPUs" in output
             assert in_this_process(args_for(data_path, single, name)) == 0
@@ -280,6 +318,22 @@ def test_a_damaged_shard_file_is_refused_in_one_line_naming_it(runs, data_path, 
     assert len(errors) == 1 and errors[0].startswith("error: ") and f"{damaged} is damaged" in errors[0], errors
     assert sample.main(["--out_dir", out, "--num_samples=1", "--max_new_tokens=4"]) == 2
     assert f"{damaged} is damaged" in capsys.readouterr().err
+
+
+def test_init_from_auto_passes_over_a_damaged_shard_file_to_the_newest_intact_checkpoint(runs, data_path, tmp_path):
+    sharded, _ = runs("mars-adamw-exact")
+    out = str(tmp_path / "out")
+    shutil.copytree(sharded, out)
+    directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[checkpoint.SHARDS_KEY]["directory"]
+    with open(os.path.join(out, directory, "__0_0.distcp"), "r+b") as f:
+        f.truncate(100)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert in_this_process(args_for(data_path, out, "mars-adamw-exact", init_from="auto")) == 0
+    printed = output.getvalue()
+    assert f"{os.path.join(out, directory, '__0_0.distcp')} is damaged" in printed
+    resumed = re.search(r"^resuming (\S+) at iter 4", printed, re.M)
+    assert resumed and resumed.group(1) in (os.path.join(out, name) for name in ("best.pt", "ckpt_0000004.pt"))
 
 
 def test_a_sharded_run_is_not_overwritten_without_overwrite(runs, data_path, tmp_path, capsys):
