@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import free_port, print_table, row, time_it
+from bench.common import print_table, rendezvous, row, time_it
 from marsgpt import checkpoint
 from marsgpt.files import atomic_writer
 from marsgpt.runtime import exit_process
@@ -65,8 +65,8 @@ def alternating(a, b, repeats):
     return tuple(sorted(t[1:])[len(t[1:]) // 2] for t in times)
 
 
-def agreement_worker(rank, port, steps, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+def agreement_worker(rank, rendezvous_env, steps, results):
+    os.environ.update(rendezvous_env, RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     norms = torch.ones(2)
@@ -91,7 +91,8 @@ def agreement_worker(rank, port, steps, results):
 
 def agreement_cost(steps):
     results = mp.Manager().dict()
-    mp.spawn(agreement_worker, args=(free_port(), steps, results), nprocs=2)
+    with rendezvous() as env:
+        mp.spawn(agreement_worker, args=(env, steps, results), nprocs=2)
     return (results[True] - results[False]) * 1e6
 
 

@@ -63,16 +63,6 @@ def print_table(rows):
         print(" | ".join(v.ljust(w) for v, w in zip(line, widths)))
 
 
-def free_port():
-    """A TCP port nothing listens on right now (for torchrun's --master_port; ranks started directly use
-    rendezvous(), which cannot lose its port to another process)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def rendezvous():
     """The environment for the ranks of a process group this process starts: MASTER_ADDR and MASTER_PORT of a

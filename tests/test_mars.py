@@ -248,6 +248,23 @@ def test_every_path_equals_the_reference(dtype, layout, mars_type):
             assert relative_difference(got, ref, x0s) < (0.1 if dtype == torch.bfloat16 else 0.02), path
 
 
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)], ids=str)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mars_type", MARS_TYPES)
+def test_weight_decay_in_half_precision_on_every_path(mars_type, path, dtype, rtol):
+    """The agreement test above bounds half-precision paths in total, where weight decay is a small part of an
+    update. Here it is all of it: with zero gradients every rule's update is 0, so each step multiplies every
+    tensor by 1 - lr · weight_decay (0.9) and four steps give 0.9⁴ to within four roundings (2⁻⁹ each in
+    bfloat16, 2⁻¹¹ in float16). A path that dropped the decay would be 34% off."""
+    shapes = [(16, 24), (24, 12), (5,), (2, 3, 2)]
+    x0s = [torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype) for i, s in enumerate(shapes)]
+    zeros = [[torch.zeros(s, dtype=dtype) for s in shapes] for _ in range(4)]
+    kw = dict(lrs=[0.5] * 4, mars_type=mars_type, weight_decay=0.2, lr_1d=0.5, weight_decay_1d=0.2)
+    got, _ = run_mars(x0s, zeros, zeros, **kw, **PATHS[path])
+    for p, x in zip(got, x0s):
+        torch.testing.assert_close(p.double(), x.double() * 0.9**4, rtol=rtol, atol=0)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_float16_weight_stays_finite(path):
     """Issue 13's case: a 768x768 float16 weight after one step. c̃'s entries are ~1/768, (1-β2)c̃² is
@@ -353,9 +370,19 @@ def test_compiled_optimizer_step_equals_the_reference(mars_type, path):
 # fused=True: compiled once, not per step.
 
 
+def compiled_frames():
+    """How many frames dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def test_fused_step_does_not_recompile_for_new_lr_or_new_shapes():
     x0s, grads, lookaheads = make_problem(torch.float32, steps=4)
+    torch._dynamo.reset()  # a graph an earlier test compiled would be reused without being counted
+    before = compiled_frames()
     run_mars(x0s, grads[:1], lookaheads, lrs=[1e-2], fused=True)  # compiles
+    assert compiled_frames() > before, "fused=True ran without compiling its step"
     with torch.compiler.set_stance("fail_on_recompile"):
         run_mars(x0s, grads, lookaheads, lrs=[1e-2, 2e-2, 3e-3, 5e-4], fused=True)
         other = make_problem(torch.float32, steps=2, shapes=[(9, 5), (33, 17), (3, 8)])
@@ -389,7 +416,11 @@ def test_fused_step_does_not_recompile_when_every_number_changes(mars_type):
         return params
 
     expected = run("reference", compile_first=False)
-    for got, want in zip(run("fused", compile_first=True), expected):
+    torch._dynamo.reset()
+    before = compiled_frames()
+    fused = run("fused", compile_first=True)
+    assert compiled_frames() > before, "fused=True ran without compiling its step"
+    for got, want in zip(fused, expected):
         torch.testing.assert_close(got, want)
 
 

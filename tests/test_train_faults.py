@@ -16,7 +16,7 @@ import torch
 from train_helpers import ROOT, launch, subprocess_env, tiny_args, wait_for_line
 
 import train
-from bench.common import free_port
+from bench.common import rendezvous
 from marsgpt import metrics
 
 pytestmark = pytest.mark.slow
@@ -272,16 +272,14 @@ def test_a_sharded_checkpoint_resumes_in_one_process_and_a_one_process_one_shard
             torch.testing.assert_close(model_a[key], model_b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def launch_ranks(args, fail, timeout_s, unreadable=""):
-    """Two gloo ranks started by hand (no torchrun agent to clean up after them); `fail` as TEST_FAIL,
-    `unreadable` as TEST_UNREADABLE."""
-    port = str(free_port())
+def launch_ranks(rendezvous_env, args, fail, timeout_s, unreadable=""):
+    """Two gloo ranks started by hand (no torchrun agent to clean up after them), meeting at the store of
+    bench.common.rendezvous (keep it open until they end); `fail` as TEST_FAIL, `unreadable` as TEST_UNREADABLE."""
     return [
         launch(
             args + [f"--ddp_timeout_s={timeout_s}"],
             env=subprocess_env(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
+                **rendezvous_env,
                 WORLD_SIZE="2",
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
@@ -296,13 +294,15 @@ def launch_ranks(args, fail, timeout_s, unreadable=""):
 def test_a_dead_rank_ends_the_job_which_then_resumes(data_path, ddp_run, tmp_path):
     out = str(tmp_path / "out")
     args = tiny_args(data_path, out, gradient_accumulation_steps=4, **DDP_RUN)
-    procs = launch_ranks(args, fail="1:4:raise", timeout_s=60)
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    with rendezvous() as env:
+        procs = launch_ranks(env, args, fail="1:4:raise", timeout_s=60)
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert all(proc.returncode != 0 for proc in procs), outputs
     assert "injected failure on rank 1 at step 4" in outputs[1]
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 3
-    procs = launch_ranks(args + ["--init_from=resume"], fail="", timeout_s=60)
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    with rendezvous() as env:
+        procs = launch_ranks(env, args + ["--init_from=resume"], fail="", timeout_s=60)
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outputs
     assert_same_run(out, ddp_run[0])
 
@@ -344,14 +344,15 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint_and_the_job_resu
 
 def test_a_hung_rank_times_out_instead_of_hanging(data_path, tmp_path):
     out = str(tmp_path / "out")
-    rank0, rank1 = launch_ranks(tiny_args(data_path, out, **DDP_RUN), fail="1:2:hang", timeout_s=5)
-    try:
-        output = rank0.communicate(timeout=90)[0]
-        assert rank0.returncode == 1, output
-        assert "error: rank 0: a collective timed out after ddp_timeout_s=5 s" in output, output
-    finally:
-        rank1.kill()
-        rank1.communicate()
+    with rendezvous() as env:
+        rank0, rank1 = launch_ranks(env, tiny_args(data_path, out, **DDP_RUN), fail="1:2:hang", timeout_s=5)
+        try:
+            output = rank0.communicate(timeout=90)[0]
+            assert rank0.returncode == 1, output
+            assert "error: rank 0: a collective timed out after ddp_timeout_s=5 s" in output, output
+        finally:
+            rank1.kill()
+            rank1.communicate()
 
 
 def gpt2_token_data(root):
@@ -383,7 +384,8 @@ def test_a_file_one_rank_cannot_read_stops_every_rank_at_once(data_path, tmp_pat
         args = tiny_args(str(tmp_path), out, dataset="bpe", n_embd=32, max_iters=2, eval_interval=2)
         args += ["--hellaswag_interval=2", f"--hellaswag_path={hidden}", "--gradient_accumulation_steps=2"]
         message = "error: rank 1: [Errno 2] No such file or directory"
-    procs = launch_ranks(args, fail="", timeout_s=600, unreadable=f"1:{hidden}")
-    outputs = [proc.communicate(timeout=240)[0] for proc in procs]  # 600 s would mean a hang
+    with rendezvous() as env:
+        procs = launch_ranks(env, args, fail="", timeout_s=600, unreadable=f"1:{hidden}")
+        outputs = [proc.communicate(timeout=240)[0] for proc in procs]  # 600 s would mean a hang
     assert all(proc.returncode == 2 for proc in procs), outputs
     assert message in outputs[0] and "Traceback" not in "".join(outputs), outputs
