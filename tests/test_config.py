@@ -125,6 +125,7 @@ def test_file_errors_name_the_file(tmp_path, text, message):
     assert message.format(path=path) in str(e.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -150,6 +151,7 @@ def test_printed_config_is_a_config_file_that_loads_back(tmp_path, capsys):
     assert TrainConfig(**config_to_dict(cfg)) == cfg
 
 
+@pytest.mark.slow
 def test_help_lists_every_key_with_type_default_and_meaning():
     run = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0 and run.stderr == ""
@@ -160,6 +162,7 @@ def test_help_lists_every_key_with_type_default_and_meaning():
     assert "[one of: mars, adamw, muon, moonlight]" in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",
     [["train.py", "--help"], ["-m", "marsgpt.config", "--help"], ["-m", "marsgpt.config", "config/quickstart.py"]],

@@ -100,6 +100,7 @@ def test_model_shapes_are_model_presets(monkeypatch):
         assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"]) == (2, 4, 64)
 
 
+@pytest.mark.slow
 def test_train_py_reads_a_paper_config_from_any_directory(tmp_path):
     """The config imports config.paper: that works wherever train.py is started from (its folder is on
     sys.path). The run gets as far as looking for its data."""
@@ -121,6 +122,7 @@ def run_losses(data_path, out_dir, **split):
     return {(r[metrics.ITER], k): r[k] for r in metrics.read_records(out_dir) for k in keys if k in r}
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_a_larger_micro_batch_of_the_same_windows_is_the_same_run(data_path, tmp_path):
     """What config/paper.py does to GPT-2 small (15 x 32 -> 30 x 16, eval 200 x 15 -> 100 x 30, the windows drawn

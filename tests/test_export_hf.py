@@ -40,6 +40,7 @@ def all_logits(gpt, idx):
     return gpt(idx, torch.zeros_like(idx))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale_by_layer", [False, True])
 def test_hf_to_ours_and_back_gives_the_same_logits(scale_by_layer):
     hf_model = random_hf_gpt2(scale_by_layer)
@@ -60,6 +61,7 @@ def tiny_gpt(**overrides):
     return GPT(GPTConfig(**{**args, **overrides})).eval()
 
 
+@pytest.mark.slow
 def test_export_folder_loads_in_transformers_and_matches_our_logits(tmp_path):
     gpt = tiny_gpt()
     export_hf(gpt, tmp_path)

@@ -98,6 +98,7 @@ def documented_step(run, it):
     return skipped
 
 
+@pytest.mark.slow
 def test_train_step_is_the_documented_float16_exact_mars_protocol(data_path, tmp_path, request):
     runs = []
     for name in ("train_step", "documented"):

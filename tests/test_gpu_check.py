@@ -75,6 +75,7 @@ def test_without_cuda_it_says_it_needs_a_gpu_and_writes_nothing(tmp_path, monkey
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_the_shell_script_runs_the_driver_with_its_arguments():
     done = subprocess.run(["bash", SCRIPT, "--only", "nosuch"], capture_output=True, text=True)
     assert done.returncode == 2
@@ -479,6 +480,7 @@ def test_sample_and_hellaswag_rows_read_the_tools_output():
 # The memory-plan hook: the plan train.py prints, per GPU.
 
 
+@pytest.mark.slow
 def test_the_memory_plan_row_reads_memplan_and_reports_its_failure(monkeypatch):
     from marsgpt import memory_plan
 

@@ -388,6 +388,7 @@ def test_ties_go_to_the_first_ending_and_an_ending_cleaned_to_nothing_never_wins
     assert picked["acc"].tolist() == [0, 1] and picked["acc_norm"].tolist() == [0, 0]
 
 
+@pytest.mark.slow
 def test_scoring_picks_the_ending_the_model_prefers():
     enc = get_gpt2_encoding()
     for e in as_examples(ITEMS):
@@ -464,6 +465,7 @@ def test_two_gloo_ranks_all_reduce_to_the_single_process_result(tmp_path):
 # The command.
 
 
+@pytest.mark.slow
 def test_real_gpt_logliks_match_and_cli_reports_accuracy(tmp_path, capsys, tiny_checkpoint):
     examples = as_examples(ITEMS)
     model = tiny_checkpoint(tmp_path / "out", PADDED_VOCAB, block_size=20).eval()
@@ -480,6 +482,7 @@ def test_real_gpt_logliks_match_and_cli_reports_accuracy(tmp_path, capsys, tiny_
     ) in out
 
 
+@pytest.mark.slow
 def test_scores_file_holds_every_example(tmp_path, capsys, tiny_checkpoint):
     model = tiny_checkpoint(tmp_path / "out", PADDED_VOCAB, block_size=64).eval()
     data, path = write_jsonl(tmp_path / "val.jsonl", ITEMS), tmp_path / "scores.jsonl"

@@ -164,6 +164,7 @@ def float64_newton_schulz(monkeypatch):
     monkeypatch.setattr(mars, "newton_schulz", per_matrix)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mars_type,optimize_1d,routing,amsgrad,weight_decay,is_approx",
     [
@@ -219,6 +220,7 @@ def relative_difference(got, ref, start):
     return (num / den).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
@@ -265,6 +267,7 @@ def test_weight_decay_in_half_precision_on_every_path(mars_type, path, dtype, rt
         torch.testing.assert_close(p.double(), x.double() * 0.9**4, rtol=rtol, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_float16_weight_stays_finite(path):
     """Issue 13's case: a 768x768 float16 weight after one step. c̃'s entries are ~1/768, (1-β2)c̃² is
@@ -318,6 +321,7 @@ class RefuseHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
 @pytest.mark.parametrize("path", PATHS)
 def test_tensor_lr_equals_float_lr_without_host_reads(mars_type, path):
@@ -348,6 +352,7 @@ def test_refuse_host_reads_catches_a_scalar_argument():
         torch._foreach_add_([x], [x], alpha=torch.tensor(0.5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
 @pytest.mark.parametrize("path", ["foreach", "fused"])
 def test_compiled_optimizer_step_equals_the_reference(mars_type, path):
@@ -389,6 +394,7 @@ def test_fused_step_does_not_recompile_for_new_lr_or_new_shapes():
         run_mars(*other, lrs=[1e-3, 2e-3], fused=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion"])
 def test_fused_step_does_not_recompile_when_every_number_changes(mars_type):
     """A schedule may write the betas each step (OneCycleLR's cycle_momentum) and groups may differ in every
@@ -648,6 +654,7 @@ def test_approximate_mars_ignores_the_exact_protocol_calls():
 # The stored previous gradient in bfloat16 (last_grad_dtype).
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("is_approx", [True, False])
 def test_bfloat16_last_grad_on_every_path(is_approx):
     x0s, grads, lookaheads = make_problem(torch.float32, steps=4)
@@ -667,6 +674,7 @@ def test_bfloat16_last_grad_on_every_path(is_approx):
 # Newton-Schulz.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 200)])
 def test_newton_schulz_singular_values_near_one(shape):
     G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -825,6 +833,7 @@ def test_sparse_gradient_raises():
 # State.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mars_type", MARS_TYPES)
 @pytest.mark.parametrize("is_approx", [True, False])
 @pytest.mark.parametrize("path", PATHS)
@@ -887,6 +896,7 @@ def test_checkpoint_with_integer_steps_loads():
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_previous_gradient_is_the_optimizers_own_copy(path):
     """Zeroing, accumulating into or clipping .grad in place after step() leaves the run unchanged."""
@@ -1096,6 +1106,7 @@ def test_agrees_with_pytorch_optimizer(mars_type, optimize_1d, amsgrad):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_routing_decides_which_tensors_take_mars(path):
     """A 4-D convolution kernel takes the AdamW rule under the paper's routing and MARS under "nd"."""

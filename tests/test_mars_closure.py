@@ -79,6 +79,7 @@ def closure_run(steps, lrs, mixed=False, model=None, opt=None, start=0, **kwargs
 LRS = [1e-2, 3e-2, 2e-2, 1e-2, 5e-3, 5e-3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixed", [False, True], ids=["exact", "exact-and-approximate-groups"])
 @pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion", "mars-shampoo", "mars-m"])
 @pytest.mark.parametrize("path", PATHS)
@@ -94,6 +95,7 @@ def test_exact_mars_through_a_closure_equals_the_hand_written_protocol(path, mar
     assert all("previous_param" in opt.state[p] for p in got.parameters())
 
 
+@pytest.mark.slow
 def test_a_closure_run_resumes_bit_for_bit_from_a_state_dict():
     kwargs = dict(gamma=0.5, is_approx=False)
     expected, _, _ = closure_run(len(LRS), LRS, **kwargs)

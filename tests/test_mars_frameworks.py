@@ -384,6 +384,7 @@ def test_other_libraries_type_names_are_refused_with_the_way_to_their_settings(n
     assert all(t in str(err.value) for t in mars.MARS_TYPES)
 
 
+@pytest.mark.slow
 def test_heavyballs_mars_correction_takes_gamma_and_beta1_swapped():
     """heavyball's mars transform calls mars_correction(g, old_g, beta1, gamma) with (mars_gamma, beta1): at the
     paper's γ = 0.025, β1 = 0.95 its correction weight is β1γ/(1-γ) = 0.0244, this rule's γβ1/(1-β1) = 0.475."""

@@ -197,6 +197,7 @@ def test_hidden_matrix_params_split():
     assert any(p is gpt.transformer.wte.weight for p in other)
 
 
+@pytest.mark.slow
 def test_generate_length_and_top_k():
     gpt = tiny_gpt()
     idx = torch.randint(0, 50, (2, 10))
@@ -211,6 +212,7 @@ def test_generate_length_and_top_k():
         gpt.generate(idx, 1, temperature=0)
 
 
+@pytest.mark.slow
 def test_generate_samples_only_from_the_top_k():
     gpt = tiny_gpt()
     idx = torch.randint(0, 50, (1, 5))
@@ -319,6 +321,7 @@ def saved_bytes(fn):
     return sum(storages.values()), result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_activation_checkpointing_keeps_loss_and_gradients_and_saves_less(dropout):
     """Recomputing each block in the backward pass replays the forward's RNG state: the same dropout masks,
@@ -404,6 +407,7 @@ def test_the_chunked_loss_keeps_no_vocabulary_sized_activation():
     assert max(saved_sizes(return_logits=False)) == gpt.lm_head.weight.numel() < positions_by_vocab
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_the_chunked_loss_compiles_into_one_graph(backend):
     gpt = tiny_gpt()

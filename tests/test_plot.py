@@ -45,6 +45,7 @@ def test_two_runs_render_with_every_run_in_every_panel(tmp_path):
     assert list(val.get_ydata()) == pytest.approx([4.1, 3.85, 3.6, 3.35])
 
 
+@pytest.mark.slow
 def test_labels_and_cli(tmp_path, capsys):
     write_run(tmp_path / "a", [3.0, 2.5, 2.0])
     write_run(tmp_path / "b", [3.0, 2.8, 2.6])

@@ -354,6 +354,7 @@ def assert_error_line(result, *parts):
     assert last.startswith("error: ") and all(part in last for part in parts), last
 
 
+@pytest.mark.slow
 def test_shakespeare_char_refuses_non_utf8_input_and_a_directory(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("First Citizen:\nCaf\xe9\n".encode("latin-1"))
     result = run_script(
@@ -458,6 +459,7 @@ def test_unreadable_data_files_are_refused_by_name_before_any_work(tmp_path, nam
         assert not os.path.exists(out) or not [f for f in os.listdir(out) if f.endswith(".bin")]
 
 
+@pytest.mark.slow
 def test_a_bad_row_deep_inside_a_fineweb_file_is_named(tmp_path):
     good = [json.dumps(dict(text=text)) + "\n" for text in documents(40)]
     cases = {

@@ -24,6 +24,7 @@ from train_helpers import launch, make_char_data, subprocess_env, tiny_args, wai
 
 import sample
 import train
+from bench.common import rendezvous
 from marsgpt import checkpoint, export_hf, hellaswag, run_dir
 from marsgpt.tokens import write_meta
 
@@ -200,6 +201,7 @@ def foreign_lock(out, age_s, pid=4242):
     return path
 
 
+@pytest.mark.slow
 def test_a_lock_from_another_machine_is_judged_by_its_heartbeat(data_path, tmp_path, capsys):
     """Across nodes a pid says nothing: a lock whose heartbeat stopped longer than lock_timeout_s ago is taken
     over at once; a younger one is watched, and refused when it moves."""
@@ -250,8 +252,11 @@ def test_under_ddp_rank_0_holds_the_lock_and_every_rank_learns_the_refusal(data_
     )
     with open(os.path.join(out, "run.lock"), "w") as f:
         json.dump(holder, f)
-    procs = launch_ranks(tiny_args(data_path, out, max_iters=2, gradient_accumulation_steps=4), fail="", timeout_s=120)
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    with rendezvous() as env:
+        procs = launch_ranks(
+            env, tiny_args(data_path, out, max_iters=2, gradient_accumulation_steps=4), fail="", timeout_s=120
+        )
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [2, 2], outputs
     assert f"is in use by the run of pid {os.getpid()}" in outputs[0] and "Traceback" not in "".join(outputs)
     assert json.load(open(os.path.join(out, "run.lock")))["token"] == "mine"

@@ -205,6 +205,7 @@ def gloo_rank(rank, rendezvous_env, peer, timeout_s, report):
     os._exit(0)  # no teardown of a process group whose peer is gone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer, timeout_s", [("hangs", 2), ("dies", 120)])
 def test_gloo_collective_with_a_lost_peer_raises_in_the_main_thread(peer, timeout_s):
     """What train.py's handler for a timed-out collective sees on gloo (NCCL's watchdog ends the process

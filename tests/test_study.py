@@ -158,6 +158,7 @@ def results(tmp_path):
     return (tmp_path / "out" / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_study_brackets_ranks_and_marks_ties(fake_train, tmp_path):
     rc, calls = fake_train("--only", "AdamW", "Muon", "MARS-Lion")
     assert rc == 0
@@ -180,6 +181,7 @@ def test_the_study_brackets_ranks_and_marks_ties(fake_train, tmp_path):
     assert (tmp_path / "out" / "loss_curves_40steps.png").exists()
 
 
+@pytest.mark.slow
 def test_a_rerun_skips_finished_runs_and_adds_only_a_new_optimizer_s(fake_train):
     assert fake_train("--only", "AdamW")[0] == 0
     rc, calls = fake_train("--only", "AdamW")
@@ -188,6 +190,7 @@ def test_a_rerun_skips_finished_runs_and_adds_only_a_new_optimizer_s(fake_train)
     assert rc == 0 and calls and {c["optimizer_name"] for c in calls} == {"muon"}
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_from_its_checkpoint(fake_train, tmp_path):
     assert fake_train("--only", "AdamW")[0] == 0
     run_dir = study.run_dir(str(tmp_path / "out"), Run("AdamW", 40, 1, 1338))
@@ -202,6 +205,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(fake_train, tmp_path):
     assert [(c["out_dir"], c.get("init_from")) for c in calls] == [(run_dir, "resume")]
 
 
+@pytest.mark.slow
 def test_a_diverged_run_is_remembered_and_not_retried(fake_train, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_DIVERGE_ABOVE", "2.5")  # AdamW's x8 diverges; its best stays x4
     rc, calls = fake_train("--only", "AdamW")
@@ -210,6 +214,7 @@ def test_a_diverged_run_is_remembered_and_not_retried(fake_train, tmp_path, monk
     assert fake_train("--only", "AdamW") == (0, [])
 
 
+@pytest.mark.slow
 def test_a_stopped_study_stops_its_runs_also_when_started_in_the_background(tmp_path, capsys):
     """SIGTERM stops the runs in flight with a SIGINT, which they honour although a shell's background job
     (nohup ... &) starts with SIGINT ignored; the rerun resumes them."""
@@ -247,12 +252,14 @@ def test_a_stopped_study_stops_its_runs_also_when_started_in_the_background(tmp_
     assert len(resumed) == 2
 
 
+@pytest.mark.slow
 def test_settings_changed_under_a_run_are_refused(fake_train, tmp_path):
     assert fake_train("--only", "AdamW")[0] == 0
     with pytest.raises(SystemExit, match="was trained with other settings"):
         fake_train("--only", "AdamW", "--weight_decay=0.5")
 
 
+@pytest.mark.slow
 def test_an_optimizer_train_py_refuses_is_skipped_or_refused(fake_train, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(study.OPTIMIZERS, "Nadam", dict(args=["--optimizer_name=nadam"], lrs=dict(learning_rate=1e-3)))
     rc, calls = fake_train("--only", "Nadam")
@@ -286,6 +293,7 @@ def test_bad_arguments_are_one_line(fake_train, argv, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_study_s_arguments_train_for_real(tmp_path, data_path):
     """One tiny run through the real train.py: the arguments the study builds are ones it accepts."""
     out = tmp_path / "out"

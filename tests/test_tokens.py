@@ -156,6 +156,7 @@ print(len(seen))
 """
 
 
+@pytest.mark.slow
 def test_more_shards_than_the_open_file_limit(tmp_path):
     for k in range(300):  # shard k holds ids 100k .. 100k + 39
         write_shard(tmp_path / f"fineweb_train_{k + 1:06d}.bin", 100 * k + np.arange(40))

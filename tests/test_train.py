@@ -134,6 +134,7 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     assert checked == sum(p.ndim >= 2 for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_mars_fused_trains_through_the_compiled_step(data_path, tmp_path, capsys):
     """--mars_fused=True gives MARS fused=True: its step goes through torch.compile (a graph is captured; the
     model itself is not compiled here) and trains as the default path does, to float32 rounding."""
@@ -572,6 +573,7 @@ def test_init_from_auto_starts_fresh_then_continues_exactly(data_path, tmp_path)
     assert json.load(open(os.path.join(pieces, "config.json")))["init_from"] == "resume"
 
 
+@pytest.mark.slow
 def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
     """init_from=gpt2 builds OpenAI's shape (biases, the unpadded 50257 tokens), not the configuration's: a
     resume rebuilds the checkpoint's model. A tiny stand-in for GPT-2 replaces the download."""
@@ -605,6 +607,7 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
         assert torch.equal(resumed["model"][key], value), key
 
 
+@pytest.mark.slow
 def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one(
     data_path, tmp_path, monkeypatch, capsys
 ):
@@ -711,6 +714,7 @@ def bucket_worker(rank, rendezvous_env, data_path, out, report_path):
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_ddp_gradients_stay_in_the_buckets_through_accumulation(data_path, tmp_path):
     """gradient_as_bucket_view saves a gradient copy only while the gradients are DDP's bucket views: after
     the no_sync micro-batch and after the synced one, in the first step and every later one, the gradients

@@ -368,6 +368,7 @@ def final_state(out_dir):
     return torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing", ["2d", "nd"])
 def test_learns_the_separable_toy_set(cifar10_dir, tmp_path, routing):
     out = str(tmp_path / "out")
@@ -407,6 +408,7 @@ def _dies_saving_epoch_2(monkeypatch):
     monkeypatch.setattr(checkpoint, "save_checkpoint", save)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", [_dies_mid_epoch_2, _dies_saving_epoch_2])
 def test_a_killed_run_resumes_to_the_same_parameters_and_records(cifar10_dir, tmp_path, monkeypatch, kill):
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
@@ -472,6 +474,7 @@ def test_bad_input_is_one_line_and_exit_2(cifar10_dir, tmp_path, capsys, break_d
     assert not os.path.exists(os.path.join(out, "ckpt.pt"))
 
 
+@pytest.mark.slow
 def test_the_module_reports_a_bad_key_in_one_line():
     """python -m vision.train_cifar from the repository root: a wrong value is one error line."""
     result = subprocess.run(
@@ -635,6 +638,7 @@ def _main_not_raising_keyboard_interrupt(args):
         pytest.fail("KeyboardInterrupt escaped train_cifar.main")
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_to_the_same_parameters(
     cifar10_dir, tmp_path, monkeypatch, capsys
 ):
@@ -660,6 +664,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_to_the_same_parameters(
     assert all(torch.equal(value, b["model"][key]) for key, value in a["model"].items())
 
 
+@pytest.mark.slow
 def test_sigint_to_the_script_prints_no_traceback(cifar10_dir, tmp_path):
     """A real Ctrl-C (SIGINT) to python -m vision.train_cifar, after its first epoch: one line, status 130."""
     out = str(tmp_path / "out")
