@@ -73,12 +73,12 @@ def torchrun_command(args, nproc=2):
     return [*launcher, os.path.join(ROOT, "tests", "train_helpers.py"), *args]
 
 
-def torchrun(args, nproc=2, env=None, timeout=300):
+def torchrun(args, nproc=2, timeout=300):
     for _attempt in range(2):
         done = subprocess.run(
             torchrun_command(args, nproc),
             cwd=ROOT,
-            env=env or subprocess_env(),
+            env=subprocess_env(),
             capture_output=True,
             text=True,
             timeout=timeout,
