@@ -426,12 +426,12 @@ def test_lockstep_ranks_run_as_many_forward_passes_and_count_only_their_own(monk
 
     monkeypatch.setattr(type(model), "forward", counting)
     runs = []
-    for r in range(3):
+    for r in (0, 2):  # a rank with two examples, the one with one
         passes.clear()
         locked = hellaswag.evaluate(model, examples, "cpu", rank=r, world_size=3, batch_examples=1, lockstep=True)
         runs.append(len(passes))
         assert locked == hellaswag.evaluate(model, examples, "cpu", rank=r, world_size=3, batch_examples=1)
-    assert runs[0] == runs[1] == runs[2] > 0
+    assert runs[0] == runs[1] > 0
 
 
 def test_non_gpt2_vocabulary_is_refused():

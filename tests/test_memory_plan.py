@@ -330,6 +330,7 @@ def test_fsdp2_ranks_hold_the_rows_torch_chunk_gives_them(optimizer, world_size)
     )
 
 
+@pytest.mark.slow
 def test_fsdp2_plan_of_gpt2_xl_on_8_gpus_beats_zero_1_and_names_what_it_adds(capsys):
     argv = ["config/train_gpt2_xl_mars.py", "--dry_run=True", "--plan_world_size=8", "--gpu_memory_gb=40"]
     assert train.main(argv + ["--zero_stage=1"]) == 0
@@ -387,6 +388,7 @@ def test_newton_schulz_owners_buffers_are_planned_for_the_matrix_rules_only(opti
     assert step is not None and step["newton_schulz"] == owners  # the tiny model's peak
 
 
+@pytest.mark.slow
 def test_the_largest_models_in_the_docs_fit_and_the_next_shapes_do_not():
     """docs/memory.md's largest-model table on 8 GPUs of 40 GiB: the shapes it names fit, with ZeRO-1 and with
     FSDP2, and the next shape of the ladder does not (the 80 GiB row and the whole table: python -m
