@@ -1532,55 +1532,94 @@ def _owner_newton_schulz(jobs, split_of):
 
 def _exchange_newton_schulz(group, items):
     """Each item's rows of its update u = NS direction of its whole m, items = [(entry, split, lr, rule, hyper)]
-    on one process group: every matrix goes to its owner (all-to-all), each owner runs Newton-Schulz on its
-    matrices (batched by shape and rule), and every rank gets back its rows (all-to-all)."""
-    first = items[0][1]
-    rank, world = first.rank, first.world
-    owners = _balanced_owners([_newton_schulz_cost(split.shape) for _, split, _, _, _ in items], world)
-    owned = [[i for i, owner in enumerate(owners) if owner == r] for r in range(world)]
-    momenta = [entry[1]["exp_avg"] for entry, _, _, _, _ in items]
-    row_numel = [math.prod(split.shape) // max(1, split.shape[split.dim]) for _, split, _, _, _ in items]
+    on one process group (_at_owners), each owner's Newton-Schulz batched by shape and rule."""
 
-    # 1. to the owners: rank r's shard of every matrix r' owns, in owned[r'] order
-    send = torch.cat([momenta[i].contiguous().view(-1) for r in range(world) for i in owned[r]])
-    send_sizes = [sum(momenta[i].numel() for i in owned[r]) for r in range(world)]
-    recv_sizes = [sum(items[i][1].sizes[r] * row_numel[i] for i in owned[rank]) for r in range(world)]
+    def directions(wholes):  # {item: its whole m} of the matrices this rank owns
+        batches = {}
+        for i in wholes:
+            _, split, _, rule, hyper = items[i]
+            batches.setdefault((split.shape, rule, hyper["beta1"], hyper["eps"]), []).append(i)
+        result = {}
+        for (_, rule, beta1, eps), batch in batches.items():
+            stacked = torch.stack([wholes[i] for i in batch])
+            result.update(zip(batch, _orthogonal_direction(stacked, rule, beta1=beta1, eps=eps).unbind(0)))
+        return result
+
+    momenta = [entry[1]["exp_avg"] for entry, _, _, _, _ in items]
+    return _at_owners(group, momenta, [split for _, split, _, _, _ in items], directions)
+
+
+def _at_owners(group, shards, splits, compute, result_dtype=None):
+    """This rank's rows of compute's result for each whole tensor, `shards` this rank's rows of each, split as
+    `splits` say over the process group `group`: every tensor goes whole to its owner rank (one all-to-all;
+    owners balanced by Newton-Schulz's cost), each owner computes compute({index: whole}) -> {index: result}
+    for the tensors it owns, and every rank gets back its rows of each result (one all-to-all), in
+    result_dtype (default: the shards')."""
+    first = splits[0]
+    rank, world = first.rank, first.world
+    result_dtype = result_dtype or shards[0].dtype
+    owners = _balanced_owners([_newton_schulz_cost(split.shape) for split in splits], world)
+    owned = [[i for i, owner in enumerate(owners) if owner == r] for r in range(world)]
+    row_numel = [math.prod(split.shape) // max(1, split.shape[split.dim]) for split in splits]
+
+    # 1. to the owners: rank r's shard of every tensor r' owns, in owned[r'] order
+    send = torch.cat([shards[i].contiguous().view(-1) for r in range(world) for i in owned[r]])
+    send_sizes = [sum(shards[i].numel() for i in owned[r]) for r in range(world)]
+    recv_sizes = [sum(splits[i].sizes[r] * row_numel[i] for i in owned[rank]) for r in range(world)]
     received = _all_to_all(send, send_sizes, recv_sizes, group)
 
-    # 2. the owner: whole matrices (pieces in rank order along the split dim), Newton-Schulz batched by shape
+    # 2. the owner: whole tensors (pieces in rank order along the split dim)
     pieces = {i: [] for i in owned[rank]}
     offset = 0
     for r in range(world):
         for i in owned[rank]:
-            split = items[i][1]
-            n = split.sizes[r] * row_numel[i]
-            pieces[i].append(received[offset : offset + n].view(split.local_shape(r)))
+            n = splits[i].sizes[r] * row_numel[i]
+            pieces[i].append(received[offset : offset + n].view(splits[i].local_shape(r)))
             offset += n
-    batches = {}
-    for i in owned[rank]:
-        _, split, _, rule, hyper = items[i]
-        batches.setdefault((split.shape, split.dim, rule, hyper["beta1"], hyper["eps"]), []).append(i)
-    directions = {}
-    for (_, dim, rule, beta1, eps), batch in batches.items():
-        whole = torch.stack([torch.cat(pieces[i], dim=dim) for i in batch])
-        for i, u in zip(batch, _orthogonal_direction(whole, rule, beta1=beta1, eps=eps).unbind(0)):
-            directions[i] = u
+    results = compute({i: torch.cat(pieces[i], dim=splits[i].dim) for i in owned[rank]})
 
-    # 3. back: rank r's rows of every update this rank owns, in owned[rank] order
+    # 3. back: rank r's rows of every result this rank owns, in owned[rank] order
     reply = [
-        directions[i].narrow(items[i][1].dim, items[i][1].offsets[r], items[i][1].sizes[r]).contiguous().view(-1)
+        results[i].narrow(splits[i].dim, splits[i].offsets[r], splits[i].sizes[r]).to(result_dtype).reshape(-1)
         for r in range(world)
         for i in owned[rank]
     ]
-    reply = torch.cat(reply) if reply else send.new_empty(0)
+    reply = torch.cat(reply) if reply else send.new_empty(0, dtype=result_dtype)
     returned = _all_to_all(reply, recv_sizes, send_sizes, group)
-    updates, offset = [None] * len(items), 0
+    rows, offset = [None] * len(shards), 0
     for r in range(world):
         for i in owned[r]:
-            n = momenta[i].numel()
-            updates[i] = returned[offset : offset + n].view(momenta[i].shape)
+            n = shards[i].numel()
+            rows[i] = returned[offset : offset + n].view(shards[i].shape)
             offset += n
-    return updates
+    return rows
+
+
+def map_whole_tensors(params, tensors, fn, result_dtype=None):
+    """[fn(whole) for each of `tensors`], each shaped and placed like its parameter in `params`, computed where its
+    whole value is: for a DTensor parameter (FSDP2, HSDP), `tensors` holds this rank's rows of it (a local tensor);
+    the whole goes to one owner rank, which computes fn there, and this rank gets back its rows of the result, in
+    result_dtype (default the tensor's). For a whole parameter fn runs here. This is MARS's owner scheme
+    (two all-to-alls per process group, owners balanced by Newton-Schulz's cost) for other whole-matrix rules:
+    marsgpt/optimizers.py steps torch.optim.Muon's rule with it."""
+    splits = [_split_of(p) for p in params]
+    results, exchanges = [None] * len(params), {}
+    for i, (split, tensor) in enumerate(zip(splits, tensors)):
+        if split is None:
+            results[i] = fn(tensor)
+        else:
+            exchanges.setdefault((split.group, tensor.dtype, tensor.device), []).append(i)
+    for (group, _, _), items in exchanges.items():
+        rows = _at_owners(
+            group,
+            [tensors[i] for i in items],
+            [splits[i] for i in items],
+            lambda wholes: {i: fn(whole) for i, whole in wholes.items()},
+            result_dtype,
+        )
+        for i, row in zip(items, rows):
+            results[i] = row
+    return results
 
 
 def _all_to_all(send, send_sizes, recv_sizes, group):

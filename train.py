@@ -10,10 +10,11 @@ What init_from, resume and relaunch mean for out_dir, when a checkpoint is writt
 early (a signal, a failed write) is marsgpt/run_dir.py's; this file is the run: its state, one optimizer
 step, evaluation, the loop and main().
 
-Data parallelism: gradient_accumulation_steps counts the micro-batches of one optimizer step across ALL
-ranks. Micro-batch k of step s is TokenData.get_batch(seed, s, k) wherever it runs; rank r takes
-k = r, r + world_size, ... . So the windows, and up to float rounding the model, do not depend on the
-number of GPUs, and a run can resume on a different number of GPUs.
+Data parallelism: DDP (zero_stage 0), ZeRO-1 (1: the optimizer state sharded) or FSDP2 / HSDP (3: parameters,
+gradients and optimizer state sharded, marsgpt/fsdp.py). gradient_accumulation_steps counts the micro-batches
+of one optimizer step across ALL ranks. Micro-batch k of step s is TokenData.get_batch(seed, s, k) wherever it
+runs; rank r takes k = r, r + world_size, ... . So the windows, and up to float rounding the model, do not
+depend on the number of GPUs, and a run can resume on a different number of GPUs.
 
 Exact resume: checkpoints are written at step boundaries, holding everything the next steps depend on
 (checkpoint_parts below), including which evaluations of their step are done; batches and dropout masks
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, launch, memory_plan, metrics, optimizers
+from marsgpt import checkpoint, fsdp, launch, memory_plan, metrics, optimizers
 from marsgpt.checkpoint import RNGState
 from marsgpt.config import config_to_dict, load_config, print_help, wants_help
 from marsgpt.launch import USER_ERRORS
@@ -44,6 +45,7 @@ from marsgpt.runtime import (
     SetupError,
     agree,
     exit_process,
+    resolve_dtype,
     set_deterministic,
     setup_distributed,
     setup_precision,
@@ -84,9 +86,10 @@ class Run:
 
     cfg: object
     dist: object  # runtime.Dist
-    model: torch.nn.Module  # the plain GPT: parameters, state_dict, estimate_mfu
+    model: torch.nn.Module  # the GPT (under FSDP2 sharded in place): parameters, state_dict, estimate_mfu
     train_model: torch.nn.Module  # what the training forward goes through (compiled, DDP-wrapped)
     eval_model: torch.nn.Module  # compiled, without DDP
+    compiled: bool  # torch.compile: the whole model, or (FSDP2) each block
     model_args: dict
     optimizer: object
     look_ahead: torch.optim.Optimizer | None  # exact MARS: the MARS that takes the look-ahead gradient, else None
@@ -102,14 +105,12 @@ class Run:
     window: LogWindow  # the steps since the last train line
     directory: RunDir
     memory_plan: MemoryPlan | None = None  # rank 0's, printed by launch.describe()
+    mesh: object = None  # FSDP2's DeviceMesh (zero_stage=3 under torchrun), else None
 
     @property
     def sharded(self):
+        """ZeRO-1: each rank holds a share of the optimizer's state (whole tensors)."""
         return is_sharded(self.cfg, self.dist.world_size)
-
-    @property
-    def compiled(self):
-        return self.eval_model is not self.model
 
     @property
     def tokens_per_step(self):
@@ -125,6 +126,8 @@ def checkpoint_parts(run, progress):
             run.scaler.load_state_dict(state)
 
     def load_optimizer(state):
+        if run.mesh is not None:  # a one-file checkpoint's whole tensors: this rank's rows of each
+            state = fsdp.shard_like_parameters(state, run.mesh)
         optimizers.load_state(run.optimizer, state, OPTIMIZERS.entry(run.cfg), run.cfg)
 
     optimizer = Part(run.optimizer.state_dict, load_optimizer)
@@ -149,12 +152,17 @@ def setup(cfg, dist_info, directory=None):
     model.to(dist_info.device)
     model.activation_checkpointing = cfg.activation_checkpointing
     autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
-    optimizer = build_optimizer(model, cfg, dist_info.device_type, dist_info.world_size)
-    progress = Progress()
-
     compile_model = cfg.compile if cfg.compile is not None else dist_info.device_type == "cuda"
-    eval_model = torch.compile(model) if compile_model else model
-    train_model = wrap_ddp(eval_model, dist_info) if dist_info.ddp else eval_model
+    mesh = None
+    if fsdp.enabled(cfg, dist_info):
+        mesh = fsdp.device_mesh(cfg, dist_info)
+        policies = fsdp.mixed_precision(resolve_dtype(cfg.dtype, dist_info.device_type), dist_info.device_type)
+        train_model = eval_model = fsdp.shard_model(model, mesh, policies, compile_blocks=compile_model)
+    else:
+        eval_model = torch.compile(model) if compile_model else model
+        train_model = wrap_ddp(eval_model, dist_info) if dist_info.ddp else eval_model
+    optimizer = build_optimizer(model, cfg, dist_info.device_type, dist_info.world_size, fsdp=mesh is not None)
+    progress = Progress()
 
     run = Run(
         val_batches=launch.eval_windows(cfg, val_data, dist_info),
@@ -164,6 +172,8 @@ def setup(cfg, dist_info, directory=None):
         train_model=train_model,
         train_batches=launch.eval_windows(cfg, train_data, dist_info),
         eval_model=eval_model,
+        compiled=compile_model,
+        mesh=mesh,
         model_args=model_args,
         optimizer=optimizer,
         scaler=scaler,
@@ -179,9 +189,11 @@ def setup(cfg, dist_info, directory=None):
         memory_plan=memory_plan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
     extras = dict(model_args=model_args, config=config_to_dict(cfg), vocabulary=train_data.vocabulary)
-    directory.register(cfg, checkpoint_parts(run, progress), extras)
+    directory.register(cfg, checkpoint_parts(run, progress), extras, mesh)
     if ckpt is not None:
-        directory.restore(ckpt, skip=("model",))  # launch.build_model loaded the weights as it built the model
+        # launch.build_model loaded the weights as it built the model, unless they are in a sharded checkpoint's
+        # files, which a sharded model reads its rows of
+        directory.restore(ckpt, skip=() if checkpoint.has_shards(ckpt) else ("model",))
     run.metrics = directory.metrics = launch.open_metrics(cfg, dist_info, progress, resumed=ckpt is not None)
     return run, progress, ckpt is not None
 
@@ -204,10 +216,11 @@ def dropout_seed(seed, step, micro_step):
 def forward_backward(run, step):
     """Accumulate this rank's gradients for step `step`; return its mean micro-batch loss (a tensor).
 
-    Each loss is divided by this rank's number of micro-batches and DDP averages across ranks, so the
-    gradient is the mean over all gradient_accumulation_steps micro-batches, times grad_multiplier (the
-    paper's gradient scale, see marsgpt/config.py; the returned loss stays the mean). DDP all-reduces only in
-    the last micro-batch's backward (no_sync before it). Nothing here waits for the device.
+    Each loss is divided by this rank's number of micro-batches and DDP (or FSDP2) averages across ranks, so
+    the gradient is the mean over all gradient_accumulation_steps micro-batches, times grad_multiplier (the
+    paper's gradient scale, see marsgpt/config.py; the returned loss stays the mean). The gradients are reduced
+    across ranks only in the last micro-batch's backward (gradients_stay_local before it). Nothing here waits
+    for the device.
     """
     cfg, info = run.cfg, run.dist
     micro_steps = range(info.rank, cfg.gradient_accumulation_steps, info.world_size)
@@ -220,7 +233,7 @@ def forward_backward(run, step):
     x, y = fetch(micro_steps[0])
     for i, k in enumerate(micro_steps):
         last = i == len(micro_steps) - 1
-        with contextlib.nullcontext() if last or not info.ddp else run.train_model.no_sync():
+        with contextlib.nullcontext() if last else gradients_stay_local(run):
             if cfg.dropout > 0:
                 torch.manual_seed(dropout_seed(cfg.seed, step, k))
             with run.autocast:
@@ -233,13 +246,23 @@ def forward_backward(run, step):
     return loss_sum
 
 
+def gradients_stay_local(run):
+    """The context of a micro-batch before a step's last: its gradients add up on this rank, unreduced. DDP's
+    no_sync; FSDP2's unsharded accumulation with gradient_sync=step (with micro_batch it reduce-scatters every
+    micro-batch, keeping the gradients sharded); nothing to keep in one process."""
+    if run.mesh is not None:
+        return fsdp.no_gradient_sync(run.model) if run.cfg.gradient_sync == "step" else contextlib.nullcontext()
+    return run.train_model.no_sync() if run.dist.ddp else contextlib.nullcontext()
+
+
 def clip_gradients(run):
-    """The global gradient norm before clipping (a tensor); clips to grad_clip when it is > 0."""
+    """The global gradient norm before clipping (a tensor); clips to grad_clip when it is > 0. Under FSDP2 the
+    norm of the sharded gradients takes one all-reduce of the shards' sums of squares."""
     params = [p for p in run.model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if run.cfg.grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, run.cfg.grad_clip, norm)
-    return norm
+    return fsdp.whole(norm)
 
 
 @dataclasses.dataclass
@@ -276,7 +299,7 @@ def train_step(run, it):
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
     # Gradients are cleared in place under DDP (they are views of its buckets, see runtime.wrap_ddp), else set
     # to None, which frees them until the backward pass needs them again.
-    set_to_none = not run.dist.ddp
+    set_to_none = not run.dist.ddp or run.mesh is not None
     set_lr(optimizer, it, cfg)
     norms = []
     if run.look_ahead is not None:
@@ -324,16 +347,35 @@ def all_reduce_sum(run, tensor):
     return tensor
 
 
+def sum_over_ranks(run):
+    """The sum of a tensor over the ranks that hold one share each of the sharded optimizer state: every rank
+    under ZeRO-1, one copy's shards under FSDP2 (HSDP's replicas hold the same shards)."""
+    if run.mesh is None:
+        return lambda tensor: all_reduce_sum(run, tensor)
+
+    def over_shards(tensor):
+        dist.all_reduce(tensor, group=fsdp.shard_group(run.mesh))
+        return tensor
+
+    return over_shards
+
+
 @torch.no_grad()
 def evaluate(run, batches):
-    """Mean loss over the fixed windows (`batches` is this rank's share of cfg.eval_iters of them)."""
+    """Mean loss over the fixed windows (`batches` is this rank's share of cfg.eval_iters of them). Under FSDP2
+    every forward pass is a collective (its all-gathers), so a rank with one window fewer than others runs one
+    more pass, on zeros, whose loss it does not count."""
+    cfg = run.cfg
     run.eval_model.eval()
     loss_sum = torch.zeros((), device=run.dist.device)
-    for x, y in batches:
+    missing = -(-cfg.eval_iters // run.dist.world_size) - len(batches) if run.mesh is not None else 0
+    zeros = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)
+    for i, (x, y) in enumerate([*batches, *[(zeros, zeros)] * missing]):
         x, y = to_device(x, y, run.dist.device)
         with run.autocast:
             _, loss = run.eval_model(x, y, return_logits=False)
-        loss_sum += loss.float()
+        if i < len(batches):
+            loss_sum += loss.float()
     run.eval_model.train()
     return all_reduce_sum(run, loss_sum).item() / run.cfg.eval_iters
 
@@ -357,16 +399,19 @@ def log_train(run, progress, window, result, time_s):
     loss = None
     if window.losses:
         loss = all_reduce_sum(run, window.loss_sum / window.losses) / run.dist.world_size
-    state_norms = {}
-    if run.sharded or run.dist.is_master:  # sharded state: every rank adds its share; else rank 0's is all
-        sum_over_ranks = (lambda t: all_reduce_sum(run, t)) if run.sharded else None
-        state_norms = OPTIMIZERS.entry(run.cfg).state_norms(run.optimizer, sum_over_ranks)
+    state_norms, param_norm = {}, None
+    sharded_state = run.sharded or run.mesh is not None
+    if sharded_state or run.dist.is_master:  # sharded state: every rank adds its share; else rank 0's is all
+        state_norms = OPTIMIZERS.entry(run.cfg).state_norms(
+            run.optimizer, sum_over_ranks(run) if sharded_state else None
+        )
+    if run.mesh is not None or run.dist.is_master:  # FSDP2: a norm of DTensors, an all-reduce every rank joins
+        param_norm = fsdp.whole(torch.nn.utils.get_total_norm(list(run.model.parameters())))
     if not run.dist.is_master:
         return
     dt = (time.perf_counter() - window.t0) / window.steps
     if loss is None:
         loss = torch.full((), math.nan, device=run.dist.device)
-    param_norm = torch.nn.utils.get_total_norm(list(run.model.parameters()))
     values = torch.stack([v.float() for v in (loss, param_norm, *state_norms.values())]).tolist()
     mfu, mfu_llmc = step_mfu(run, dt)
     record = {
@@ -428,6 +473,7 @@ def evaluate_hellaswag(run, progress, time_s):
         rank=run.dist.rank,
         world_size=run.dist.world_size,
         ctx=run.autocast,
+        lockstep=run.mesh is not None,
     )
     if run.dist.is_master:
         print(

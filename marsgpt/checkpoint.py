@@ -16,6 +16,12 @@ and nothing else: what a resume restores is exactly what was saved, part by part
 state of their own: tokens.TokenData.get_batch is a pure function of (seed, step, micro_step), so the
 progress's iter_num and the config are all the sampler needs.
 
+A sharded run (zero_stage=3, FSDP2) writes the same dict with its sharded tensors -- the parameters and the
+optimizer state, each rank's rows -- in a directory beside the file, every rank its part, and a meta tensor
+(shape and dtype) in their place in the file, which records the directory and its files' checksums
+(marsgpt/shards.py). load_checkpoint reads them back whole, so every reader above gets the dict it knows;
+a sharded run that resumes reads only its rows.
+
 Integrity. After torch.save's bytes the file ends with a short trailer: a JSON record (the SHA-256 of those
 bytes, their count, the checkpoint's iteration) and a fixed-size footer that says how long the record is.
 The hash is taken as torch.save writes (HashingFile, in a second thread), so saving reads nothing back; a
@@ -52,6 +58,7 @@ CKPT_NAME = "ckpt.pt"  # the checkpoint a run directory resumes from (marsgpt/ru
 COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter with this prefix
 
 REQUIRED_KEYS = ("model", "model_args")  # what the tools after training (sample, hellaswag, export) read
+SHARDS_KEY = "sharded"  # a sharded checkpoint's record of the directory holding its sharded tensors (shards.py)
 
 DIGEST = "sha256"
 # The last bytes of a checkpoint with a checksum: this prefix, the JSON record's length in 10 digits, "\n".
@@ -108,6 +115,12 @@ class HashingFile:
 
     def flush(self):
         self.file.flush()
+
+    def tell(self):  # written from the file's start, in order (torch.save; dcp's writer)
+        return self.size
+
+    def fileno(self):  # dcp's writer fsyncs each file it writes
+        return self.file.fileno()
 
     def close(self):
         self._hasher.shutdown()
@@ -189,22 +202,28 @@ def read_trailer(path):
     return trailer
 
 
+def file_digest(path, size=None):
+    """The hex digest of the first `size` bytes of the file `path` (all of it by default), or None when it has
+    fewer."""
+    digest, buffer = hashlib.new(DIGEST), bytearray(HASH_CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        remaining = os.fstat(f.fileno()).st_size if size is None else size
+        while remaining:
+            read = f.readinto(memoryview(buffer)[: min(remaining, HASH_CHUNK)])
+            if not read:
+                return None
+            digest.update(memoryview(buffer)[:read])
+            remaining -= read
+    return digest.hexdigest()
+
+
 def verify(path):
     """Check the checkpoint file `path` against its checksum, reading it once; return its Trailer, or None when
     it has none (nothing to check against). DamagedCheckpoint, naming the file, when the bytes differ."""
     trailer = read_trailer(path)
     if trailer is None:
         return None
-    digest, buffer = hashlib.new(DIGEST), bytearray(HASH_CHUNK)
-    with open(path, "rb", buffering=0) as f:
-        remaining = trailer.size
-        while remaining:
-            read = f.readinto(memoryview(buffer)[: min(remaining, HASH_CHUNK)])
-            if not read:
-                break
-            digest.update(memoryview(buffer)[:read])
-            remaining -= read
-    if remaining or digest.hexdigest() != trailer.digest:
+    if file_digest(path, trailer.size) != trailer.digest:
         raise DamagedCheckpoint(f"{path} is damaged: its bytes do not match the {DIGEST} recorded when it was written")
     return trailer
 
@@ -261,11 +280,14 @@ def cpu_copy(value):
 
     Tensors that share storage share it in the copy too, as torch.save keeps them: the tied token embedding
     and output head are one matrix in the checkpoint, not two. Each storage is copied once and whole (what
-    torch.save writes of it anyway). The storage of a CPU tensor given to hand_over is taken as it is.
+    torch.save writes of it anyway). The storage of a CPU tensor given to hand_over is taken as it is. Meta
+    tensors (a sharded checkpoint's placeholders) have nothing to copy and stay.
     """
     storages = {}  # (device, address) of each storage met so far -> its CPU copy
 
     def copy(tensor):
+        if tensor.is_meta:
+            return tensor
         handed_over = _handed_over.pop(id(tensor), None) is tensor
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr())
@@ -302,14 +324,22 @@ class CheckpointWriter:
     def save(self, path, state, copies=()):
         self.wait()
         snapshot = cpu_copy(state)
-        self._thread = threading.Thread(target=self._write, args=(path, snapshot, tuple(copies)), daemon=False)
-        self._thread.start()
 
-    def _write(self, path, snapshot, copies):
-        try:
+        def write():
             save_checkpoint(path, snapshot)
             for dst in copies:
                 keep_copy(path, dst)
+
+        self._start(path, write, iteration(state))
+
+    def _start(self, path, write, iteration):
+        """Run write() in the writer's thread; its outcome goes to on_saved(path, iteration) or on_error."""
+        self._thread = threading.Thread(target=self._write, args=(path, write, iteration), daemon=False)
+        self._thread.start()
+
+    def _write(self, path, write, iteration):
+        try:
+            write()
         except CheckpointError as e:
             self._error = e
         except Exception as e:  # anything else would end the thread unseen, and training would go on unsaved
@@ -320,7 +350,7 @@ class CheckpointWriter:
             if self.on_error is not None:
                 self.on_error(self._error)
         elif self.on_saved is not None:
-            self.on_saved(path, iteration(snapshot))
+            self.on_saved(path, iteration)
 
     def wait(self):
         """Block until the write in flight is on disk; raise its error, if it had one."""
@@ -336,9 +366,18 @@ RESUME_ADVICE = "train with --init_from=scratch first, or point out_dir at the r
 TOOL_ADVICE = "train a model first (python train.py ...), or give the out_dir of a trained run"  # the tools'
 
 
-def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True):
+def has_shards(ckpt):
+    """Whether a checkpoint dict holds placeholders for tensors in a shard directory (zero_stage=3's format)."""
+    return SHARDS_KEY in ckpt
+
+
+def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True, whole=True):
     """The checkpoint dict at `path` (a file, or a run directory), checked against its checksum and loaded onto
     the CPU. DamagedCheckpoint names a file whose bytes are not the ones written, or that torch cannot read.
+
+    A sharded checkpoint's directory is checked file by file too, and its tensors read whole (whole=False: left
+    as placeholders, with the directory's path made absolute, for a sharded run to read its rows of with
+    shards.read).
 
     mmap=True maps the file instead of reading it: the tensors are paged in from the page cache as they
     are copied to their device, so the 8 ranks of a node resuming a GPT-2 XL run share one copy of the
@@ -361,6 +400,16 @@ def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_check
         ) from None
     if not isinstance(ckpt, dict) or any(key not in ckpt for key in REQUIRED_KEYS):
         raise CheckpointError(f"{path} is not a training checkpoint (expected the keys {', '.join(REQUIRED_KEYS)})")
+    if has_shards(ckpt):
+        from marsgpt import shards  # here: torch.distributed.checkpoint is for sharded checkpoints only
+
+        record = ckpt[SHARDS_KEY]
+        folder = os.path.dirname(os.path.abspath(path))
+        ckpt[SHARDS_KEY] = dict(record, directory=os.path.join(folder, record["directory"]))
+        if verify_checksum:
+            shards.verify(ckpt)
+        if whole:
+            ckpt = shards.whole(ckpt)
     return ckpt
 
 

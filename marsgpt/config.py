@@ -251,9 +251,23 @@ class TrainConfig:
     # --- memory (memory_plan.py, docs/memory.md). None of these changes the training math: a resume may change them.
     zero_stage: int = key(
         0,
-        "1 = ZeRO-1: each DDP rank keeps the optimizer state of ~1/world_size of the parameters (the checkpoint "
-        "is the same); 0 = every rank keeps all of it",
-        lambda v: None if v in (0, 1) else "must be 0 or 1 (ZeRO stages 2 and 3 are not supported)",
+        "0 = DDP, every rank keeps all the state; 1 = ZeRO-1: each DDP rank keeps the optimizer state of "
+        "~1/world_size of the parameters; 3 = FSDP2: each rank keeps ~1/world_size of the parameters, gradients "
+        "and optimizer state, and checkpoints are written by every rank (marsgpt/fsdp.py). A resume may change it",
+        lambda v: None if v in (0, 1, 3) else "must be 0, 1 or 3 (ZeRO-2 is not offered: zero_stage=3 shards more)",
+    )
+    hsdp_replicas: int = key(
+        1,
+        "zero_stage=3: HSDP, the ranks in this many replica groups, each holding the whole model sharded over "
+        "world_size / hsdp_replicas ranks (e.g. the number of nodes: the shards' traffic stays in a node); "
+        "1 = FSDP over every rank",
+        positive,
+    )
+    gradient_sync: Literal["step", "micro_batch"] = key(
+        "step",
+        "zero_stage=3: when gradients are reduce-scattered. step = once per step, after the last micro-batch (the "
+        "micro-batches before it add up whole, unsharded gradients: one gradient of the whole model per rank); "
+        "micro_batch = after every micro-batch (the gradients stay sharded, one reduce-scatter per micro-batch)",
     )
     activation_checkpointing: bool = key(
         False, "keep only each block's input and recompute its activations in the backward pass (one more forward)"
@@ -273,6 +287,9 @@ class TrainConfig:
         problem = OPTIMIZERS.entry(self).check(self)
         if problem:
             raise ConfigError(problem)
+        if self.zero_stage != 3 and (self.hsdp_replicas != 1 or self.gradient_sync != "step"):
+            key = "hsdp_replicas" if self.hsdp_replicas != 1 else "gradient_sync"
+            raise ConfigError(f"{key} applies to zero_stage=3 (FSDP2) only; this run has zero_stage={self.zero_stage}")
         if self.decay_lr and self.schedule == "cosine" and self.lr_decay_iters <= self.warmup_iters:
             raise ConfigError(
                 f"lr_decay_iters={self.lr_decay_iters} must exceed warmup_iters={self.warmup_iters} "

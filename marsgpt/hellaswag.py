@@ -261,16 +261,21 @@ def correct_counts(scores, labels):
     return [int((picked[name] == labels).sum()) for name in METRICS]
 
 
-def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_examples=4):
+def evaluate(model, examples, device, rank=0, world_size=1, ctx=None, batch_examples=4, lockstep=False):
     """acc, acc_norm, acc_norm_tokens and n over `examples`, rank r scoring examples i with i % world_size == r.
 
     With torch.distributed initialised the counts are all-reduced, so every rank returns the totals;
-    every rank must call this with the same examples. Pass the bare model (not DDP-wrapped).
+    every rank must call this with the same examples. Pass the bare model (not DDP-wrapped). lockstep: every
+    rank runs as many forward passes (an FSDP2 model's are collectives): a rank with one example fewer scores
+    the first example once more, uncounted.
     """
     if not examples:
         raise ValueError("no HellaSwag examples to evaluate")
     mine = examples[rank::world_size]
-    correct = correct_counts(score(model, mine, device, ctx, batch_examples), labels_of(mine))
+    repeats = examples[:1] * (-(-len(examples) // world_size) - len(mine)) if lockstep else []
+    scores = score(model, mine + repeats, device, ctx, batch_examples)
+    scores = {name: values[: len(mine)] for name, values in scores.items()}
+    correct = correct_counts(scores, labels_of(mine))
     counts = torch.tensor(correct + [len(mine)], dtype=torch.long, device=device)
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)

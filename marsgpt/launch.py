@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, memory_plan
+from marsgpt import checkpoint, fsdp, memory_plan
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys
 from marsgpt.metrics import MetricsError, MetricsLog
@@ -58,9 +58,14 @@ def resolve_run(cfg, dist_info, directory, vocabulary):
 
 def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
     """The checkpoint at `path`, checked for every part, for keys the configuration may not change and for the
-    data's vocabulary. Rank 0 verified its checksum while choosing it; the other ranks verify it here."""
+    data's vocabulary. Rank 0 verified its checksum while choosing it; the other ranks verify it here. A sharded
+    checkpoint's tensors are read whole here for an unsharded run; a sharded run reads its rows of them later
+    (run_dir.RunDir.restore), once its model is sharded."""
     ckpt = checkpoint.load_checkpoint(
-        path, mmap=dist_info.device_type == "cuda", verify_checksum=not dist_info.is_master
+        path,
+        mmap=dist_info.device_type == "cuda",
+        verify_checksum=not dist_info.is_master,
+        whole=not fsdp.enabled(cfg, dist_info),
     )
     missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt and part not in NEWER_PARTS]
     if missing:
@@ -167,7 +172,7 @@ def build_model(cfg, vocab_size, ckpt):
             )
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = GPT(GPTConfig(**model_args))
-    if ckpt is not None:
+    if ckpt is not None and not checkpoint.has_shards(ckpt):  # a sharded one: each rank reads its rows once sharded
         checkpoint.load_model_state(model, ckpt["model"], ckpt_path)
     return model, model_args
 

@@ -16,7 +16,9 @@ at most 1 - HEADROOM of the GPU's memory.
 """
 
 import dataclasses
+import math
 import os
+import typing
 
 import torch
 
@@ -40,11 +42,21 @@ HEADROOM = 0.10  # of the GPU's memory, for what the plan does not count (docs/m
 AUTO_DTYPE = "bfloat16"  # dtype=auto on any GPU from the A100 on
 
 
+class Entry(typing.NamedTuple):
+    """One parameter as the plan needs it."""
+
+    elements: int
+    state_bytes: int  # its optimizer state
+    step_buffer: int  # what the optimizer step allocates for it beyond the state
+    largest: int  # its largest state tensor's bytes
+    rows: int  # its first dimension, the one FSDP2 shards (1 for a 0-d tensor)
+    newton_schulz: tuple | None = None  # its shape when its update runs Newton-Schulz on the whole matrix
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerLayout:
     """The run's optimizer as the plan needs it: for each torch optimizer inside (Muon's pair has two), its
-    parameter groups, each a list of (elements, state bytes, step-buffer bytes, largest state tensor's bytes)
-    per parameter, in order."""
+    parameter groups, each a list of Entry per parameter, in order."""
 
     optimizers: tuple
 
@@ -66,7 +78,7 @@ def optimizer_layout(cfg, model_args):
     optimizers.step(optimizer, look_ahead)
     inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
-    def entry(p, state):
+    def entry(opt, group, p, state):
         tensors = [v for v in state.values() if torch.is_tensor(v)]
         # MARS computes c_t in last_grad's buffer when it can; exact mode, or a last_grad stored in another
         # dtype than the parameter's, gives c_t a buffer of its own during the step (mars._multi_tensor_mars)
@@ -74,11 +86,30 @@ def optimizer_layout(cfg, model_args):
         own_buffer = last_grad is not None and ("previous_grad" in state or last_grad.dtype != p.dtype)
         step_buffer = p.numel() * p.element_size() if own_buffer else 0
         sizes = [t.numel() * t.element_size() for t in tensors]
-        return p.numel(), sum(sizes), step_buffer, max(sizes, default=0)
+        rows = p.shape[0] if p.ndim else 1
+        return Entry(p.numel(), sum(sizes), step_buffer, max(sizes, default=0), rows, newton_schulz(opt, group, p))
 
     return OptimizerLayout(
-        tuple(tuple(tuple(entry(p, opt.state[p]) for p in g["params"]) for g in opt.param_groups) for opt in inner)
+        tuple(
+            tuple(tuple(entry(opt, g, p, opt.state[p]) for p in g["params"]) for g in opt.param_groups) for opt in inner
+        )
     )
+
+
+def newton_schulz(opt, group, p):
+    """p's shape when opt's update of it runs Newton-Schulz on the whole matrix (under FSDP2 at one owner rank:
+    torch's Muon, MARS-Shampoo's and MARS-M's matrices), else None."""
+    import mars
+
+    if isinstance(opt, torch.optim.Muon):
+        return tuple(p.shape)
+    if (
+        isinstance(opt, mars.MARS)
+        and opt._is_mars_tensor(p, group)
+        and mars._rule(p, group["mars_type"]).startswith("newton")
+    ):
+        return tuple(p.shape)
+    return None
 
 
 def zero_partition(groups, world_size):
@@ -336,6 +367,8 @@ class MemoryPlan:
     save_bytes: int = 0  # what a checkpoint save adds to rank 0's GPU between steps: its "checkpoint save" moment
     fused_attention_bytes: int | None = None  # deterministic=True: the total with the fused attention kernels
     notes: tuple = ()
+    fsdp_shards: int = 0  # zero_stage=3 on more than one rank: the ranks one copy of the model is sharded over
+    hsdp_replicas: int = 1
 
     @property
     def state_bytes(self):
@@ -344,7 +377,7 @@ class MemoryPlan:
 
     @property
     def total_state_bytes(self):
-        return sum(self.rank_state_bytes) if self.sharded else self.state_bytes
+        return sum(self.rank_state_bytes) if self.sharded or self.fsdp_shards else self.state_bytes
 
     @property
     def total_bytes(self):
@@ -364,14 +397,17 @@ def usable(gpu_memory_bytes):
     return int(gpu_memory_bytes * (1 - HEADROOM))
 
 
-def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, layout=None, gpu_name=None):
+def plan(
+    cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, layout=None, gpu_name=None, device_type="cuda"
+):
     """The MemoryPlan of cfg's run on world_size GPUs of gpu_memory_gb GiB each (None: no verdict; gpu_name
     only labels it).
 
     model_args: GPTConfig fields (default: cfg's model with GPT-2's padded vocabulary; train.py passes the
     data's); dtype: the autocast dtype the run resolves to (default: cfg.dtype, 'auto' taken as bfloat16);
     layout: optimizer_layout(cfg, model_args), to reuse it across plans that differ only in world size,
-    batch, checkpointing or zero_stage.
+    batch, checkpointing or zero_stage; device_type: where the run trains (FSDP2 gathers bfloat16 parameters on
+    CUDA only, marsgpt/fsdp.py's mixed_precision).
     """
     model_args = model_args or model_args_from_config(cfg)
     dtype = dtype or (AUTO_DTYPE if cfg.dtype == "auto" else cfg.dtype)
@@ -380,31 +416,37 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
     activations = activations_for(model_args, dtype, math_attention=cfg.deterministic)
     sharded = is_sharded(cfg, world_size)
     parameters = layout.parameters
-    parameter_bytes = sum(n for n, _, _, _ in parameters) * 4  # float32 weights, and gradients alike
-    if sharded:
+    parameter_bytes = sum(e.elements for e in parameters) * 4  # float32 weights, and gradients alike
+    fsdp = FSDP2.of(cfg, world_size, model_args, dtype, device_type)
+    if fsdp is not None:
+        shares = [[fsdp.share(e, rank) for e in parameters] for rank in range(fsdp.shards)]
+        parameter_bytes = sum(e.elements for e in shares[0]) * 4  # rank 0 holds the most rows of every tensor
+    elif sharded:
         shares = [[] for _ in range(world_size)]
         for groups in layout.optimizers:  # Muon's pair: one ZeroRedundancyOptimizer each
             for rank, entries in enumerate(zero_partition(groups, world_size)):
                 shares[rank] += entries
     else:
         shares = [parameters]
-    rank_state_bytes = tuple(sum(s for _, s, _, _ in share) for share in shares)
+    rank_state_bytes = tuple(sum(e.state_bytes for e in share) for share in shares)
     state_bytes = max(rank_state_bytes)
     fullest = shares[rank_state_bytes.index(state_bytes)]
     # A save gathers the state on rank 0 tensor by tensor (optimizers.ShardedOptimizer.state_dict); over NCCL each
     # tensor of another rank's share passes through a buffer of its size on rank 0's GPU, over gloo none does.
-    staged = [largest for share in shares[1:] for _, _, _, largest in share] if cfg.backend != "gloo" else []
-    save_bytes = max(staged, default=0)
+    staged = [e.largest for share in shares[1:] for e in share] if cfg.backend != "gloo" and sharded else []
+    save_bytes = max(staged, default=0)  # FSDP2: each rank copies its rows to host memory, nothing else on the GPU
 
     def peak(micro_batch, activations=activations):
         """(moment, {part: bytes}): the largest moment of a step beyond parameters, gradients and state."""
-        moments = dict(
-            [activations.peak(micro_batch * cfg.block_size, cfg.activation_checkpointing)],
-            **{
-                "optimizer step": dict(step_buffer=sum(b for _, _, b, _ in fullest)),
-                "checkpoint save": dict(state_transfer=save_bytes),
-            },
-        )
+        pass_moment, pass_parts = activations.peak(micro_batch * cfg.block_size, cfg.activation_checkpointing)
+        step = dict(step_buffer=sum(e.step_buffer for e in fullest))
+        if fsdp is not None:
+            pass_parts = dict(pass_parts, **fsdp.pass_parts(cfg))
+            if fsdp.gathered_bytes < 4 and "weight_copies" in pass_parts:  # the blocks' are bfloat16 already:
+                c, v = activations.cfg.n_embd, activations.cfg.vocab_size  # autocast copies the output head only
+                pass_parts["weight_copies"] = min(pass_parts["weight_copies"], activations.element_bytes * v * c)
+            step = dict(step, newton_schulz=fsdp.newton_schulz_bytes(parameters))
+        moments = {pass_moment: pass_parts, "optimizer step": step, "checkpoint save": dict(state_transfer=save_bytes)}
         return max(moments.items(), key=lambda item: sum(item[1].values()))  # the first on a tie
 
     static = 2 * parameter_bytes + state_bytes
@@ -426,7 +468,7 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
         )
     return MemoryPlan(
         description=OPTIMIZERS.entry(cfg).label(cfg),
-        n_params=sum(n for n, _, _, _ in parameters),
+        n_params=sum(e.elements for e in parameters),
         world_size=world_size,
         sharded=sharded,
         micro_batch=cfg.batch_size,
@@ -444,7 +486,97 @@ def plan(cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, lay
         save_bytes=save_bytes,
         fused_attention_bytes=fused_attention_bytes,
         notes=tuple(notes),
+        fsdp_shards=fsdp.shards if fsdp is not None else 0,
+        hsdp_replicas=fsdp.replicas if fsdp is not None else 1,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP2:
+    """What zero_stage=3 (marsgpt/fsdp.py) holds on a GPU beyond its rows (docs/memory.md, "FSDP2 and HSDP").
+
+    Every parameter, its gradient and its optimizer state are split by rows over `shards` ranks in torch.chunk's
+    sizes (rank 0 holds the most). While a block's forward or backward pass runs its parameters are whole (in
+    bfloat16 on CUDA with dtype=bfloat16, else float32), and FSDP2 gathers the next block's meanwhile: two blocks
+    whole; the root's parameters (embeddings, final LayerNorm) stay whole, in float32, from the forward pass to
+    the end of the backward pass; a block's whole float32 gradient waits for its reduce-scatter. With
+    gradient_sync=step and more than one micro-batch per rank, the micro-batches before the last add up whole
+    float32 gradients of the model. Newton-Schulz runs at owner ranks (mars._at_owners): each rank sends its rows
+    of every such matrix and gets its rows of the results back, and the owner holds its whole matrices four times
+    (received, joined, stacked, result) and the iteration's buffers."""
+
+    shards: int
+    replicas: int
+    block_elements: int
+    root_elements: int
+    gathered_bytes: int  # bytes per element of a gathered block's parameters
+    newton_schulz_bytes_per_element: int  # the dtype the iteration runs in (mars.newton_schulz_dtype on a GPU)
+    micro_batches: int  # per rank and step
+
+    @classmethod
+    def of(cls, cfg, world_size, model_args, dtype, device_type):
+        """The FSDP2 layout of cfg's run on world_size ranks, or None when it does not shard (zero_stage 0 or 1,
+        or one rank)."""
+        if cfg.zero_stage != 3 or world_size < 2:
+            return None
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**model_args))
+        total = sum(p.numel() for p in model.parameters())
+        block = sum(p.numel() for p in model.transformer.h[0].parameters())
+        low_precision = dtype == "bfloat16" and device_type == "cuda"
+        return cls(
+            shards=world_size // cfg.hsdp_replicas,
+            replicas=cfg.hsdp_replicas,
+            block_elements=block,
+            root_elements=total - block * len(model.transformer.h),
+            gathered_bytes=2 if low_precision else 4,
+            newton_schulz_bytes_per_element=2 if device_type == "cuda" else 4,
+            micro_batches=max(1, cfg.gradient_accumulation_steps // world_size),
+        )
+
+    def rows(self, entry, rank):
+        """The rows of entry's parameter rank holds (torch.chunk's split, as FSDP2's Shard(0))."""
+        chunk = math.ceil(entry.rows / self.shards)
+        return max(0, min(chunk, entry.rows - rank * chunk))
+
+    def share(self, entry, rank):
+        """entry scaled to rank's rows: its elements, state and step buffer."""
+        fraction = self.rows(entry, rank) / entry.rows
+        return entry._replace(
+            elements=round(entry.elements * fraction),
+            state_bytes=round(entry.state_bytes * fraction),
+            step_buffer=round(entry.step_buffer * fraction),
+            largest=round(entry.largest * fraction),
+        )
+
+    def pass_parts(self, cfg):
+        """{part: bytes} FSDP2 adds to every moment of the forward and backward pass."""
+        accumulating = cfg.gradient_sync == "step" and self.micro_batches > 1
+        return dict(
+            gathered=2 * self.block_elements * self.gathered_bytes + 4 * self.root_elements,
+            unsharded_gradients=4 * self.block_elements
+            + 4 * (self.root_elements + self.block_elements * cfg.n_layer) * accumulating,
+        )
+
+    def newton_schulz_bytes(self, parameters):
+        """The fullest owner's buffers in the optimizer step: this rank's rows of every Newton-Schulz matrix sent
+        and received back (float32), its owned matrices whole four times (float32), and the iteration's X, XX^T,
+        (XX^T)X and the next X for them (in the iteration's dtype)."""
+        import mars
+
+        matrices = [e for e in parameters if e.newton_schulz is not None]
+        if not matrices:
+            return 0
+        owners = mars._balanced_owners([mars._newton_schulz_cost(e.newton_schulz) for e in matrices], self.shards)
+        fullest = 0
+        for rank in range(self.shards):
+            owned = [e.newton_schulz for e, owner in zip(matrices, owners) if owner == rank]
+            rows = sum(self.share(e, rank).elements for e in matrices)
+            whole = sum(math.prod(shape) for shape in owned)
+            gram = sum(min(shape) ** 2 for shape in owned)
+            iteration = self.newton_schulz_bytes_per_element * (2 * whole + 2 * gram)
+            fullest = max(fullest, 4 * (2 * rows + 4 * whole) + iteration)
+        return fullest
 
 
 def largest(fits, limit=1 << 20):
@@ -472,22 +604,34 @@ PART_NAMES = dict(
     gradients="gradient buffers",
     step_buffer="step buffer",
     state_transfer="state transfer",
+    gathered="gathered params",
+    unsharded_gradients="whole gradients",
+    newton_schulz="Newton-Schulz",
 )
+
+
+def sharding(p):
+    """How the plan's run splits its state over the GPUs, in words."""
+    if p.fsdp_shards:
+        hsdp = f" in each of {p.hsdp_replicas} HSDP replicas" if p.hsdp_replicas > 1 else ""
+        return f"FSDP2 over {p.fsdp_shards} GPUs{hsdp}"
+    return f"ZeRO-1 over {p.world_size} GPUs" if p.sharded else f"{p.world_size} GPU(s), unsharded"
 
 
 def format_plan(p):
     """The lines train.py prints."""
-    sharding = f"ZeRO-1 over {p.world_size} GPUs" if p.sharded else f"{p.world_size} GPU(s), unsharded"
     lines = [
-        f"memory plan per GPU (an estimate): {p.n_params / 1e6:,.1f}M parameters, {p.description}, {sharding}, "
+        f"memory plan per GPU (an estimate): {p.n_params / 1e6:,.1f}M parameters, {p.description}, {sharding(p)}, "
         f"micro-batch {p.micro_batch} x {p.block_size} tokens, {p.dtype}, "
         f"activation checkpointing {'on' if p.activation_checkpointing else 'off'}"
         + (", deterministic (the math attention kernel)" if p.fused_attention_bytes is not None else ""),
         f"  parameters       {gib(p.parameter_bytes):>11}",
         f"  gradients        {gib(p.gradient_bytes):>11}",
         f"  optimizer state  {gib(p.state_bytes):>11}"
-        + (f"  (the fullest rank's share of {gib(p.total_state_bytes)})" if p.sharded else ""),
+        + (f"  (the fullest rank's share of {gib(p.total_state_bytes)})" if p.sharded or p.fsdp_shards else ""),
     ]
+    if p.fsdp_shards:
+        lines[1] += "  (rank 0's rows, the most)"
     peak = [(name, value) for name, value in p.peak_parts.items() if value]
     for i, (name, value) in enumerate(peak):
         lines.append(
@@ -516,8 +660,10 @@ def format_plan(p):
 def advice(p):
     """What to try when a plan does not fit, in the order of least cost to the run."""
     options = []
-    if not p.sharded and p.world_size > 1:
+    if not p.sharded and not p.fsdp_shards and p.world_size > 1:
         options.append("--zero_stage=1")
+    if not p.fsdp_shards and p.world_size > 1:
+        options.append("--zero_stage=3")
     if not p.activation_checkpointing:
         options.append("--activation_checkpointing=True")
     if p.fused_attention_bytes is not None:
@@ -546,7 +692,15 @@ def plan_memory(cfg, dist_info, model_args):
     """This run's memory plan (py) on its GPUs, for describe() to print."""
     gb, name = gpu_memory(cfg, dist_info.device)
     dtype = resolve_dtype(cfg.dtype, dist_info.device_type)
-    return plan(cfg, dist_info.world_size, gb, model_args=model_args, dtype=dtype, gpu_name=name)
+    return plan(
+        cfg,
+        dist_info.world_size,
+        gb,
+        model_args=model_args,
+        dtype=dtype,
+        gpu_name=name,
+        device_type=dist_info.device_type,
+    )
 
 
 def planned_model_args(cfg):
@@ -582,7 +736,10 @@ def dry_run_plan(cfg, layout=None):
         dtype = AUTO_DTYPE if on_gpu else "float32"
     gb, name = gpu_memory(cfg, "cuda" if gpu_here else "cpu")
     model_args = planned_model_args(cfg)
-    return plan(cfg, world_size, gb, model_args=model_args, dtype=dtype, layout=layout, gpu_name=name)
+    device_type = "cuda" if on_gpu else "cpu"
+    return plan(
+        cfg, world_size, gb, model_args=model_args, dtype=dtype, layout=layout, gpu_name=name, device_type=device_type
+    )
 
 
 def measured_peak(plan, steps):

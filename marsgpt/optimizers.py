@@ -44,8 +44,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from mars import MARS, lr_1d_factor
+from mars import MARS, lr_1d_factor, map_whole_tensors
 from marsgpt import checkpoint, metrics
+from marsgpt.fsdp import local as local_shard
 from model import hidden_matrix_params, matrix_params, param_groups
 
 
@@ -207,18 +208,69 @@ def received(like, source, group, device):
 # The registry: a trainer's optimizers, each an entry that says everything about it.
 
 
+class ShardedMuon(torch.optim.Muon):
+    """torch.optim.Muon's rule on FSDP2's sharded (DTensor) parameters, each matrix's Newton-Schulz run whole at
+    one owner rank (mars.map_whole_tensors: one all-to-all to the owners and one back per step, owners balanced
+    by Newton-Schulz's cost) -- MARS's owner scheme -- and the rest on each rank's rows.
+
+    Through DTensor's own dispatch torch's Muon runs too, but each rank all-gathers every matrix and runs every
+    Newton-Schulz (60 all-reduces and 75 all-gathers a step for 10 matrices, each rank computing all ten), and
+    its sharded matmuls round in bfloat16 in another order than one process does, so a run drifts from one
+    process's at bfloat16's precision. Here each owner runs torch's own _zeropower_via_newtonschulz on the whole
+    matrix, as one process does: 2 ranks train what one process trains up to the bfloat16 rounding of Newton-Schulz
+    that the gradients' float32 rounding can flip, as plain DDP does (tests/test_fsdp.py). The update is
+    _single_tensor_muon's, op for op; the state (momentum_buffer) and the checkpoint format are torch.optim.Muon's.
+    Whole (not sharded) parameters take the same ops here."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            params, grads, momenta = [], [], []
+            self._init_group(group, params, grads, momenta)
+            if not params:
+                continue
+            lr, momentum = group["lr"], group["momentum"]
+            updates = []
+            for grad, buf in zip(map(local_shard, grads), map(local_shard, momenta)):
+                buf.lerp_(grad, 1 - momentum)
+                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+
+            def orthogonalize(update, group=group):
+                return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+            directions = map_whole_tensors(params, updates, orthogonalize, result_dtype=torch.bfloat16)
+            for p, direction in zip(params, directions):
+                rows = local_shard(p)
+                rows.mul_(1 - lr * group["weight_decay"])
+                rows.add_(direction, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+# torch optimizers whose rule looks at whole matrices, and the classes that step FSDP2's sharded parameters with
+# those matrices whole at owner ranks instead of through DTensor's dispatch (ShardedMuon says why).
+OWNER_CLASSES = {torch.optim.Muon: ShardedMuon}
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where an optimizer runs: its parameters' device type, and whether each torch optimizer in it keeps only
-    this rank's share of the state (ZeRO-1)."""
+    """Where an optimizer runs: its parameters' device type, whether each torch optimizer in it keeps only this
+    rank's share of the state (ZeRO-1), and whether its parameters are FSDP2's DTensors (each rank steps its rows
+    of each, the state sharded alike; MARS's sharded step, OWNER_CLASSES for whole-matrix rules)."""
 
     device_type: str
     sharded: bool = False
+    fsdp: bool = False
 
     def make(self, optimizer_class, groups, **options):
-        """optimizer_class over `groups`, a ShardedOptimizer of it when sharded."""
+        """optimizer_class over `groups`, a ShardedOptimizer of it when sharded, its owner-computing class under
+        FSDP2 where it has one."""
         if self.sharded:
             return ShardedOptimizer(groups, optimizer_class=optimizer_class, **options)
+        if self.fsdp:
+            optimizer_class = OWNER_CLASSES.get(optimizer_class, optimizer_class)
         return optimizer_class(groups, **options)
 
 
@@ -505,12 +557,14 @@ def _moment_norms(optimizer, sum_over_ranks=None, *, second_moment=False):
     parameters' device}: the norm of m over every tensor and, with second_moment (mars-adamw), that of v and
     their ratio (Lion's, Shampoo's and MARS-M's matrices keep no v: only the 1-D tensors' would count).
 
-    sum_over_ranks: under ZeRO-1 each rank holds a share of the state; an all-reduce (sum) of a tensor, which
-    every rank must then call. Nothing here reads a number back to the host."""
+    sum_over_ranks: where each rank holds a share of the state (ZeRO-1's whole tensors, FSDP2's rows of each), an
+    all-reduce (sum) of a tensor over the ranks that hold one share each, which they must then all call; the
+    norms are of this rank's share (a DTensor's local rows), their squares summed over the ranks. Nothing here
+    reads a number back to the host."""
     device = optimizer.param_groups[0]["params"][0].device
     states = [s for s in optimizer.state.values() if "exp_avg" in s]
-    m = _norm([s["exp_avg"] for s in states], device)
-    v = _norm([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s], device)
+    m = _norm([local_shard(s["exp_avg"]) for s in states], device)
+    v = _norm([local_shard(s["exp_avg_sq"]) for s in states if "exp_avg_sq" in s], device)
     if sum_over_ranks is not None:
         m, v = sum_over_ranks(torch.stack([m, v]).float() ** 2).sqrt()
     norms = {metrics.MOMENTUM_NORM: m.float()}
@@ -524,13 +578,22 @@ def _mars_label(cfg):
     return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
 
 
+def _mars_check(cfg):
+    if cfg.mars_fused and cfg.zero_stage == 3:
+        return (
+            "mars_fused=True does not apply to zero_stage=3: MARS steps FSDP2's sharded parameters with its "
+            "sharded multi-tensor path (docs/mars.md); drop mars_fused"
+        )
+    return None
+
+
 def _mars_m_check(cfg):
     if cfg.optimize_1d:
         return (
             "optimize_1d=True does not apply to mars_type=mars-m: it trains the embeddings, head and 1-D tensors "
             "with AdamW, as its reference; drop optimize_1d"
         )
-    return None
+    return _mars_check(cfg)
 
 
 # What every MARS variant reads; MARS-M's AdamW part takes learning_rate and weight_decay where the others'
@@ -555,6 +618,7 @@ def _mars_variant(mars_type, description, state_norms=_moment_norms):
         label=_mars_label,
         look_ahead=_exact_mars_look_ahead,
         state_norms=state_norms,
+        check=_mars_check,
     )
 
 
@@ -622,10 +686,11 @@ def is_sharded(cfg, world_size):
     return cfg.zero_stage == 1 and world_size > 1
 
 
-def build_optimizer(model, cfg, device_type, world_size=1):
+def build_optimizer(model, cfg, device_type, world_size=1, fsdp=False):
     """The optimizer cfg names, over model's parameters (already on their device); sharded over the default
-    process group's world_size ranks when is_sharded (each torch optimizer a ShardedOptimizer)."""
-    placement = Placement(device_type, sharded=is_sharded(cfg, world_size))
+    process group's world_size ranks when is_sharded (each torch optimizer a ShardedOptimizer); over FSDP2's
+    sharded parameters with fsdp=True."""
+    placement = Placement(device_type, sharded=is_sharded(cfg, world_size), fsdp=fsdp)
     return build(OPTIMIZERS.entry(cfg), model, cfg, placement)
 
 

@@ -5,6 +5,8 @@ another node. docs/training.md has the table of what survives what.
     ckpt.pt            the newest checkpoint: what a resume continues
     best.pt            the checkpoint of the best evaluation so far (save_best)
     ckpt_<iter>.pt     a checkpoint kept every keep_every_n_evals evaluations
+    shards/            a sharded run's (zero_stage=3): the directory of each checkpoint above, holding every
+                       rank's rows of the parameters and optimizer state (marsgpt/shards.py)
     metrics.jsonl      the run's records (marsgpt/metrics.py)
     config.json        the run's configuration: written when it starts and when a resume changes it
     run.lock           who holds the directory (machine, pid, since when), refreshed while it runs
@@ -15,9 +17,12 @@ The rules, each in one place below:
 - What a launch does there (decide_start), before anything in it changes. init_from=auto resumes the
   newest intact checkpoint (ckpt.pt, else the newest kept copy or best.pt) and never starts over on top of
   a run's files; nothing of an earlier run is deleted or overwritten without --overwrite=True.
-- Integrity: every checkpoint carries the checksum of its bytes (marsgpt/checkpoint.py) and is verified
-  when loaded; a damaged one is named and passed over for the newest intact one.
-- Copies: best.pt and the kept ckpt_<iter>.pt are copies that share nothing with ckpt.pt (files.copy_file).
+- Integrity: every checkpoint carries the checksum of its bytes (marsgpt/checkpoint.py), and a sharded one of
+  each file of its directory, and is verified when loaded; a damaged one is named and passed over for the
+  newest intact one.
+- Copies: best.pt and the kept ckpt_<iter>.pt are copies that share nothing with ckpt.pt (files.copy_file; a
+  sharded checkpoint's directory is copied too). A sharded directory no checkpoint file names (replaced, or left
+  by a crash) is removed after each save and at each launch.
 - When a checkpoint is written (RunDir.save_if_due): after every evaluation, every checkpoint_interval
   steps, every checkpoint_minutes minutes, and when a signal stops the run -- never from a suspect state
   (steps being skipped as non-finite, non-finite weights, a non-finite evaluation).
@@ -34,6 +39,7 @@ step boundary and to say where a stopped run continues: what a checkpoint holds 
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -48,7 +54,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, metrics
+from marsgpt import checkpoint, fsdp, metrics, shards
 from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
 from marsgpt.config import ConfigError, config_to_dict
 from marsgpt.files import atomic_writer, os_reason, process_alive, remove_stale_temporaries
@@ -91,6 +97,11 @@ class RunStopped(Exception):
 def is_checkpoint(path):
     name = os.path.basename(path)
     return name in (CKPT_NAME, BEST_NAME) or KEPT_NAME.fullmatch(name) is not None
+
+
+def checkpoint_files(out_dir):
+    """The checkpoint files in out_dir: ckpt.pt, best.pt and the kept ckpt_<iter>.pt there are."""
+    return [path for path in run_files(out_dir, (CKPT_NAME, BEST_NAME)) if is_checkpoint(path)]
 
 
 def run_files(out_dir, names=RUN_FILE_NAMES):
@@ -179,7 +190,9 @@ def choose_checkpoint(out_dir, paths):
     for path in sorted(paths, key=checkpoint_order):
         try:
             trailer = checkpoint.verify(path)
-            ckpt = checkpoint.load_checkpoint(path, mmap=True, verify_checksum=False)
+            ckpt = checkpoint.load_checkpoint(path, mmap=True, verify_checksum=False, whole=False)
+            if checkpoint.has_shards(ckpt):
+                shards.verify(ckpt)
         except DamagedCheckpoint as e:
             passed.append(str(e))
             continue
@@ -204,6 +217,7 @@ def prepare_out_dir(cfg, start, ckpt=None, changes=(), at=None):
     if cfg.overwrite and start.init_from != "resume":
         for path in run_files(cfg.out_dir):
             os.remove(path)
+    shards.remove_unreferenced(cfg.out_dir, checkpoint_files(cfg.out_dir), announce=True)
     for note in start.notes:
         print(note, flush=True)
     if ckpt is not None:
@@ -465,6 +479,7 @@ class RunDir:
         self.created = False  # out_dir was made by this launch (removed again if it ends empty)
         self.signals = signals or StopSignals()  # installed by train.main: a stop signal ends the run
         self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed)
+        self.mesh = None  # a sharded run's FSDP2 mesh (register): its checkpoints are sharded
         self.write_failed = False
         self.metrics = None  # the run's MetricsLog, whose failed writes stop the run too
         self.parts, self.extras = {}, {}
@@ -505,14 +520,26 @@ class RunDir:
             with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w") as f:
                 json.dump(config_to_dict(cfg), f, indent=1)
 
-    def register(self, cfg, parts, extras):
+    def register(self, cfg, parts, extras, mesh=None):
         """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
         state_dict() and load_state_dict(state); the model part a torch.nn.Module), handed over once, and the
-        plain values every checkpoint records beside them."""
+        plain values every checkpoint records beside them. `mesh`: FSDP2's device mesh when the parts hold
+        DTensors; then every rank writes its rows of each checkpoint (shards.ShardedCheckpointWriter), the
+        background writes' collectives on a gloo process group of their own (a collective, made here)."""
         self.cfg, self.parts, self.extras = cfg, parts, extras
+        if mesh is not None:
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s))
+            self.mesh = mesh
+            self.writer = shards.ShardedCheckpointWriter(
+                self.dist.rank, group, shards.new_token(group), on_saved=self._saved, on_error=self._write_failed
+            )
 
     def restore(self, ckpt, skip=()):
-        """Load every part but those in `skip` (the model, which launch.build_model built from the checkpoint)."""
+        """Load every part but those in `skip` (the model, which launch.build_model built from the checkpoint). A
+        sharded checkpoint's tensors are read here: this rank's rows of each into a DTensor placed on the run's
+        mesh, or whole for an unsharded run (checkpoint.load_checkpoint has read those already)."""
+        if checkpoint.has_shards(ckpt):
+            ckpt = shards.read(ckpt, lambda meta: fsdp.empty(meta.shape, meta.dtype, self.mesh))
         for name, part in self.parts.items():
             if name not in skip and (name in ckpt or name not in NEWER_PARTS):
                 part.load_state_dict(ckpt[name])
@@ -547,7 +574,7 @@ class RunDir:
         return [
             self.signals.received,
             master and minutes > 0 and time.monotonic() - self.clock >= 60 * minutes,
-            master and (self.write_failed or bool(self.metrics is not None and self.metrics.failed)),
+            self.write_failed or (master and bool(self.metrics is not None and self.metrics.failed)),
             master and self.lock is not None and self.lock.lost is not None,
         ]
 
@@ -617,7 +644,7 @@ class RunDir:
         progress.elapsed_s = time_s
         state = {name: part.state_dict() for name, part in self.parts.items()}  # every rank: the parts gather
         self.saved_iter, self.clock = progress.iter_num, time.monotonic()
-        if not self.dist.is_master:
+        if not self.dist.is_master and self.mesh is None:  # one file, rank 0's; sharded: every rank writes
             return
         state.update(self.extras)
         copies = []
@@ -639,11 +666,14 @@ class RunDir:
 
     def _saved(self, path, iteration):  # the writer's thread
         self.latest = (path, iteration)
+        if self.mesh is not None and self.dist.is_master:  # the directory the replaced ckpt.pt named goes
+            shards.remove_unreferenced(self.path, checkpoint_files(self.path))
 
     def _write_failed(self, error):  # the writer's thread: reported at once, acted on at the next step
         self.write_failed = True
-        sys.stderr.write(f"error: {error}\n")  # one write: no other thread's output lands inside the line
-        sys.stderr.flush()
+        if self.dist.is_master:  # a sharded save fails on every rank at once: rank 0 says it
+            sys.stderr.write(f"error: {error}\n")  # one write: no other thread's output lands inside the line
+            sys.stderr.flush()
 
     def _holder(self):
         return self.latest[0] if self.latest is not None else self.ckpt_path

@@ -91,6 +91,11 @@ def setup_distributed(cfg):
             f"across all ranks) is not divisible by the world size {world_size}; use a multiple "
             f"of {world_size} or a different number of processes"
         )
+    if cfg.zero_stage == 3 and world_size % cfg.hsdp_replicas:
+        raise SetupError(
+            f"hsdp_replicas={cfg.hsdp_replicas} does not divide the world size {world_size}: HSDP splits the ranks "
+            f"into that many groups of equal size; use a divisor of {world_size} (1 = plain FSDP)"
+        )
     ddp = "RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

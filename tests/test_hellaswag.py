@@ -412,6 +412,28 @@ def test_rank_split_covers_every_example_once():
         assert sum(p[name] * p["n"] for p in parts) == pytest.approx(whole[name] * 5)
 
 
+def test_lockstep_ranks_run_as_many_forward_passes_and_count_only_their_own(monkeypatch):
+    """lockstep=True (an FSDP2 model, whose forward passes are collectives): 5 examples on 3 ranks are 2, 2 and 1;
+    rank 2 scores its example and example 0 once more, so every rank runs the same forward passes, and its
+    counts are those without lockstep."""
+    examples = as_examples(ITEMS)
+    model = PrefixMeanModel(block_size=64)
+    passes, forward = [], type(model).forward
+
+    def counting(self, *args, **kwargs):
+        passes.append(args[0].shape[0])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    runs = []
+    for r in (0, 2):  # a rank with two examples, the one with one
+        passes.clear()
+        locked = hellaswag.evaluate(model, examples, "cpu", rank=r, world_size=3, batch_examples=1, lockstep=True)
+        runs.append(len(passes))
+        assert locked == hellaswag.evaluate(model, examples, "cpu", rank=r, world_size=3, batch_examples=1)
+    assert runs[0] == runs[1] > 0
+
+
 def test_non_gpt2_vocabulary_is_refused():
     model = PrefixMeanModel(block_size=8)
     model.config.vocab_size = 96

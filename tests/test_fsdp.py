@@ -1,0 +1,382 @@
+"""train.py --zero_stage=3 (FSDP2, marsgpt/fsdp.py; sharded checkpoints, marsgpt/shards.py) through the command
+line: 2 gloo ranks train what one process trains, for every optimizer the trainer offers; the sharded checkpoints
+resume on 2 ranks bit for bit after a kill -9 of the torchrun job during a save, on 1 rank, and from one
+process's checkpoint on 2 under torchrun; a damaged shard file is refused in one line naming it; nothing is
+overwritten; sample.py reads the sharded checkpoint directly. HSDP (torchrun, 4 ranks as 2 replicas x 2 shards)
+is one more launch, marked slow.
+
+Each optimizer is one launch of 4 steps on 2 ranks (2 micro-batches each: the first one's gradients stay
+unsynchronised; 3 evaluation windows: rank 1 runs one uncounted pass to keep the collectives in step), started
+as torchrun's agent starts them (`ranks`), and one run of train.main in this process (one thread), whose
+directories the tests read. The killed job and its resume run under torchrun and end bit for bit as the sweep's
+run of the same optimizer: the two launchers train the same.
+
+Tolerances: both runs take the same windows in the same order; what differs is the order of float32 additions
+(the reduce-scatter sums the two ranks' gradients, one process adds its micro-batches in turn), a few float32
+roundings (2^-24 relative) per value, carried through 4 steps: measured at most 1.2e-7 on weights of order
+0.02-1. rtol=1e-5, atol=1e-6 bounds that with room and is far below one step's change (the learning rate,
+3e-3, times updates of order 1). Muon and Moonlight run Newton-Schulz in bfloat16 (torch.optim.Muon's rule):
+there a float32 rounding can flip a bfloat16 rounding (2^-8), which the next steps carry on, so their bound is
+relative to how far the parameters moved, as in tests/test_zero.py: after one update (iteration 2) 2^-5, after
+three (iteration 4) 2^-3. Measured: plain DDP (zero_stage=0) on 2 ranks differs from one process by 6.2% of the
+displacement at iteration 4, FSDP2 by 6.7%; a matrix orthogonalised in pieces, or by a wrong owner, would differ
+by about the whole displacement.
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from train_helpers import ROOT, launch, subprocess_env, tiny_args, wait_for_line
+
+import sample
+import train
+from bench.common import rendezvous
+from marsgpt import checkpoint
+from model import GPT, GPTConfig
+
+pytestmark = pytest.mark.slow
+
+# checkpoints at 0, 2 and 4, each kept (ckpt_<iter>.pt): the resumes start from the kept one at 2. 3 evaluation
+# windows: rank 1 has one fewer than rank 0 and runs one uncounted forward pass to keep FSDP2's collectives in step.
+RUN = dict(
+    max_iters=4, eval_interval=2, eval_iters=3, log_interval=1, gradient_accumulation_steps=4, keep_every_n_evals=1
+)
+OPTIMIZERS = {
+    "mars-adamw-exact": dict(is_approx=False),
+    "mars-lion": dict(mars_type="mars-lion"),
+    "mars-shampoo": dict(mars_type="mars-shampoo"),
+    "mars-m": dict(mars_type="mars-m"),
+    "adamw": dict(optimizer_name="adamw"),
+    "muon": dict(optimizer_name="muon"),
+    "moonlight": dict(optimizer_name="moonlight"),
+}
+BFLOAT16_NEWTON_SCHULZ = ("muon", "moonlight")
+TIMING = {"time_s", "tokens_per_sec", "step_ms", "mfu"}
+
+
+def args_for(data_path, out_dir, name, **overrides):
+    return tiny_args(data_path, out_dir, **RUN, **OPTIMIZERS[name], zero_stage=3, **overrides)
+
+
+def torchrun_command(args, nproc=2):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, os.path.join(ROOT, "tests", "train_helpers.py"), *args]
+
+
+def torchrun(args, nproc=2, timeout=300):
+    for _attempt in range(2):
+        done = subprocess.run(
+            torchrun_command(args, nproc),
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        # --standalone picks a free port, which another process on a shared machine can take first
+        if done.returncode == 0 or "address already in use" not in done.stderr.lower():
+            break
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def ranks(args, nproc=2, timeout=300):
+    """The ranks of a job started as torchrun's agent starts them -- train.py's command line (through
+    train_helpers.py) with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and the address of a rendezvous store
+    -- but without the agent, a process of its own that imports torch too (about 2.5 s of CPU a launch here,
+    which the optimizer sweep would pay 7 times); the store is hosted by this process (bench.common.rendezvous).
+    The tests that need torchrun itself (a killed job, HSDP, a resume) launch it. Returns rank 0's output."""
+    with rendezvous() as env:
+        procs = [
+            launch(
+                args,
+                env=subprocess_env(
+                    **env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc)
+                ),
+            )
+            for r in range(nproc)
+        ]
+        try:
+            outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)
+    return outputs[0]
+
+
+def in_this_process(args):
+    """train.main(args) on one thread, as the subprocesses run; returns its exit status."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train.main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def records(out_dir):
+    """metrics.jsonl without its wall-clock fields."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+def val_losses(out_dir, last=None):
+    """The evaluations' validation losses: all, or the `last` ones (a resumed run records only those after it)."""
+    losses = [r["val/loss"] for r in records(out_dir) if "val/loss" in r]
+    return losses[-last:] if last else losses
+
+
+def whole(path):
+    """A checkpoint (file or out_dir) as the tools read it: a sharded one's tensors read whole."""
+    return checkpoint.load_checkpoint(path)
+
+
+def copy_checkpoint(src, out_dir):
+    """src (a checkpoint file) as out_dir/ckpt.pt, with the shard directory it names, if any."""
+    os.makedirs(out_dir)
+    shutil.copyfile(src, os.path.join(out_dir, "ckpt.pt"))
+    record = torch.load(src, weights_only=True).get(checkpoint.SHARDS_KEY)
+    if record is not None:
+        source = os.path.join(os.path.dirname(src), record["directory"])
+        shutil.copytree(source, os.path.join(out_dir, record["directory"]))
+
+
+@pytest.fixture(scope="module")
+def runs(data_path, tmp_path_factory):
+    """runs(name) -> (out_dir of 2 ranks under torchrun, out_dir of one process), each run once per module."""
+    done = {}
+
+    def run(name):
+        if name not in done:
+            root = tmp_path_factory.mktemp(name)
+            sharded, single = str(root / "sharded"), str(root / "single")
+            output = ranks(args_for(data_path, sharded, name))
+            assert "world size 2 on cpu; 2 micro-batches per rank per step" in output
+            assert "FSDP2 over 2 GPUs" in output
+            assert in_this_process(args_for(data_path, single, name)) == 0
+            done[name] = sharded, single
+        return done[name]
+
+    return run
+
+
+def assert_close_states(a, b, rtol=1e-5, atol=1e-6):
+    """Two state trees with the same keys, types and shapes everywhere, their tensors equal to rtol/atol."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (a.keys(), b.keys())
+        for key in a:
+            assert_close_states(a[key], b[key], rtol, atol)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_close_states(x, y, rtol, atol)
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    else:
+        assert a == b
+
+
+def assert_same_training(sharded, single, name):
+    """The sharded run's checkpoint, read whole, is the one-process run's: the same model and optimizer state
+    (same keys and shapes; values to the module's tolerance) and the same evaluations (the single run's last
+    ones when `sharded` is a resumed run)."""
+    a, b = whole(sharded), whole(single)
+    if name in BFLOAT16_NEWTON_SCHULZ:
+        torch.manual_seed(1)  # the seed tiny_args gives: the initial weights, as launch.build_model makes them
+        start = GPT(GPTConfig(**b["model_args"])).state_dict()
+        for iteration, bound in ((2, 2**-5), (4, 2**-3)):
+            a, b = (whole(os.path.join(out, f"ckpt_{iteration:07d}.pt"))["model"] for out in (sharded, single))
+            for key, value in b.items():
+                assert (a[key] - value).norm() <= bound * (value - start[key]).norm(), (iteration, key)
+        assert val_losses(sharded) == pytest.approx(val_losses(single, len(val_losses(sharded))), abs=1e-3)
+        return
+    assert_close_states(a["model"], b["model"])
+    assert_close_states(a["optimizer"], b["optimizer"])
+    assert val_losses(sharded) == pytest.approx(val_losses(single, len(val_losses(sharded))), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_two_sharded_ranks_train_what_one_process_trains(runs, name):
+    sharded, single = runs(name)
+    assert checkpoint.has_shards(torch.load(os.path.join(sharded, "ckpt.pt"), weights_only=True))
+    assert_same_training(sharded, single, name)
+    if name == "mars-adamw-exact":
+        assert any("last_grad" in s for s in whole(sharded)["optimizer"]["state"].values())
+
+
+def children(pid):
+    """The ids of the processes whose parent is `pid` (from /proc: torchrun starts each rank in a session of its
+    own, so a signal to the agent's process group does not reach them)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def kill_job(proc, timeout=60):
+    """kill -9 torchrun's agent `proc` and its ranks at once, as a scheduler ends a job; return once all are gone
+    (rank 0 holds the run's lock until it is)."""
+    pids = [*children(proc.pid), proc.pid]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        assert time.monotonic() < deadline, f"processes {pids} outlived kill -9 by {timeout} s"
+        time.sleep(0.05)
+
+
+def assert_same_run(out_a, out_b):
+    """Bit for bit: the same records (but wall-clock times), model and optimizer state."""
+    assert records(out_a) == records(out_b)
+    a, b = whole(out_a), whole(out_b)
+    for part in ("model", "optimizer"):
+        assert_close_states(a[part], b[part], rtol=0, atol=0)
+
+
+def test_killed_during_a_sharded_save_the_run_resumes_on_two_ranks_bit_for_bit(runs, data_path, tmp_path):
+    """kill -9 of the whole job while rank 0 renames the iteration-4 checkpoint file into place: every rank has
+    written its shard file and the directory holding them is complete, but no checkpoint file names it yet, so
+    ckpt.pt is still iteration 2's; the same command with --init_from=auto removes the unnamed directory,
+    resumes at 2 and ends exactly where the run left alone ends."""
+    uninterrupted, _ = runs("mars-adamw-exact")
+    out = str(tmp_path / "out")
+    args = args_for(data_path, out, "mars-adamw-exact")
+    proc = subprocess.Popen(
+        torchrun_command(args),
+        cwd=ROOT,
+        env=subprocess_env(TEST_SLOW_SAVE="3"),  # the renames of ckpt.pt: iterations 0, 2, then 4
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_line(proc, "renaming")
+    finally:
+        kill_job(proc)
+    named = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert named["progress"]["iter_num"] == 2
+    unnamed = [d for d in os.listdir(os.path.join(out, "shards")) if d.startswith("0000004.") and d.count(".") == 2]
+    assert len(unnamed) == 1 and unnamed[0] != os.path.basename(named[checkpoint.SHARDS_KEY]["directory"])
+    output = torchrun(args + ["--init_from=auto"])
+    assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 2" in output
+    assert f"removed {os.path.join(out, 'shards', unnamed[0])}, a sharded checkpoint no checkpoint file names" in output
+    assert_same_run(out, uninterrupted)
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process(runs, data_path, tmp_path):
+    sharded, single = runs("mars-adamw-exact")
+    out = str(tmp_path / "out")
+    copy_checkpoint(os.path.join(sharded, "ckpt_0000002.pt"), out)
+    assert in_this_process(args_for(data_path, out, "mars-adamw-exact", init_from="resume")) == 0
+    assert_same_training(out, single, "mars-adamw-exact")
+
+
+def test_a_one_process_checkpoint_resumes_on_two_sharded_ranks(runs, data_path, tmp_path):
+    sharded, single = runs("mars-adamw-exact")
+    out = str(tmp_path / "out")
+    copy_checkpoint(os.path.join(single, "ckpt_0000002.pt"), out)
+    torchrun(args_for(data_path, out, "mars-adamw-exact", init_from="resume"))
+    assert checkpoint.has_shards(torch.load(os.path.join(out, "ckpt.pt"), weights_only=True))
+    assert_same_training(out, sharded, "mars-adamw-exact")
+
+
+def test_a_damaged_shard_file_is_refused_in_one_line_naming_it(runs, data_path, tmp_path, capsys):
+    sharded, _ = runs("mars-adamw-exact")
+    out = str(tmp_path / "out")
+    copy_checkpoint(os.path.join(sharded, "ckpt_0000002.pt"), out)
+    directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[checkpoint.SHARDS_KEY]["directory"]
+    damaged = os.path.join(out, directory, "__1_0.distcp")
+    with open(damaged, "r+b") as f:
+        f.seek(os.path.getsize(damaged) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    capsys.readouterr()
+    assert in_this_process(args_for(data_path, out, "mars-adamw-exact", init_from="resume")) != 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and f"{damaged} is damaged" in errors[0], errors
+    assert sample.main(["--out_dir", out, "--num_samples=1", "--max_new_tokens=4"]) == 2
+    assert f"{damaged} is damaged" in capsys.readouterr().err
+
+
+def test_init_from_auto_passes_over_a_damaged_shard_file_to_the_newest_intact_checkpoint(runs, data_path, tmp_path):
+    sharded, _ = runs("mars-adamw-exact")
+    out = str(tmp_path / "out")
+    shutil.copytree(sharded, out)
+    directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[checkpoint.SHARDS_KEY]["directory"]
+    with open(os.path.join(out, directory, "__0_0.distcp"), "r+b") as f:
+        f.truncate(100)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert in_this_process(args_for(data_path, out, "mars-adamw-exact", init_from="auto")) == 0
+    printed = output.getvalue()
+    assert f"{os.path.join(out, directory, '__0_0.distcp')} is damaged" in printed
+    resumed = re.search(r"^resuming (\S+) at iter 4", printed, re.M)
+    assert resumed and resumed.group(1) in (os.path.join(out, name) for name in ("best.pt", "ckpt_0000004.pt"))
+
+
+def test_a_sharded_run_is_not_overwritten_without_overwrite(runs, data_path, tmp_path, capsys):
+    sharded, _ = runs("mars-adamw-exact")
+    out = str(tmp_path / "out")
+    shutil.copytree(sharded, out)
+    before = {
+        os.path.relpath(os.path.join(d, f), out): os.path.getmtime(os.path.join(d, f))
+        for d, _, fs in os.walk(out)
+        for f in fs
+    }
+    assert in_this_process(args_for(data_path, out, "mars-adamw-exact", init_from="scratch")) != 0
+    assert "--overwrite=True" in capsys.readouterr().err
+    after = {
+        os.path.relpath(os.path.join(d, f), out): os.path.getmtime(os.path.join(d, f))
+        for d, _, fs in os.walk(out)
+        for f in fs
+    }
+    assert after == before
+
+
+def test_sample_py_reads_a_sharded_checkpoint_as_its_one_file_equal(runs, tmp_path, capsys):
+    """sample.py (and hellaswag.py and export_hf.py, which load through the same checkpoint.load_model) reads the
+    sharded checkpoint directly: the same text as from one file holding the same tensors."""
+    sharded, _ = runs("mars-adamw-exact")
+    one_file = str(tmp_path / "one_file")
+    os.makedirs(one_file)
+    checkpoint.save_checkpoint(os.path.join(one_file, "ckpt.pt"), whole(sharded))
+    texts = []
+    for out in (sharded, one_file):
+        capsys.readouterr()
+        assert sample.main(["--out_dir", out, "--start=def", "--num_samples=2", "--max_new_tokens=24"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > 24
+
+
+@pytest.mark.slow
+def test_hsdp_two_replicas_of_two_shards_train_what_one_process_trains(runs, data_path, tmp_path):
+    """4 ranks as a 2 x 2 mesh (--hsdp_replicas=2): each replica's 2 ranks hold the rows of one copy, the
+    replicas all-reduce their gradients; MARS-Shampoo's Newton-Schulz owners are within each replica."""
+    _, single = runs("mars-shampoo")
+    out = str(tmp_path / "hsdp")
+    output = torchrun(args_for(data_path, out, "mars-shampoo", hsdp_replicas=2), nproc=4)
+    assert "world size 4 on cpu; 1 micro-batch per rank per step" in output
+    assert "FSDP2 over 2 GPUs in each of 2 HSDP replicas" in output
+    assert_same_training(out, single, "mars-shampoo")
