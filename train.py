@@ -561,7 +561,6 @@ def main(argv=None):
         print_help()
         return 0
     cfg = dist_info = directory = progress = status = None
-    finished = False
     try:
         cfg = load_config(argv)
         if cfg.dry_run:
@@ -573,7 +572,6 @@ def main(argv=None):
             launch.describe(run, progress)
         fit(run, progress)
         status = directory.finish(progress)
-        finished = True
     except BaseException as e:
         status = exit_status(e, cfg, dist_info, directory, progress)
         if status is None:
@@ -584,8 +582,6 @@ def main(argv=None):
         # After a collective timed out the process group cannot be torn down: destroying it waits on the
         # dead peer (exit_process then leaves at once).
         if dist_info is not None and dist_info.ddp and dist.is_initialized() and status != TIMED_OUT:
-            if finished:  # gloo aborts a rank that tears down while its peer still sends ("terminate called ...")
-                dist.barrier()
             dist.destroy_process_group()
     return status
 
