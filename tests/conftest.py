@@ -10,6 +10,10 @@ from train_helpers import make_char_data
 from marsgpt.checkpoint import save_checkpoint
 from model import GPT, GPTConfig
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: intra-op threads would only contend (and spin) with the other worker's.
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def one_thread():

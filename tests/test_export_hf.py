@@ -12,9 +12,6 @@ from marsgpt.checkpoint import load_model
 from marsgpt.export_hf import export_hf, main
 from model import GPT, GPTConfig, config_from_hf, gpt_from_hf, hf_from_gpt
 
-# One worker runs this file: its module fixtures and compiled graphs are built once.
-pytestmark = pytest.mark.xdist_group("export_hf")
-
 transformers = pytest.importorskip("transformers")
 
 

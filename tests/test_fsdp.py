@@ -44,7 +44,7 @@ from bench.common import rendezvous
 from marsgpt import checkpoint
 from model import GPT, GPTConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]
+pytestmark = pytest.mark.slow
 
 # checkpoints at 0, 2 and 4, each kept (ckpt_<iter>.pt): the resumes start from the kept one at 2. 3 evaluation
 # windows: rank 1 has one fewer than rank 0 and runs one uncounted forward pass to keep FSDP2's collectives in step.

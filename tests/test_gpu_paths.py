@@ -23,7 +23,7 @@ from marsgpt.config import TrainConfig
 from marsgpt.metrics import LogWindow
 from marsgpt.tokens import write_bin
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("gpu_paths")]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------------------------------------------
 # A mocked torch.cuda: GPUs as torch describes them (name, compute capability, memory).

@@ -15,9 +15,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mars
 from mars import MARS, MARS_TYPES, newton_schulz
 
-# One worker runs this file: its module fixtures and compiled graphs are built once.
-pytestmark = pytest.mark.xdist_group("mars")
-
 # Shapes that exercise every branch: wide and tall 2-D (Newton-Schulz transposes tall ones), 1-D
 # (MARS or AdamW depending on optimize_1d), and 3-D (mars-shampoo falls back to the AdamW rule).
 SHAPES = [(4, 6), (7, 3), (5,), (2, 3, 2)]

@@ -30,7 +30,7 @@ import mars
 from mars import MARS
 from model import GPT, GPTConfig, hidden_matrix_params
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mars_sharded")]
+pytestmark = pytest.mark.slow
 
 TOL = 1e-12  # float64 sharded against one process
 STEPS = 3

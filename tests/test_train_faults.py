@@ -19,7 +19,7 @@ import train
 from bench.common import rendezvous
 from marsgpt import metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_faults")]
+pytestmark = pytest.mark.slow
 
 # Dropout on, so the test also covers the dropout masks; checkpoints at 0, 4, 8, 12, 16.
 RESUME_RUN = dict(max_iters=16, eval_interval=4, dropout=0.1, log_interval=2)

@@ -32,9 +32,6 @@ from vision.cifar import DATASETS, CifarData, crop_and_flip, read_cifar, write_b
 from vision.muon import Muon
 from vision.resnet import ResNet
 
-# One worker runs this file: its module fixtures and compiled graphs are built once.
-pytestmark = pytest.mark.xdist_group("vision")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

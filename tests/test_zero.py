@@ -24,7 +24,7 @@ from marsgpt.optimizers import OPTIMIZERS as REGISTRY
 from marsgpt.optimizers import ChainedOptimizer, build_optimizer
 from model import GPT, GPTConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("zero")]
+pytestmark = pytest.mark.slow
 
 WORLD_SIZE = 2
 STEPS = 3
