@@ -380,3 +380,19 @@ def test_hsdp_two_replicas_of_two_shards_train_what_one_process_trains(runs, dat
     assert "world size 4 on cpu; 1 micro-batch per rank per step" in output
     assert "FSDP2 over 2 GPUs in each of 2 HSDP replicas" in output
     assert_same_training(out, single, "mars-shampoo")
+
+
+def test_bfloat16_on_cuda_gathers_the_blocks_in_bfloat16_and_reduces_in_float32():
+    """The CUDA branch of fsdp.mixed_precision, reached on the CPU: only bfloat16 on CUDA gets a policy (blocks'
+    parameters in bfloat16, gradients reduced in float32, inputs left as they are; the root stays float32)."""
+    from marsgpt import fsdp
+
+    blocks, root = fsdp.mixed_precision("bfloat16", "cuda")
+    assert (blocks.param_dtype, blocks.reduce_dtype, blocks.cast_forward_inputs) == (
+        torch.bfloat16,
+        torch.float32,
+        False,
+    )
+    assert root.param_dtype is None and root.reduce_dtype == torch.float32
+    for dtype, device_type in (("bfloat16", "cpu"), ("float16", "cuda"), ("float32", "cuda")):
+        assert fsdp.mixed_precision(dtype, device_type) == (None, None)
