@@ -2,7 +2,8 @@
 line: 2 gloo ranks train what one process trains, for every optimizer the trainer offers; the sharded checkpoints
 resume on 2 ranks bit for bit after a kill -9 of the torchrun job during a save, on 1 rank, and from one
 process's checkpoint on 2 under torchrun; a damaged shard file is refused in one line naming it; nothing is
-overwritten; sample.py reads the sharded checkpoint directly. HSDP (torchrun, 4 ranks as 2 replicas x 2 shards)
+overwritten; sample.py and export_hf.py read the sharded checkpoint directly; gradients reduce-scattered every
+micro-batch with recomputed activations train the same. HSDP (torchrun, 4 ranks as 2 replicas x 2 shards)
 is one more launch, marked slow.
 
 Each optimizer is one launch of 4 steps on 2 ranks (2 micro-batches each: the first one's gradients stay
@@ -368,6 +369,40 @@ def test_sample_py_reads_a_sharded_checkpoint_as_its_one_file_equal(runs, tmp_pa
         assert sample.main(["--out_dir", out, "--start=def", "--num_samples=2", "--max_new_tokens=24"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and len(texts[0]) > 24
+
+
+def test_gradients_reduced_every_micro_batch_with_recomputed_activations_train_what_one_process_trains(
+    runs, data_path, tmp_path
+):
+    """--gradient_sync=micro_batch (a reduce-scatter after each micro-batch, the gradients never whole) with
+    --activation_checkpointing=True (each block's forward run again in the backward pass, its parameters
+    all-gathered again): the same training as one process, exact MARS's look-ahead pass included."""
+    _, single = runs("mars-adamw-exact")
+    out = str(tmp_path / "out")
+    ranks(args_for(data_path, out, "mars-adamw-exact", gradient_sync="micro_batch", activation_checkpointing=True))
+    assert_same_training(out, single, "mars-adamw-exact")
+
+
+def test_export_hf_reads_a_sharded_checkpoint_as_its_one_file_equal(runs, tmp_path):
+    """marsgpt/export_hf.py on the sharded run's out_dir writes the same Hugging Face model as on one file holding
+    the same tensors (hellaswag.py loads through the same checkpoint.load_model as it and sample.py)."""
+    transformers = pytest.importorskip("transformers")
+    from marsgpt import export_hf
+
+    sharded, _ = runs("mars-adamw-exact")
+    one_file = str(tmp_path / "one_file")
+    os.makedirs(one_file)
+    checkpoint.save_checkpoint(os.path.join(one_file, "ckpt.pt"), whole(sharded))
+    exported = []
+    for out in (sharded, one_file):
+        hf_dir = str(tmp_path / f"hf_{os.path.basename(out)}")
+        assert export_hf.main([out, hf_dir]) == 0
+        exported.append(transformers.GPT2LMHeadModel.from_pretrained(hf_dir).state_dict())
+    assert exported[0].keys() == exported[1].keys()
+    for key, value in exported[0].items():
+        assert torch.equal(value, exported[1][key]), key
+    trained = whole(sharded)["model"]["transformer.wte.weight"]
+    assert torch.equal(exported[0]["transformer.wte.weight"], trained)
 
 
 @pytest.mark.slow
