@@ -13,6 +13,9 @@ step() hands to collectives on one rank (an all-reduce's tensor, an all-to-all's
 share left out): the forward's all-gathers and the backward's reduce-scatters are FSDP2's and the same for every
 optimizer. The owner rows need no ranks: mars._balanced_owners over GPT-2's matrix shapes, as the busiest rank's
 Newton-Schulz multiply-adds against the mean, beside round-robin in parameter order.
+
+On GPUs: scripts/gpu_check.py's fsdp check runs `measure` under torchrun, one rank per GPU over NCCL, on GPT-2
+small's shapes (GPT2_SMALL), and shows `step_rows` in its table.
 """
 
 import argparse
@@ -35,6 +38,8 @@ SIZES = {
     False: dict(n_layer=4, n_head=4, n_embd=256, block_size=64, vocab_size=8192, bias=False),
     True: dict(n_layer=2, n_head=4, n_embd=128, block_size=64, vocab_size=1024, bias=False),
 }
+# scripts/gpu_check.py's fsdp row: GPT-2 small's shapes, one rank per GPU over NCCL (measure(), under torchrun)
+GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False)
 RULES = ("mars-adamw", "mars-lion", "mars-m")
 BATCH = 2  # sequences per rank
 
@@ -67,28 +72,39 @@ def optimizer_for(name, model):
     return MARS(model.parameters(), lr=1e-3, weight_decay=0.1, mars_type=name)
 
 
-def worker(rank, world, store, quick, rounds, results):
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(config, rounds, device):
+    """The step times and bytes sent, on every rank of the default process group (already started: gloo on the
+    CPU, NCCL with one GPU per rank); the results on rank 0, None on the others. `device`: this rank's."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    config = SIZES[quick]
+    device = torch.device(device)
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
     runs = {}
     for name in ("adamw", *RULES):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**config))
+        with device:
+            model = GPT(GPTConfig(**config))
         for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         runs[name] = (model, optimizer_for(name, model))
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator(device).manual_seed(dist.get_rank())
+    batch = (BATCH, config["block_size"])
     times = {name: [] for name in runs}
     sent = {}
     for round_ in range(rounds + 1):
         for name, (model, optimizer) in runs.items():
-            x = torch.randint(0, config["vocab_size"], (BATCH, config["block_size"]), generator=generator)
+            x = torch.randint(0, config["vocab_size"], batch, generator=generator, device=device)
             model(x, x)[1].backward()
             counting = SentBytes(world) if round_ == 1 else None
+            synchronize(device)
             dist.barrier()
             start = time.perf_counter()
             if counting is None:
@@ -96,32 +112,88 @@ def worker(rank, world, store, quick, rounds, results):
             else:
                 with counting:
                     optimizer.step()
+            synchronize(device)
             dist.barrier()
             if round_ > 0:  # round 0 warms up (state allocation)
                 times[name].append(time.perf_counter() - start)
             if counting is not None:
                 sent[name] = (counting.bytes, dict(counting.calls))
             optimizer.zero_grad()
-    whole = {}
-    if rank == 0:
+    parameters = sum(p.numel() for p in runs["adamw"][0].parameters())
+    del runs
+    results = None
+    if dist.get_rank() == 0:
+        whole = {}
         for name in RULES:
             torch.manual_seed(0)
-            model = GPT(GPTConfig(**config))
+            with device:
+                model = GPT(GPTConfig(**config))
             optimizer = optimizer_for(name, model)
             steps = []
             for _ in range(rounds + 1):
-                x = torch.randint(0, config["vocab_size"], (BATCH * world, config["block_size"]), generator=generator)
+                x = torch.randint(
+                    0, config["vocab_size"], (BATCH * world, batch[1]), generator=generator, device=device
+                )
                 model(x, x)[1].backward()
+                synchronize(device)
                 start = time.perf_counter()
                 optimizer.step()
+                synchronize(device)
                 steps.append(time.perf_counter() - start)
                 optimizer.zero_grad()
             whole[name] = statistics.median(steps[1:])
-        parameters = sum(p.numel() for p in runs["adamw"][0].parameters())
         medians = {k: statistics.median(v) for k, v in times.items()}
-        results.update(times=medians, whole=whole, sent=sent, parameters=parameters)
+        results = dict(times=medians, whole=whole, sent=sent, parameters=parameters, world=world, rounds=rounds)
     dist.barrier()
+    return results
+
+
+def worker(rank, world, store, quick, rounds, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    measured = measure(SIZES[quick], rounds, "cpu")
+    if measured is not None:
+        results.update(measured)
     dist.destroy_process_group()
+
+
+def step_rows(results, device="2 gloo ranks"):
+    """The table of measure()'s results: each MARS rule's sharded step against FSDP2 + AdamW(fused=True) and
+    against its step in one process, then the bytes each optimizer's step sends from one rank."""
+    times, sent = results["times"], results["sent"]
+    setting = f"{results['parameters'] / 1e6:.1f}M params, fp32, {device}, median of {results['rounds']} rounds"
+    rows = []
+    for name in RULES:
+        rows.append(
+            row(
+                f"FSDP2 {name} step vs FSDP2 AdamW(fused=True) step",
+                times[name] * 1e3,
+                times["adamw"] * 1e3,
+                unit="ms",
+                note=setting,
+            )
+        )
+    for name in RULES:
+        rows.append(
+            row(
+                f"FSDP2 {name} step vs its step in one process",
+                times[name] * 1e3,
+                results["whole"][name] * 1e3,
+                unit="ms",
+                note="one process: the unsharded model, on rank 0 alone",
+            )
+        )
+    for name in ("adamw", *RULES):
+        sent_bytes, calls = sent[name]
+        rows.append(
+            row(
+                f"FSDP2 {name} step: bytes sent per rank",
+                sent_bytes / 2**10,
+                unit="KiB",
+                note=", ".join(f"{k} x{n}" for k, n in sorted(calls.items())) or "no collective",
+            )
+        )
+    return rows
 
 
 def owner_rows():
@@ -155,40 +227,7 @@ def run(quick=False):
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         mp.spawn(worker, args=(2, store, quick, rounds, results), nprocs=2, join=True)
-    times, sent = results["times"], results["sent"]
-    setting = f"{results['parameters'] / 1e6:.1f}M params, fp32, 2 gloo ranks, median of {rounds} rounds"
-    rows = []
-    for name in RULES:
-        rows.append(
-            row(
-                f"FSDP2 {name} step vs FSDP2 AdamW(fused=True) step",
-                times[name] * 1e3,
-                times["adamw"] * 1e3,
-                unit="ms",
-                note=setting,
-            )
-        )
-    for name in RULES:
-        rows.append(
-            row(
-                f"FSDP2 {name} step vs its step in one process",
-                times[name] * 1e3,
-                results["whole"][name] * 1e3,
-                unit="ms",
-                note="one process: the unsharded model, on rank 0 alone",
-            )
-        )
-    for name in ("adamw", *RULES):
-        sent_bytes, calls = sent[name]
-        rows.append(
-            row(
-                f"FSDP2 {name} step: bytes sent per rank",
-                sent_bytes / 2**10,
-                unit="KiB",
-                note=", ".join(f"{k} x{n}" for k, n in sorted(calls.items())) or "no collective",
-            )
-        )
-    return rows + owner_rows()
+    return step_rows(dict(results)) + owner_rows()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
     python -m scripts.gpu_check_worker memory RESULT.json [train.py args]     # peak memory of 2 steps
     python -m torch.distributed.run --standalone --nproc_per_node=1 \\
         -m scripts.gpu_check_worker compiled RESULT.json STEPS [train.py args]  # the compiled model under DDP
+    python -m torch.distributed.run --standalone --nproc_per_node=N \\
+        -m scripts.gpu_check_worker fsdp RESULT.json cuda|cpu               # bench_fsdp's sharded steps
 
 A process of its own for each: a crash or an out-of-memory error ends only that measurement, the CUDA
 peak-memory counters start from zero, and the driver can kill it when its time budget runs out.
@@ -258,7 +260,39 @@ def compiled_run(steps, train_argv):
     return result
 
 
-KINDS = ("warm", "device", "optimizer", "memory", "compiled")
+# The sharded steps' rounds (after one warm-up round): each a forward, backward and step per optimizer
+FSDP_ROUNDS = 5
+
+
+def fsdp_steps(device_type):
+    """bench/bench_fsdp.py's measure on the ranks torchrun started: on CUDA one GPU per rank over NCCL, GPT-2
+    small's shapes; on the CPU gloo ranks and the bench's quick shapes. Rank 0 returns the bench's rows, the
+    others None."""
+    import torch.distributed as dist
+
+    from bench import bench_fsdp
+
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        config = bench_fsdp.GPT2_SMALL
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        config = bench_fsdp.SIZES[True]
+    try:
+        results = bench_fsdp.measure(config, FSDP_ROUNDS, device)
+    finally:
+        dist.destroy_process_group()
+    if results is None:
+        return None
+    where = f"{results['world']} {'GPU' if device_type == 'cuda' else 'gloo rank'}{'s' * (results['world'] > 1)}"
+    return dict(rows=bench_fsdp.step_rows(results, where), world=results["world"])
+
+
+KINDS = ("warm", "device", "optimizer", "memory", "compiled", "fsdp")
 
 
 def main(argv):
@@ -273,6 +307,8 @@ def main(argv):
         result = peak_memory(rest)
     elif kind == "compiled":
         result = compiled_run(int(rest[0]), rest[1:])
+    elif kind == "fsdp":
+        result = fsdp_steps(rest[0])
     elif kind == "optimizer":
         result = bench_mars_rows(*(int(n) for n in rest))
     else:

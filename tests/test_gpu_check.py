@@ -287,6 +287,73 @@ def test_a_launch_passes_only_on_the_expected_device_with_a_finite_val_loss():
     assert diverged.status == FAIL
 
 
+def test_the_fsdp_launch_row_wants_the_sharding_line_and_a_checkpoint_of_one_file_per_rank(tmp_path):
+    """Beyond launch_row's conditions: the run says it shards over its ranks, and its ckpt.pt names a shard
+    directory with one .distcp file per rank (a one-file checkpoint, or none, fails the row)."""
+    from marsgpt import checkpoint
+
+    records = [{"iter": 0, "val/loss": 10.9}, {"iter": 10, "val/loss": 10.5}]
+    printed = Finished(0, "world size 2 on cpu; 2 micro-batches per rank per step\nmemory: FSDP2 over 2 GPUs\n")
+    out = str(tmp_path)
+
+    def row(finished):
+        return gpu_check.fsdp_launch_row("w", "c", finished, 30, records, 2, out, cuda=False)
+
+    unsharded = row(Finished(0, "world size 2 on cpu\n"))
+    assert unsharded.status == FAIL and unsharded.result == "exit 0, but its output never says 'FSDP2 over 2 GPUs'"
+    missing = row(printed)
+    assert missing.status == FAIL and "; its checkpoint: " in missing.result and "ckpt.pt" in missing.result
+    checkpoint.save_checkpoint(os.path.join(out, "ckpt.pt"), dict(model={"w": torch.ones(2)}, model_args={}))
+    one_file = row(printed)
+    assert one_file.status == FAIL
+    assert one_file.result.endswith("its checkpoint is not sharded one file per rank (0 .distcp files)")
+    assert row(Finished(1, "error: boom\n")).result.startswith("exit 1: error: boom")
+
+
+def test_fsdp_step_rows_show_bench_fsdp_s_times_and_bytes_and_fail_what_it_did_not_measure():
+    rows = gpu_check.fsdp_step_rows(
+        [
+            bench_row("FSDP2 mars-adamw step vs FSDP2 AdamW(fused=True) step", 3.0, 1.5, 2.0, note="124M params"),
+            bench_row("FSDP2 mars-m step vs its step in one process", float("nan"), 20.0, note="one process"),
+            bench_row("FSDP2 mars-adamw step: bytes sent per rank", 80 / 1024, unit="KiB", note="allreduce_ x1"),
+            bench_row("FSDP2 mars-m step: bytes sent per rank", 2048.0, unit="KiB", note="alltoall_base_ x2"),
+        ],
+        "cmd",
+        cuda=True,
+    )
+    assert [(r.status, r.result) for r in rows] == [
+        (PASS, "3 ms = 2.00x of 1.5 ms; 124M params (the bench states no target)"),
+        (FAIL, "not measured: one process"),
+        (PASS, "80 bytes: allreduce_ x1"),
+        (PASS, "2,048.0 KiB: alltoall_base_ x2"),
+    ]
+    nothing = gpu_check.fsdp_step_rows([], "cmd", cuda=True)
+    assert [(r.status, r.result) for r in nothing] == [(FAIL, "the bench gave no row")]
+
+
+def test_on_cuda_the_fsdp_check_shards_over_every_gpu_at_the_config_s_shapes(tmp_path, monkeypatch):
+    """check_fsdp's CUDA branch: both torchrun launches on every GPU (8 here), train.py at config/quickstart.py's
+    own shapes with 2 micro-batches per rank, the bench worker told it runs on CUDA. The commands cannot start
+    here: each is recorded and answered with a failure, which its row reports."""
+    ctx = gpu_check.Context(device="cuda", work=str(tmp_path), logs=str(tmp_path), gpus=8)
+    ctx.check, ctx.deadline = gpu_check.CHECKS_BY_NAME["fsdp"], float("inf")
+    commands = []
+    monkeypatch.setattr(ctx, "run", lambda argv, stop_at=None, env=None: commands.append(argv) or Finished(1, "no"))
+    rows = gpu_check.check_fsdp(ctx)
+    train_argv, bench_argv = commands
+    for argv in commands:
+        launcher = argv[argv.index("torch.distributed.run") + 1 :][:2]
+        assert launcher == ["--standalone", "--nproc_per_node=8"]
+    assert train_argv[train_argv.index("train.py") + 1] == "config/quickstart.py"
+    assert "--zero_stage=3" in train_argv and "--gradient_accumulation_steps=16" in train_argv
+    assert not any(a.startswith(("--n_layer", "--compile")) for a in train_argv)  # no --device=cpu shapes
+    assert bench_argv[-3:] == ["fsdp", ctx.result_path, "cuda"]
+    assert [(r.what, r.status) for r in rows] == [
+        ("FSDP2: train.py --zero_stage=3 under torchrun, 8 processes", FAIL),
+        ("FSDP2 steps (bench/bench_fsdp.py)", FAIL),
+    ]
+
+
 def bench_row(benchmark, ours, reference=None, ratio=None, unit="ms", target="", note=""):
     return dict(benchmark=benchmark, ours=ours, reference=reference, unit=unit, ratio=ratio, target=target, note=note)
 
@@ -733,8 +800,13 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     graphs = rows["small_mars", f"{what}: graph breaks and recompiles"]["details"]
     assert graphs["graph_breaks"] == {} and graphs["graphs"] == graphs["graphs_after_warm_up"] >= 2
     assert rows["small_mars", f"{what}: attention kernel"]["details"]["kernel"] == "flash (CPU)"
-    deterministic = "GPT-2 small, MARS, --deterministic=True (compiled, DDP)"
-    assert rows["small_deterministic", f"{deterministic}: against the default"]["details"]["speed_ratio"] > 0
+    # FSDP2: train.py sharded over 2 gloo ranks with its checkpoint in 2 shard files; the sharded steps measured
+    launch = rows["fsdp", "FSDP2: train.py --zero_stage=3 under torchrun, 2 processes"]
+    assert launch["details"]["shard_files"] == 2 and "FSDP2 over 2 GPUs" in launch["result"]
+    fsdp = {r["what"]: r for r in report["rows"] if r["check"] == "fsdp"}
+    assert fsdp["FSDP2 mars-m step vs FSDP2 AdamW(fused=True) step"]["details"]["ours"] > 0
+    assert fsdp["FSDP2 mars-adamw step: bytes sent per rank"]["result"].endswith(": allreduce_ x1")
+    assert fsdp["FSDP2 mars-m step: bytes sent per rank"]["result"].endswith(": allreduce_ x1, alltoall_base_ x2")
     # MARS's default path against fused=True, measured; a bitwise resume; XL's memory
     optimizer = [r for r in report["rows"] if r["check"] == "optimizer"]
     assert [r["what"] for r in optimizer[:2]] == [
@@ -750,8 +822,8 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
 
 @pytest.mark.slow
 def test_the_other_checks_run_end_to_end_on_cpu(tmp_path):
-    """The launch paths and the tools (small_adamw and memory_small run small_mars's and memory_xl's code with
-    another config, and each process start costs seconds on a small CPU)."""
+    """The launch paths and the tools (memory_small and small_deterministic run memory_xl's and small_mars's code
+    with another config or one more key, and each process start costs seconds on a small CPU)."""
     report, rows = run_on_cpu(SCRIPT, tmp_path / "out", "--only", "single", "torchrun", "sample", "hellaswag")
     assert [r["check"] for r in report["rows"]] == ["warm", "data", "single", "torchrun", "sample", "hellaswag"]
     assert "world size 1 on cpu" in rows["single", "one process: python train.py, device auto"]["result"]
