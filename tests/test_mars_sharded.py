@@ -3,7 +3,8 @@
 process to 1e-12; the collectives of a step (one norm all-reduce, no all-gather; Newton-Schulz rules two
 all-to-alls more); the negative control (each shard's own norm in the clip moves the run); a GradScaler's fallback
 agreed by every rank; torch.distributed.checkpoint resuming 2 -> 1, 1 -> 2 and 2 -> 2 ranks as the uninterrupted
-run; fused=True refused in one line; and a user's own FSDP2 loop (docs/mars.md's example) under torchrun.
+run; fused=True refused in one line; the trainer's AdamW, Muon and Moonlight (ShardedMuon's owners) equal to
+one process to 1e-12 as well; and a user's own FSDP2 loop (docs/mars.md's example) under torchrun.
 
 The 2-rank part runs once for the whole module, in two spawned processes that meet through a file (no port to
 race for); each case's result or error goes into a per-rank report that the tests read. The 4-rank 2 x 2 HSDP
@@ -224,6 +225,37 @@ def sharded_against_one_process(rank, world, case, mesh=None):
     return largest_difference(reference, opt_reference, sharded, opt), counts
 
 
+TORCH_OPTIMIZERS = ("adamw", "muon", "moonlight")
+
+
+def torch_optimizer_against_one_process(rank, world, name):
+    """The trainer's other optimizers as the registry builds them (marsgpt.optimizers.build_optimizer: AdamW through
+    DTensor's dispatch, Muon and Moonlight's matrices through ShardedMuon's owners) over the sharded GPT, against
+    the same entry over the plain one: (max |difference| after STEPS steps, the collectives of the second step).
+    torch's Muon runs Newton-Schulz in bfloat16: its owner computes it on the whole matrix from the same float64
+    momentum as one process, so the bfloat16 matmuls see the same inputs."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from marsgpt.config import TrainConfig
+    from marsgpt.optimizers import build_optimizer
+
+    cfg = TrainConfig(optimizer_name=name, learning_rate=2e-2, muon_adamw_lr=1e-2, weight_decay=0.1)
+    net = gpt()
+    reference = copy.deepcopy(net)
+    sharded = shard(net)
+    opt_reference = build_optimizer(reference, cfg, "cpu")
+    opt = build_optimizer(sharded, cfg, "cpu", fsdp=True)
+    data = global_batches(STEPS, world)
+    counts = None
+    for t in range(STEPS):
+        train_step(reference, opt_reference, data[t], data[t + 1], None)
+        mode = CommDebugMode() if t == 1 else None
+        train_step(sharded, opt, rank_slice(data[t], rank, world), None, None, counting=mode)
+        if mode is not None:
+            counts = comm_counts(mode)
+    return largest_difference(reference, opt_reference, sharded, opt), counts
+
+
 def shard_local_norms(buckets):
     """mars._whole_norms without its all-reduce: each shard clipped by its own norm (the negative control)."""
     return [list(torch._foreach_norm(c, dtype=mars._opmath(c[0].dtype))) for c, _ in buckets]
@@ -398,6 +430,8 @@ def two_rank_worker(rank, world, store, root, report_path):
     try:
         for case in equality_cases():
             recorded(report, ("equality", label(case)), sharded_against_one_process, rank, world, case)
+        for name in TORCH_OPTIMIZERS:
+            recorded(report, ("torch", name), torch_optimizer_against_one_process, rank, world, name)
         whole_norms = mars._whole_norms
         mars._whole_norms = shard_local_norms
         try:
@@ -483,6 +517,15 @@ EQUALITY = [label(case) for case in equality_cases()]
 def test_sharded_step_equals_one_process(two_ranks, case):
     for difference, _ in results(two_ranks[0], ("equality", case)):
         assert difference <= TOL
+
+
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_the_trainer_s_torch_optimizers_on_sharded_parameters_equal_one_process(two_ranks, name):
+    """AdamW elementwise on each rank's rows (no collective); Muon's and Moonlight's matrices orthogonalised whole
+    at their owners (two all-to-alls a step, nothing gathered)."""
+    for difference, counts in results(two_ranks[0], ("torch", name)):
+        assert difference <= TOL
+        assert counts == ({} if name == "adamw" else {"alltoall_base_": 2})
 
 
 @pytest.mark.parametrize("case", [c for c in equality_cases() if c["exact"] != "closure"], ids=label)
