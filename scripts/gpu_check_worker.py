@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from marsgpt.files import atomic_writer
 from marsgpt.runtime import exit_process
@@ -168,24 +169,25 @@ def peak_memory(train_argv):
     return result
 
 
+class OpCensus(TorchDispatchMode):
+    """The names of the aten ops run while it is active (after autograd: a backward's too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def attention_kernel(run):
     """Which kernel the model's attention dispatches to for a training forward pass of one sequence in the
     run's precision: the aten op SDPA chose, as the op census of the uncompiled model sees it (the compiled
     graph calls the op SDPA chose when it was traced)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Census(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     x, y = run.val_batches[0]
     x, y = x[:1].to(run.dist.device), y[:1].to(run.dist.device)
-    with Census() as census, run.autocast:
+    with OpCensus() as census, run.autocast:
         run.model(x, y, return_logits=False)
     fused = [ATTENTION_KERNELS[op] for op in sorted(census.ops) if op in ATTENTION_KERNELS]
     return fused[0] if fused else MATH_KERNEL

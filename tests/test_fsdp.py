@@ -356,13 +356,18 @@ def test_a_sharded_run_is_not_overwritten_without_overwrite(runs, data_path, tmp
     assert after == before
 
 
+def one_file_equal(sharded, out_dir):
+    """out_dir with a ckpt.pt of one file holding the sharded run's checkpoint, its tensors read whole."""
+    os.makedirs(out_dir)
+    checkpoint.save_checkpoint(os.path.join(out_dir, "ckpt.pt"), whole(sharded))
+    return out_dir
+
+
 def test_sample_py_reads_a_sharded_checkpoint_as_its_one_file_equal(runs, tmp_path, capsys):
     """sample.py (and hellaswag.py and export_hf.py, which load through the same checkpoint.load_model) reads the
     sharded checkpoint directly: the same text as from one file holding the same tensors."""
     sharded, _ = runs("mars-adamw-exact")
-    one_file = str(tmp_path / "one_file")
-    os.makedirs(one_file)
-    checkpoint.save_checkpoint(os.path.join(one_file, "ckpt.pt"), whole(sharded))
+    one_file = one_file_equal(sharded, str(tmp_path / "one_file"))
     texts = []
     for out in (sharded, one_file):
         capsys.readouterr()
@@ -390,9 +395,7 @@ def test_export_hf_reads_a_sharded_checkpoint_as_its_one_file_equal(runs, tmp_pa
     from marsgpt import export_hf
 
     sharded, _ = runs("mars-adamw-exact")
-    one_file = str(tmp_path / "one_file")
-    os.makedirs(one_file)
-    checkpoint.save_checkpoint(os.path.join(one_file, "ckpt.pt"), whole(sharded))
+    one_file = one_file_equal(sharded, str(tmp_path / "one_file"))
     exported = []
     for out in (sharded, one_file):
         hf_dir = str(tmp_path / f"hf_{os.path.basename(out)}")

@@ -411,19 +411,11 @@ DOCUMENTED_OPS_A_STEP_USES = set()
 
 
 def step_ops(run):
-    """The names of the aten ops one train_step runs (after autograd: the backward's too)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """The names of the aten ops one train_step runs (after autograd: the backward's too), counted by gpu_check's
+    census (the one its attention-kernel row reads)."""
+    from scripts.gpu_check_worker import OpCensus
 
-    class Census(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Census() as census:
+    with OpCensus() as census:
         train.train_step(run, 0)
     return census.ops
 
