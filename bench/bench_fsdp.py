@@ -5,7 +5,9 @@ Newton-Schulz owners share GPT-2's matrices.
     python -m bench.bench_fsdp --quick    # 2 blocks of width 128, 1,024 tokens; 3 rounds
 
 Both ranks build the same GPT in float32 and fully_shard each block and the root, as a trainer does. Each round
-runs one training step per optimizer (AdamW(fused=True), then each MARS rule) and times optimizer.step() alone,
+runs one training step per optimizer (AdamW(fused=True), each MARS rule, then Muon on the blocks' matrices as the
+trainer steps it -- each matrix whole at an owner -- and as torch.optim.Muon steps DTensors by itself) and times
+optimizer.step() alone,
 between barriers, on rank 0; a row is the median over the rounds, after one warm-up round. Then rank 0 times each
 MARS rule's step on the whole, unsharded model in one process (the other rank waits), which shows how the
 sharded step divides the work (Newton-Schulz: whole matrices at their owners). "Bytes sent" counts the buffers
@@ -32,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mars
 from bench.common import print_table, row
 from mars import MARS
-from model import GPT, GPTConfig
+from marsgpt.optimizers import ShardedMuon
+from model import GPT, GPTConfig, hidden_matrix_params
 
 SIZES = {
     False: dict(n_layer=4, n_head=4, n_embd=256, block_size=64, vocab_size=8192, bias=False),
@@ -41,7 +44,14 @@ SIZES = {
 # scripts/gpu_check.py's fsdp row: GPT-2 small's shapes, one rank per GPU over NCCL (measure(), under torchrun)
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False)
 RULES = ("mars-adamw", "mars-lion", "mars-m")
+# Muon on the blocks' matrices two ways: the trainer's (marsgpt.optimizers.ShardedMuon: each matrix whole at an
+# owner, MARS's scheme) and torch.optim.Muon as it runs on DTensors by itself (DTensor's dispatch)
+MUONS = ("muon-owners", "muon-dtensor")
 BATCH = 2  # sequences per rank
+
+
+# ops of torch's collective namespaces that send nothing: a wait for a result, a functional collective's autograd wrap
+NOT_SENDING = ("wait_tensor", "_wrap_tensor_autograd")
 
 
 class SentBytes(TorchDispatchMode):
@@ -52,8 +62,14 @@ class SentBytes(TorchDispatchMode):
         self.world, self.calls, self.bytes = world, {}, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            # a DTensor's op: a mode sees it before DTensor does, so hand it on; DTensor runs it as ops on the local
+            # tensors and the collectives it needs, which come back here (torch's CommDebugMode does the same)
+            return NotImplemented
         name = func.__name__.split(".")[0]
-        if func.namespace in ("c10d", "_c10d_functional") and name != "wait_tensor":
+        if func.namespace in ("c10d", "_c10d_functional") and name not in NOT_SENDING:
             self.calls[name] = self.calls.get(name, 0) + 1
             if name == "alltoall_base_":  # (output, input, group, output_split_sizes, input_split_sizes, ...)
                 sent, splits = args[1], args[4]
@@ -67,6 +83,10 @@ class SentBytes(TorchDispatchMode):
 
 
 def optimizer_for(name, model):
+    if name in MUONS:
+        muon_class = ShardedMuon if name == "muon-owners" else torch.optim.Muon
+        matrices = hidden_matrix_params(model)[0]
+        return muon_class(matrices, lr=0.02, momentum=0.95, nesterov=True, adjust_lr_fn="original")
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)  # torch's fastest
     return MARS(model.parameters(), lr=1e-3, weight_decay=0.1, mars_type=name)
@@ -87,7 +107,7 @@ def measure(config, rounds, device):
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     runs = {}
-    for name in ("adamw", *RULES):
+    for name in ("adamw", *RULES, *MUONS):
         torch.manual_seed(0)
         with device:
             model = GPT(GPTConfig(**config))
@@ -183,7 +203,16 @@ def step_rows(results, device="2 gloo ranks"):
                 note="one process: the unsharded model, on rank 0 alone",
             )
         )
-    for name in ("adamw", *RULES):
+    rows.append(
+        row(
+            "FSDP2 Muon step: owners (the trainer's ShardedMuon) vs torch.optim.Muon through DTensor",
+            times["muon-owners"] * 1e3,
+            times["muon-dtensor"] * 1e3,
+            unit="ms",
+            note="the blocks' matrices; each matrix's Newton-Schulz at one owner vs on every rank",
+        )
+    )
+    for name in ("adamw", *RULES, *MUONS):
         sent_bytes, calls = sent[name]
         rows.append(
             row(

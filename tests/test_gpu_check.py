@@ -807,6 +807,7 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     assert fsdp["FSDP2 mars-m step vs FSDP2 AdamW(fused=True) step"]["details"]["ours"] > 0
     assert fsdp["FSDP2 mars-adamw step: bytes sent per rank"]["result"].endswith(": allreduce_ x1")
     assert fsdp["FSDP2 mars-m step: bytes sent per rank"]["result"].endswith(": allreduce_ x1, alltoall_base_ x2")
+    assert fsdp["FSDP2 muon-owners step: bytes sent per rank"]["result"].endswith(": alltoall_base_ x2")
     # MARS's default path against fused=True, measured; a bitwise resume; XL's memory
     optimizer = [r for r in report["rows"] if r["check"] == "optimizer"]
     assert [r["what"] for r in optimizer[:2]] == [
