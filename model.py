@@ -183,13 +183,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         # The per-layer factor folds into SDPA's softmax scale, so the fused kernels still apply.
-        self.scale = (config.n_embd // config.n_head) ** -0.5
+        self.head_scale = self.scale = (config.n_embd // config.n_head) ** -0.5
+        self.layer_factor = None  # 1 / (layer_idx + 1), scaling by layer
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
+            self.layer_factor = 1.0 / (layer_idx + 1)
+        self.register_buffer("q_factor", None, persistent=False)  # layer_factor_as_data's
 
     def forward(self, x):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        if self.q_factor is not None:  # the per-layer factor as data (layer_factor_as_data), not in the scale
+            q = q * self.q_factor
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         # Flash / memory-efficient kernels on GPU: the T x T attention matrix is never materialised.
@@ -198,6 +203,19 @@ class CausalSelfAttention(nn.Module):
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def layer_factor_as_data(self):
+        """For a block compiled on its own (FSDP2 compiles each block, marsgpt/fsdp.py): the per-layer factor
+        becomes a 0-d buffer that q is multiplied by, and SDPA's scale the same in every layer, so that every
+        block runs one compiled graph. Folded into the scale, the factor is a constant of each block's graph
+        that differs from layer to layer: each block a compile of its own and, past torch._dynamo's
+        recompile_limit (8), the remaining blocks uncompiled. The cost: one multiply and one more q-sized
+        activation per block, and q rounded once more (the factors 1/2, 1/4, ... exactly). Without
+        scale_attn_by_inverse_layer_idx there is nothing to do."""
+        if self.layer_factor is not None:
+            weight = self.c_attn.weight
+            self.q_factor = torch.tensor(self.layer_factor, dtype=weight.dtype, device=weight.device)
+            self.scale = self.head_scale
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The reference code keeps its causal mask as a buffer named 'attn.bias' (and Hugging Face's

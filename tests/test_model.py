@@ -101,6 +101,25 @@ def test_sdpa_attention_equals_explicit_softmax(scale_by_layer):
         )
 
 
+@pytest.mark.parametrize("scale_by_layer", [False, True])
+def test_the_layer_factor_as_data_gives_every_block_one_scale_and_the_same_output(scale_by_layer):
+    """What FSDP2's per-block compile needs (marsgpt/fsdp.py): the per-layer factor out of SDPA's scale, into a
+    0-d buffer q is multiplied by (not saved in a checkpoint); the output the same but for q's rounding."""
+    gpt = tiny_gpt(scale_attn_by_inverse_layer_idx=scale_by_layer)
+    idx = torch.randint(0, 50, (2, 16))
+    before, _ = gpt(idx)
+    keys = gpt.state_dict().keys()
+    for block in gpt.transformer.h:
+        block.attn.layer_factor_as_data()
+    attentions = [block.attn for block in gpt.transformer.h]
+    assert len({attn.scale for attn in attentions}) == 1
+    factors = [attn.q_factor.item() if scale_by_layer else attn.q_factor for attn in attentions]
+    expected = [pytest.approx(1 / (i + 1), rel=1e-7) for i in range(len(attentions))] if scale_by_layer else None
+    assert factors == (expected or [None] * len(attentions))
+    torch.testing.assert_close(gpt(idx)[0], before, rtol=1e-5, atol=1e-6)
+    assert gpt.state_dict().keys() == keys
+
+
 def test_scale_attn_by_inverse_layer_idx_changes_the_output():
     idx = torch.randint(0, 50, (1, 16))
     plain, _ = tiny_gpt()(idx)

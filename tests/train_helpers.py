@@ -12,6 +12,7 @@ so train.py and marsgpt/checkpoint.py carry no test code:
                            no answer to collectives)
     TEST_UNREADABLE=RANK:PATH  on rank RANK the file PATH does not exist (a node without the shared
                            file system): os.path.isfile says False and open raises FileNotFoundError
+    TEST_COMPILE_BACKEND=B torch.compile with backend B (aot_eager: dynamo's graphs without inductor's build)
     TEST_PAUSE=RANK:ITERS:PATH  on rank RANK, just before each step of ITERS (comma-separated), waits for
                            the checkpoint in flight, prints 'paused before step ITER (pid P)' and waits
                            until the file PATH.ITER exists: meanwhile the test sends a signal, fills the
@@ -176,6 +177,15 @@ def _install_hooks():
             return real_pause_step(run, it)
 
         train.train_step = paused_train_step
+
+    if os.environ.get("TEST_COMPILE_BACKEND"):
+        import functools
+
+        import torch
+
+        # torch.compile (and Module.compile, which calls it) with this backend: aot_eager traces what inductor
+        # would (dynamo's graphs, breaks and recompiles do not depend on the backend) without building C++ kernels
+        torch.compile = functools.partial(torch.compile, backend=os.environ["TEST_COMPILE_BACKEND"])
 
     if os.environ.get("TEST_UNREADABLE"):
         rank, hidden = os.environ["TEST_UNREADABLE"].split(":", 1)
