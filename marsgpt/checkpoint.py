@@ -146,13 +146,13 @@ def save_checkpoint(path, state):
             record = json.dumps({DIGEST: hashing.hash.hexdigest(), "size": hashing.size, "iter": iteration(state)})
             f.write(record.encode() + FOOTER_PREFIX + b"%010d\n" % len(record))
     except (OSError, RuntimeError) as e:
-        advice = f" (free space in {os.path.dirname(os.path.abspath(path))})" if _no_space(e) else ""
+        advice = f" (free space in {os.path.dirname(os.path.abspath(path))})" if no_space(e) else ""
         raise CheckpointError(
             f"cannot write checkpoint {path}: {os_reason(e)}; the previous one is kept{advice}"
         ) from None
 
 
-def _no_space(error):
+def no_space(error):
     return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
 
 

@@ -110,6 +110,11 @@ def _hashing_writer(path):
                 hashing = checkpoint.HashingFile(stream)
                 try:
                     yield hashing
+                except RuntimeError:  # torch.save's "unexpected pos 704 vs 598": the OS's reason instead
+                    if hashing.error is None:
+                        raise
+                    error = hashing.error
+                    raise OSError(error.errno, error.strerror, os.path.basename(path)) from None
                 finally:
                     hashing.close()
                 self.written[os.path.basename(path)] = (hashing.hash.hexdigest(), hashing.size)
@@ -124,12 +129,14 @@ def _hashing_writer(path):
 
 
 def _save_reason(error):
-    """A failed dcp.save in one line: the first rank's OS reason (CheckpointException holds every rank's)."""
+    """(A failed dcp.save in one line: the first rank's file and OS reason, whether it was a full disk).
+    CheckpointException holds every rank's error."""
     failures = getattr(error, "failures", None)
-    if failures:
-        rank, (first, _) = min(failures.items())
-        return f"rank {rank}: {os_reason(first)}"
-    return os_reason(error)
+    if not failures:
+        return os_reason(error), checkpoint.no_space(error)
+    rank, (first, _) = min(failures.items())
+    file = f"{first.filename}: " if getattr(first, "filename", None) else ""
+    return f"rank {rank}: {file}{os_reason(first)}", checkpoint.no_space(first)
 
 
 def write(pointer, tree, shards, names, name, group, rank):
@@ -149,9 +156,10 @@ def write(pointer, tree, shards, names, name, group, rank):
         if rank == 0:
             with contextlib.suppress(OSError):
                 shutil.rmtree(staging)
-        raise CheckpointError(
-            f"cannot write checkpoint {staging}: {_save_reason(e)}; the previous one is kept"
-        ) from None
+        reason, no_space = _save_reason(e)
+        advice = f" (free space in {root})" if no_space else ""
+        kept = f"the previous one is kept{advice}"
+        raise CheckpointError(f"cannot write checkpoint {staging}: {reason}; {kept}") from None
     written = [None] * dist.get_world_size(group) if rank == 0 else None
     dist.gather_object(writer.fs.written, written, dst=dist.get_global_rank(group, 0), group=group)
     if rank != 0:

@@ -37,7 +37,7 @@ import time
 
 import pytest
 import torch
-from train_helpers import ROOT, launch, subprocess_env, tiny_args, wait_for_line
+from train_helpers import ROOT, fill, launch, subprocess_env, tiny_args, tmpfs, wait_for_line
 
 import sample
 import train
@@ -283,6 +283,51 @@ def test_killed_during_a_sharded_save_the_run_resumes_on_two_ranks_bit_for_bit(r
     assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 2" in output
     assert f"removed {os.path.join(out, 'shards', unnamed[0])}, a sharded checkpoint no checkpoint file names" in output
     assert_same_run(out, uninterrupted)
+
+
+def test_a_full_disk_during_a_sharded_save_is_one_line_with_the_os_reason_and_the_job_resumes(data_path, tmp_path):
+    """The disk fills while 2 ranks train under torchrun (at step 4, leaving room for the metrics but not for a
+    checkpoint): the sharded save at iteration 6 fails in one line naming the shard directory, the file and
+    ENOSPC (not torch's "unexpected pos"); the job stops naming the checkpoint to resume (iteration 3, intact,
+    the failed directory removed); once there is room the same command resumes from it and finishes."""
+    with tmpfs(str(tmp_path / "disk")) as disk:
+        out, pause = os.path.join(disk, "out"), str(tmp_path / "pause")
+        args = tiny_args(data_path, out, max_iters=8, eval_interval=3, gradient_accumulation_steps=4, zero_stage=3)
+        args.append("--init_from=auto")
+        proc = subprocess.Popen(
+            torchrun_command(args),
+            cwd=ROOT,
+            env=subprocess_env(TEST_PAUSE=f"0:4,6:{pause}"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            seen = wait_for_line(proc, "paused before step 4")
+            filler = fill(disk, leave_bytes=256 << 10)
+            for step in (4, 6):
+                open(f"{pause}.{step}", "w").close()
+            output = seen + proc.communicate(timeout=120)[0]
+        finally:
+            if proc.poll() is None:
+                kill_job(proc)
+        shards = os.path.join(out, "shards")
+        failed = re.search(
+            rf"^error: cannot write checkpoint {re.escape(shards)}/0000006\.\w+\.\d+\.tmp: (.*)$", output, re.M
+        )
+        assert failed, output
+        reason = re.fullmatch(r"rank \d: __\d_0\.distcp: \[ENOSPC\] No space left on device; (.*)", failed.group(1))
+        assert reason and reason.group(1) == f"the previous one is kept (free space in {shards})", failed.group(0)
+        assert "unexpected pos" not in output
+        resume = f"resume from {out}/ckpt.pt (iter 3) with --init_from=resume (or auto) once {out} has room"
+        assert f"stopped at iter 7: a write failed (above); {resume}" in output, output
+        assert proc.returncode == 1
+        assert whole(out)["progress"]["iter_num"] == 3
+        assert not [name for name in os.listdir(shards) if name.endswith(".tmp")]
+        os.remove(filler)
+        output = torchrun(args)
+        assert f"resuming {out}/ckpt.pt at iter 3" in output
+        assert whole(out)["progress"]["iter_num"] == 8
 
 
 def test_a_two_rank_checkpoint_resumes_in_one_process(runs, data_path, tmp_path):

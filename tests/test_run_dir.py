@@ -6,7 +6,6 @@ run's files (1), one launch per out_dir (2), copies independent of ckpt.pt (3), 
 (5), failed writes on a tmpfs that fills (7), meta.pkl read as data (8), and the smaller items (9).
 """
 
-import contextlib
 import json
 import os
 import pickle
@@ -20,7 +19,7 @@ import zipfile
 
 import pytest
 import torch
-from train_helpers import launch, make_char_data, subprocess_env, tiny_args, wait_for_line
+from train_helpers import fill, launch, make_char_data, subprocess_env, tiny_args, tmpfs, wait_for_line
 
 import sample
 import train
@@ -372,34 +371,6 @@ def test_float16_s_skipped_first_steps_hold_a_checkpoint_back_only_until_a_step_
 
 # ---------------------------------------------------------------------------------------------------
 # 7. and 9. Failed writes: a tmpfs that fills, a read-only file system.
-
-
-@contextlib.contextmanager
-def tmpfs(path, size="32m", read_only=False):
-    """A tmpfs of `size` mounted at `path` (root only: the test is skipped, saying why, where mounting is refused)."""
-    os.makedirs(path, exist_ok=True)
-    options = f"size={size}" + (",ro" if read_only else "")
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip("no mount command here: a full or read-only file system cannot be made for the test")
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (mounting needs root): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=True)
-
-
-def fill(directory, leave_bytes=0):
-    """Fill the file system of `directory` but `leave_bytes` (0: to the last byte) with one file; its path."""
-    filler = os.path.join(directory, "filler")
-    stat = os.statvfs(directory)
-    to_write = stat.f_bavail * stat.f_frsize - leave_bytes
-    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):  # ENOSPC: full
-        while leave_bytes == 0 or to_write > 0:
-            to_write -= f.write(b"\0" * (min(to_write, 1 << 16) if leave_bytes else 1 << 16))
-    return filler
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ so train.py and marsgpt/checkpoint.py carry no test code:
 """
 
 import builtins
+import contextlib
 import os
 import subprocess
 import sys
@@ -130,6 +131,36 @@ def wait_for_line(proc, prefix, timeout=120):
         if time.time() > deadline:
             break
     raise AssertionError(f"no line starting with {prefix!r} in:\n{''.join(seen)}")
+
+
+@contextlib.contextmanager
+def tmpfs(path, size="32m", read_only=False):
+    """A tmpfs of `size` mounted at `path` (root only: the test is skipped, saying why, where mounting is refused)."""
+    import pytest
+
+    os.makedirs(path, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command here: a full or read-only file system cannot be made for the test")
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (mounting needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=True)
+
+
+def fill(directory, leave_bytes=0):
+    """Fill the file system of `directory` but `leave_bytes` (0: to the last byte) with one file; its path."""
+    filler = os.path.join(directory, "filler")
+    stat = os.statvfs(directory)
+    to_write = stat.f_bavail * stat.f_frsize - leave_bytes
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):  # ENOSPC: full
+        while leave_bytes == 0 or to_write > 0:
+            to_write -= f.write(b"\0" * (min(to_write, 1 << 16) if leave_bytes else 1 << 16))
+    return filler
 
 
 def _install_hooks():
