@@ -1,7 +1,8 @@
 """train.py --zero_stage=3 (FSDP2, marsgpt/fsdp.py; sharded checkpoints, marsgpt/shards.py) through the command
 line: 2 gloo ranks train what one process trains, for every optimizer the trainer offers; the sharded checkpoints
-resume on 2 ranks bit for bit after a kill -9 of the torchrun job during a save, on 1 rank, and from one
-process's checkpoint on 2 under torchrun; a damaged shard file is refused in one line naming it; nothing is
+resume on 2 ranks bit for bit after a kill -9 of the torchrun job during a save and after a SIGTERM to one rank,
+on 1 rank, and from one process's checkpoint on 2 under torchrun; a full disk during a sharded save is one line
+with the OS's reason; a damaged shard file is refused in one line naming it; nothing is
 overwritten; sample.py and export_hf.py read the sharded checkpoint directly; gradients reduce-scattered every
 micro-batch with recomputed activations train the same. HSDP (torchrun, 4 ranks as 2 replicas x 2 shards)
 is one more launch, marked slow.
@@ -282,6 +283,40 @@ def test_killed_during_a_sharded_save_the_run_resumes_on_two_ranks_bit_for_bit(r
     output = torchrun(args + ["--init_from=auto"])
     assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 2" in output
     assert f"removed {os.path.join(out, 'shards', unnamed[0])}, a sharded checkpoint no checkpoint file names" in output
+    assert_same_run(out, uninterrupted)
+
+
+def test_sigterm_to_one_sharded_rank_stops_the_job_at_one_checkpoint_which_resumes_bit_for_bit(
+    runs, data_path, tmp_path
+):
+    """A scheduler's SIGTERM that reaches one rank of a zero_stage=3 job under torchrun (rank 1, paused before its
+    third step): the ranks agree on it, all write their shards of one checkpoint after iteration 3 (between the
+    evaluations at 2 and 4), and exit 0; the same command resumes and ends bit for bit as the job left alone."""
+    uninterrupted, _ = runs("mars-adamw-exact")
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = args_for(data_path, out, "mars-adamw-exact") + ["--init_from=auto"]
+    proc = subprocess.Popen(
+        torchrun_command(args),
+        cwd=ROOT,
+        env=subprocess_env(TEST_PAUSE=f"1:2:{pause}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        seen = wait_for_line(proc, "paused before step 2")
+        os.kill(int(seen.rsplit("(pid ", 1)[1].split(")")[0]), signal.SIGTERM)
+        open(f"{pause}.2", "w").close()
+        output = seen + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    assert proc.returncode == 0, output
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert f"stopped by SIGTERM after iter 3: {ckpt} holds it; run the same command to continue" in output
+    assert output.count("stopped by SIGTERM") == 1 and "Traceback" not in output and "iter 4:" not in output
+    assert checkpoint.has_shards(torch.load(ckpt, weights_only=True)) and whole(ckpt)["progress"]["iter_num"] == 3
+    torchrun(args)
     assert_same_run(out, uninterrupted)
 
 
