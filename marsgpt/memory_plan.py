@@ -367,7 +367,7 @@ class MemoryPlan:
     save_bytes: int = 0  # what a checkpoint save adds to rank 0's GPU between steps: its "checkpoint save" moment
     fused_attention_bytes: int | None = None  # deterministic=True: the total with the fused attention kernels
     notes: tuple = ()
-    fsdp_shards: int = 0  # zero_stage=3 on more than one rank: the ranks one copy of the model is sharded over
+    fsdp_shards: int = 0  # zero_stage=3 under torchrun: the ranks one copy of the model is sharded over
     hsdp_replicas: int = 1
 
     @property
@@ -398,10 +398,20 @@ def usable(gpu_memory_bytes):
 
 
 def plan(
-    cfg, world_size=1, gpu_memory_gb=None, model_args=None, dtype=None, layout=None, gpu_name=None, device_type="cuda"
+    cfg,
+    world_size=1,
+    gpu_memory_gb=None,
+    model_args=None,
+    dtype=None,
+    layout=None,
+    gpu_name=None,
+    device_type="cuda",
+    torchrun=None,
 ):
     """The MemoryPlan of cfg's run on world_size GPUs of gpu_memory_gb GiB each (None: no verdict; gpu_name
-    only labels it).
+    only labels it). torchrun: whether the run is launched by torchrun (None: when world_size > 1), which decides
+    whether zero_stage=3 shards on one GPU: under torchrun it does (FSDP2 over a mesh of one, as train.py runs it),
+    one process without torchrun trains the whole model (marsgpt/fsdp.py's enabled).
 
     model_args: GPTConfig fields (default: cfg's model with GPT-2's padded vocabulary; train.py passes the
     data's); dtype: the autocast dtype the run resolves to (default: cfg.dtype, 'auto' taken as bfloat16);
@@ -417,7 +427,8 @@ def plan(
     sharded = is_sharded(cfg, world_size)
     parameters = layout.parameters
     parameter_bytes = sum(e.elements for e in parameters) * 4  # float32 weights, and gradients alike
-    fsdp = FSDP2.of(cfg, world_size, model_args, dtype, device_type)
+    torchrun = world_size > 1 if torchrun is None else torchrun
+    fsdp = FSDP2.of(cfg, world_size, model_args, dtype, device_type) if torchrun else None
     if fsdp is not None:
         shares = [[fsdp.share(e, rank) for e in parameters] for rank in range(fsdp.shards)]
         parameter_bytes = sum(e.elements for e in shares[0]) * 4  # rank 0 holds the most rows of every tensor
@@ -515,9 +526,9 @@ class FSDP2:
 
     @classmethod
     def of(cls, cfg, world_size, model_args, dtype, device_type):
-        """The FSDP2 layout of cfg's run on world_size ranks, or None when it does not shard (zero_stage 0 or 1,
-        or one rank)."""
-        if cfg.zero_stage != 3 or world_size < 2:
+        """The FSDP2 layout of cfg's run on world_size ranks under torchrun, or None when it does not shard
+        (zero_stage 0 or 1)."""
+        if cfg.zero_stage != 3:
             return None
         with torch.device("meta"):
             model = GPT(GPTConfig(**model_args))
@@ -614,7 +625,7 @@ def sharding(p):
     """How the plan's run splits its state over the GPUs, in words."""
     if p.fsdp_shards:
         hsdp = f" in each of {p.hsdp_replicas} HSDP replicas" if p.hsdp_replicas > 1 else ""
-        return f"FSDP2 over {p.fsdp_shards} GPUs{hsdp}"
+        return f"FSDP2 over {p.fsdp_shards} GPU{'s' * (p.fsdp_shards != 1)}{hsdp}"
     return f"ZeRO-1 over {p.world_size} GPUs" if p.sharded else f"{p.world_size} GPU(s), unsharded"
 
 
@@ -700,6 +711,7 @@ def plan_memory(cfg, dist_info, model_args):
         dtype=dtype,
         gpu_name=name,
         device_type=dist_info.device_type,
+        torchrun=dist_info.ddp,
     )
 
 
@@ -737,8 +749,17 @@ def dry_run_plan(cfg, layout=None):
     gb, name = gpu_memory(cfg, "cuda" if gpu_here else "cpu")
     model_args = planned_model_args(cfg)
     device_type = "cuda" if on_gpu else "cpu"
+    torchrun = world_size > 1 or "WORLD_SIZE" in os.environ
     return plan(
-        cfg, world_size, gb, model_args=model_args, dtype=dtype, layout=layout, gpu_name=name, device_type=device_type
+        cfg,
+        world_size,
+        gb,
+        model_args=model_args,
+        dtype=dtype,
+        layout=layout,
+        gpu_name=name,
+        device_type=device_type,
+        torchrun=torchrun,
     )
 
 

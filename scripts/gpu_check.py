@@ -643,7 +643,7 @@ def fsdp_launch_row(what, command, finished, budget_s, records, ranks, out_dir, 
     row = launch_row(what, command, finished, budget_s, records, device_line)
     if row.status == FAIL:
         return row
-    sharding = f"FSDP2 over {ranks} GPUs"
+    sharding = f"FSDP2 over {ranks} GPU{'s' * (ranks != 1)}"
     if sharding not in finished.output:
         return Row(what, command, f"exit 0, but its output never says '{sharding}'", FAIL, row.details)
     path = os.path.join(out_dir, CKPT_NAME)

@@ -500,6 +500,17 @@ def test_hsdp_two_replicas_of_two_shards_train_what_one_process_trains(runs, dat
     assert_same_training(out, single, "mars-shampoo")
 
 
+def test_one_rank_under_torchrun_shards_over_a_mesh_of_one_as_its_plan_says(data_path, tmp_path):
+    """zero_stage=3 with one process under torchrun (a node with one GPU): FSDP2 over a mesh of one -- DTensor
+    parameters, the sharded step, a sharded checkpoint -- and the memory plan it prints says so."""
+    out = str(tmp_path / "out")
+    run = dict(RUN, max_iters=2, keep_every_n_evals=0)
+    args = tiny_args(data_path, out, **run, mars_type="mars-shampoo", zero_stage=3)
+    output = ranks(args, nproc=1)
+    assert "world size 1 on cpu" in output and "FSDP2 over 1 GPU," in output
+    assert checkpoint.has_shards(torch.load(os.path.join(out, "ckpt.pt"), weights_only=True))
+
+
 def test_compiled_blocks_share_one_graph_and_train_what_eager_blocks_train(data_path, tmp_path, monkeypatch):
     """--compile=True under FSDP2: each block compiled on its own (dynamo's aot_eager backend here; the graphs,
     breaks and recompiles are dynamo's whatever the backend), 10 blocks whose attention is scaled by layer

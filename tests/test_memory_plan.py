@@ -388,6 +388,18 @@ def test_newton_schulz_owners_buffers_are_planned_for_the_matrix_rules_only(opti
     assert step is not None and step["newton_schulz"] == owners  # the tiny model's peak
 
 
+def test_zero_stage_3_on_one_gpu_is_fsdp2_under_torchrun_and_unsharded_without():
+    """As marsgpt/fsdp.py's enabled decides: torchrun with one process shards over a mesh of one (the plan counts
+    the gathered block), one process without torchrun trains the whole model; more than one GPU means torchrun."""
+    cfg = config(zero_stage=3)
+    under_torchrun = memory_plan.plan(cfg, 1, model_args=MODEL, torchrun=True)
+    alone = memory_plan.plan(cfg, 1, model_args=MODEL)
+    assert under_torchrun.fsdp_shards == 1 and memory_plan.sharding(under_torchrun) == "FSDP2 over 1 GPU"
+    assert under_torchrun.peak_parts["gathered"] > 0 and "gathered" not in alone.peak_parts
+    assert alone.fsdp_shards == 0 and memory_plan.sharding(alone) == "1 GPU(s), unsharded"
+    assert memory_plan.plan(cfg, 2, model_args=MODEL).fsdp_shards == 2
+
+
 @pytest.mark.slow
 def test_the_largest_models_in_the_docs_fit_and_the_next_shapes_do_not():
     """docs/memory.md's largest-model table on 8 GPUs of 40 GiB: the shapes it names fit, with ZeRO-1 and with
