@@ -103,21 +103,26 @@ def _hashing_writer(path):
 
         @contextlib.contextmanager
         def create_stream(self, path, mode):
-            with super().create_stream(path, mode) as stream:
-                if "w" not in mode:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
                     yield stream
-                    return
-                hashing = checkpoint.HashingFile(stream)
-                try:
-                    yield hashing
-                except RuntimeError:  # torch.save's "unexpected pos 704 vs 598": the OS's reason instead
-                    if hashing.error is None:
-                        raise
-                    error = hashing.error
-                    raise OSError(error.errno, error.strerror, os.path.basename(path)) from None
-                finally:
-                    hashing.close()
-                self.written[os.path.basename(path)] = (hashing.hash.hexdigest(), hashing.size)
+                return
+            try:
+                with super().create_stream(path, mode) as stream:
+                    hashing = checkpoint.HashingFile(stream)
+                    try:
+                        yield hashing
+                    except RuntimeError:  # torch.save's "unexpected pos 704 vs 598": the OS's reason instead
+                        if hashing.error is None:
+                            raise
+                        raise hashing.error from None
+                    finally:
+                        hashing.close()
+            except OSError as error:  # in a write, a flush, the fsync or the close: name the file
+                if error.errno is None or error.filename is not None:
+                    raise
+                raise OSError(error.errno, error.strerror, os.path.basename(path)) from None
+            self.written[os.path.basename(path)] = (hashing.hash.hexdigest(), hashing.size)
 
         def rename(self, path, new_path):  # dcp writes .metadata under a temporary name first
             super().rename(path, new_path)

@@ -350,3 +350,24 @@ def test_a_failed_background_write_is_handed_over_at_once(tmp_path, monkeypatch)
     assert "cannot write checkpoint" in str(failed[0]) and "[EROFS] RO" in str(failed[0])
     with pytest.raises(checkpoint.CheckpointError):
         writer.wait()
+
+
+@pytest.mark.parametrize("how", ["a small write", "torch.save"])
+def test_a_shard_file_that_meets_a_full_disk_names_itself_and_the_os_reason(tmp_path, how):
+    """shards' writer (torch.distributed.checkpoint's FileSystemWriter, hashing what it writes): wherever the disk
+    turns out full -- a write torch.save makes, or the flush when the file is closed -- the error is the OS's,
+    naming the file (not torch.save's "unexpected pos", nor a reason without a file)."""
+    from train_helpers import fill, tmpfs
+
+    from marsgpt import shards
+
+    with tmpfs(str(tmp_path / "disk"), size="1m") as disk:
+        fill(disk)
+        writer = shards._hashing_writer(disk)
+        with pytest.raises(OSError) as raised:
+            with writer.fs.create_stream(os.path.join(disk, "__0_0.distcp"), "wb") as stream:
+                if how == "a small write":
+                    stream.write(b"\0" * 10)  # buffered: the disk is found full at the close
+                else:
+                    torch.save(torch.zeros(3 << 20, dtype=torch.uint8), stream)
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename == "__0_0.distcp", raised.value
