@@ -92,6 +92,12 @@ def torchrun(args, nproc=2, timeout=300):
     return done.stdout
 
 
+def start_torchrun(args, **env):
+    """The torchrun job of 2 ranks, started (its output one pipe), with test hooks from `env`."""
+    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(torchrun_command(args), cwd=ROOT, env=subprocess_env(**env), **pipe)
+
+
 def ranks(args, nproc=2, timeout=300):
     """The ranks of a job started as torchrun's agent starts them -- train.py's command line (through
     train_helpers.py) with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and the address of a rendezvous store
@@ -264,14 +270,7 @@ def test_killed_during_a_sharded_save_the_run_resumes_on_two_ranks_bit_for_bit(r
     uninterrupted, _ = runs("mars-adamw-exact")
     out = str(tmp_path / "out")
     args = args_for(data_path, out, "mars-adamw-exact")
-    proc = subprocess.Popen(
-        torchrun_command(args),
-        cwd=ROOT,
-        env=subprocess_env(TEST_SLOW_SAVE="3"),  # the renames of ckpt.pt: iterations 0, 2, then 4
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_torchrun(args, TEST_SLOW_SAVE="3")
     try:
         wait_for_line(proc, "renaming")
     finally:
@@ -295,14 +294,7 @@ def test_sigterm_to_one_sharded_rank_stops_the_job_at_one_checkpoint_which_resum
     uninterrupted, _ = runs("mars-adamw-exact")
     out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
     args = args_for(data_path, out, "mars-adamw-exact") + ["--init_from=auto"]
-    proc = subprocess.Popen(
-        torchrun_command(args),
-        cwd=ROOT,
-        env=subprocess_env(TEST_PAUSE=f"1:2:{pause}"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_torchrun(args, TEST_PAUSE=f"1:2:{pause}")
     try:
         seen = wait_for_line(proc, "paused before step 2")
         os.kill(int(seen.rsplit("(pid ", 1)[1].split(")")[0]), signal.SIGTERM)
@@ -329,14 +321,7 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_with_the_os_reason_and_th
         out, pause = os.path.join(disk, "out"), str(tmp_path / "pause")
         args = tiny_args(data_path, out, max_iters=8, eval_interval=3, gradient_accumulation_steps=4, zero_stage=3)
         args.append("--init_from=auto")
-        proc = subprocess.Popen(
-            torchrun_command(args),
-            cwd=ROOT,
-            env=subprocess_env(TEST_PAUSE=f"0:4,6:{pause}"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        proc = start_torchrun(args, TEST_PAUSE=f"0:4,6:{pause}")
         try:
             seen = wait_for_line(proc, "paused before step 4")
             filler = fill(disk, leave_bytes=256 << 10)
