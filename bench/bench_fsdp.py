@@ -21,6 +21,7 @@ small's shapes (GPT2_SMALL), and shows `step_rows` in its table.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -97,6 +98,21 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def timed_step(optimizer, device, ranks=True, counting=None):
+    """Seconds of optimizer.step() alone: the device synchronised before and after, and with ranks=True every rank
+    lined up at a barrier before and after, so the time is the slowest rank's; counting: a mode around it."""
+    synchronize(device)
+    if ranks:
+        dist.barrier()
+    start = time.perf_counter()
+    with counting or contextlib.nullcontext():
+        optimizer.step()
+    synchronize(device)
+    if ranks:
+        dist.barrier()
+    return time.perf_counter() - start
+
+
 def measure(config, rounds, device):
     """The step times and bytes sent, on every rank of the default process group (already started: gloo on the
     CPU, NCCL with one GPU per rank); the results on rank 0, None on the others. `device`: this rank's."""
@@ -124,23 +140,14 @@ def measure(config, rounds, device):
             x = torch.randint(0, config["vocab_size"], batch, generator=generator, device=device)
             model(x, x)[1].backward()
             counting = SentBytes(world) if round_ == 1 else None
-            synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-            if counting is None:
-                optimizer.step()
-            else:
-                with counting:
-                    optimizer.step()
-            synchronize(device)
-            dist.barrier()
+            seconds = timed_step(optimizer, device, counting=counting)
             if round_ > 0:  # round 0 warms up (state allocation)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
             if counting is not None:
                 sent[name] = (counting.bytes, dict(counting.calls))
             optimizer.zero_grad()
     parameters = sum(p.numel() for p in runs["adamw"][0].parameters())
-    del runs
+    del runs, model, optimizer  # the sharded models' memory, before rank 0 builds whole ones
     results = None
     if dist.get_rank() == 0:
         whole = {}
@@ -155,11 +162,7 @@ def measure(config, rounds, device):
                     0, config["vocab_size"], (BATCH * world, batch[1]), generator=generator, device=device
                 )
                 model(x, x)[1].backward()
-                synchronize(device)
-                start = time.perf_counter()
-                optimizer.step()
-                synchronize(device)
-                steps.append(time.perf_counter() - start)
+                steps.append(timed_step(optimizer, device, ranks=False))
                 optimizer.zero_grad()
             whole[name] = statistics.median(steps[1:])
         medians = {k: statistics.median(v) for k, v in times.items()}

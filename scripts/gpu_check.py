@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from bench import bench_mars
-from marsgpt import metrics
+from marsgpt import metrics, shards
 from marsgpt.checkpoint import SHARDS_KEY, CheckpointError, load_checkpoint
 from marsgpt.files import atomic_writer
 from marsgpt.run_dir import CKPT_NAME
@@ -588,6 +588,17 @@ def step_path_row(label, target, by_name, command, cuda):
     return _judged(what, command, f"{text}; faster: {faster[1]}", faster[0]["ratio"], target, cuda, details)
 
 
+def timing_row(bench, command, cuda, with_note=False):
+    """A bench row of a time as a table row: failed when not measured, else judged by its target (_judged);
+    with_note: the bench's note after the numbers."""
+    name = bench["benchmark"]
+    if _time(bench) is None:
+        return Row(name, command, f"not measured: {bench.get('note', '')}", FAIL, bench)
+    text = _time(bench) + (f" of {bench['reference']:.3g} {bench['unit']}" if bench.get("reference") else "")
+    text += f"; {bench.get('note', '')}" if with_note else ""
+    return _judged(name, command, text, bench.get("ratio"), bench.get("target"), cuda, bench)
+
+
 def optimizer_rows(bench_rows, command, cuda=True):
     """Table rows from bench_mars.run(quick=True)'s rows.
 
@@ -599,12 +610,7 @@ def optimizer_rows(bench_rows, command, cuda=True):
     by_name = {r["benchmark"]: r for r in bench_rows}
     by_name.pop(bench_mars.step_row_name(bench_mars.BASELINE), None)
     rows = [step_path_row(label, target, by_name, command, cuda) for _, label, target in bench_mars.RULES]
-    for name, bench in by_name.items():
-        if bench.get("unit") in TIMING_UNITS and _time(bench) is None:
-            rows.append(Row(name, command, f"not measured: {bench.get('note', '')}", FAIL, bench))
-        elif bench.get("unit") in TIMING_UNITS:
-            text = _time(bench) + (f" of {bench['reference']:.3g} {bench['unit']}" if bench.get("reference") else "")
-            rows.append(_judged(name, command, text, bench.get("ratio"), bench.get("target"), cuda, bench))
+    rows += [timing_row(bench, command, cuda) for bench in by_name.values() if bench.get("unit") in TIMING_UNITS]
     sync = [r for r in bench_rows if r.get("unit") == "bool"]
     what = "MARS steps under set_sync_debug_mode('error')"
     if not cuda:
@@ -646,14 +652,13 @@ def fsdp_launch_row(what, command, finished, budget_s, records, ranks, out_dir, 
     sharding = f"FSDP2 over {ranks} GPU{'s' * (ranks != 1)}"
     if sharding not in finished.output:
         return Row(what, command, f"exit 0, but its output never says '{sharding}'", FAIL, row.details)
-    path = os.path.join(out_dir, CKPT_NAME)
-    try:
-        record = load_checkpoint(path, whole=False).get(SHARDS_KEY)
-        files = sorted(os.listdir(record["directory"])) if record else []
-        weights = load_checkpoint(path)["model"]
+    try:  # read and verified once: the shard directory's files are checked before they are read whole
+        ckpt = load_checkpoint(os.path.join(out_dir, CKPT_NAME), whole=False)
+        record = ckpt.get(SHARDS_KEY)
+        weights = (shards.whole(ckpt) if record else ckpt)["model"]
     except (OSError, CheckpointError) as e:
         return Row(what, command, f"{row.result}; its checkpoint: {e}", FAIL, row.details)
-    shard_files = [name for name in files if name.endswith(".distcp")]
+    shard_files = [name for name in (record or {}).get("files", ()) if name.endswith(".distcp")]
     if len(shard_files) != ranks:
         text = f"{row.result}; its checkpoint is not sharded one file per rank ({len(shard_files)} .distcp files)"
         return Row(what, command, text, FAIL, row.details)
@@ -670,11 +675,7 @@ def fsdp_step_rows(bench_rows, command, cuda):
     for bench in bench_rows:
         name = bench["benchmark"]
         if bench.get("unit") in TIMING_UNITS:
-            if _time(bench) is None:
-                rows.append(Row(name, command, f"not measured: {bench.get('note', '')}", FAIL, bench))
-                continue
-            text = _time(bench) + f" of {bench['reference']:.3g} {bench['unit']}; {bench.get('note', '')}"
-            rows.append(_judged(name, command, text, bench.get("ratio"), bench.get("target"), cuda, bench))
+            rows.append(timing_row(bench, command, cuda, with_note=True))
         elif finite(bench.get("ours")):
             sent = bench["ours"] * 2**10 if bench["unit"] == "KiB" else None
             amount = (

@@ -591,6 +591,44 @@ def mock_cuda(monkeypatch, gpus=8, name="NVIDIA H200", memory_gib=139.8, native_
     monkeypatch.setattr(torch.version, "cuda", "13.0")
 
 
+def test_on_cuda_the_fsdp_worker_joins_nccl_on_its_rank_s_gpu_and_times_gpt2_small(monkeypatch):
+    """gpu_check_worker's fsdp branch for CUDA, reached with torch.cuda and the process group mocked: the rank's
+    GPU (LOCAL_RANK) made current and bound to NCCL, bench_fsdp.measure on GPT-2 small's shapes there, the rows
+    labelled with the GPUs; and bench_fsdp's step timing synchronises that GPU on both sides of the step."""
+    import torch.distributed as dist
+
+    from bench import bench_fsdp
+
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["device_id"])))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroyed"))
+
+    def measure(config, rounds, device):
+        calls.append(("measure", config, rounds, device))
+        times = {name: 1e-3 for name in ("adamw", *bench_fsdp.RULES, *bench_fsdp.MUONS)}
+        sent = {name: (0, {}) for name in times}
+        return dict(times=times, whole=times, sent=sent, parameters=124e6, world=8, rounds=rounds)
+
+    monkeypatch.setattr(bench_fsdp, "measure", measure)
+    result = worker.fsdp_steps("cuda")
+    gpu = torch.device("cuda", 3)
+    assert calls == [
+        ("set_device", gpu),
+        ("nccl", gpu),
+        ("measure", bench_fsdp.GPT2_SMALL, worker.FSDP_ROUNDS, gpu),
+        "destroyed",
+    ]
+    assert result["world"] == 8 and "124.0M params, fp32, 8 GPUs" in result["rows"][0]["note"]
+
+    calls.clear()
+    optimizer = type("Optimizer", (), {"step": lambda self: calls.append("step")})()
+    assert bench_fsdp.timed_step(optimizer, gpu, ranks=False) >= 0
+    assert calls == [("synchronize", gpu), "step", ("synchronize", gpu)]
+
+
 def test_the_device_worker_counts_emulated_bfloat16_as_none(monkeypatch):
     mock_cuda(monkeypatch, gpus=4, name="Tesla V100-SXM2-32GB", memory_gib=32, native_bf16=False)
     info = worker.device_info()
