@@ -52,7 +52,7 @@ import zipfile
 import numpy as np
 import torch
 
-from marsgpt.files import atomic_writer, copy_file, os_reason
+from marsgpt.files import DIGEST, atomic_writer, copy_file, file_digest, os_reason
 
 CKPT_NAME = "ckpt.pt"  # the checkpoint a run directory resumes from (marsgpt/run_dir.py names the rest)
 COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter with this prefix
@@ -60,11 +60,9 @@ COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter w
 REQUIRED_KEYS = ("model", "model_args")  # what the tools after training (sample, hellaswag, export) read
 SHARDS_KEY = "sharded"  # a sharded checkpoint's record of the directory holding its sharded tensors (shards.py)
 
-DIGEST = "sha256"
 # The last bytes of a checkpoint with a checksum: this prefix, the JSON record's length in 10 digits, "\n".
 FOOTER_PREFIX = b"\n#marsgpt checksum record of "
 FOOTER_SIZE = len(FOOTER_PREFIX) + 11
-HASH_CHUNK = 16 << 20  # bytes hashed per read when verifying
 
 
 class CheckpointError(Exception):
@@ -200,21 +198,6 @@ def read_trailer(path):
             f"{trailer.size + record_size + FOOTER_SIZE:,}"
         )
     return trailer
-
-
-def file_digest(path, size=None):
-    """The hex digest of the first `size` bytes of the file `path` (all of it by default), or None when it has
-    fewer."""
-    digest, buffer = hashlib.new(DIGEST), bytearray(HASH_CHUNK)
-    with open(path, "rb", buffering=0) as f:
-        remaining = os.fstat(f.fileno()).st_size if size is None else size
-        while remaining:
-            read = f.readinto(memoryview(buffer)[: min(remaining, HASH_CHUNK)])
-            if not read:
-                return None
-            digest.update(memoryview(buffer)[:read])
-            remaining -= read
-    return digest.hexdigest()
 
 
 def verify(path):
