@@ -300,7 +300,8 @@ class CheckpointWriter:
     """
 
     def __init__(self, on_saved=None, on_error=None):
-        self._thread = None
+        self._done = threading.Event()  # no write in flight
+        self._done.set()
         self._error = None
         self.on_saved, self.on_error = on_saved, on_error
 
@@ -317,29 +318,39 @@ class CheckpointWriter:
 
     def _start(self, path, write, iteration):
         """Run write() in the writer's thread; its outcome goes to on_saved(path, iteration) or on_error."""
-        self._thread = threading.Thread(target=self._write, args=(path, write, iteration), daemon=False)
-        self._thread.start()
+        self._done.clear()
+        threading.Thread(target=self._write, args=(path, write, iteration), daemon=False).start()
 
     def _write(self, path, write, iteration):
         try:
-            write()
-        except CheckpointError as e:
-            self._error = e
-        except Exception as e:  # anything else would end the thread unseen, and training would go on unsaved
-            error = CheckpointError(f"cannot write checkpoint {path}: {type(e).__name__}: {e}")
-            error.__cause__ = e
-            self._error = error
-        if self._error is not None:
-            if self.on_error is not None:
-                self.on_error(self._error)
-        elif self.on_saved is not None:
-            self.on_saved(path, iteration)
+            try:
+                write()
+            except CheckpointError as e:
+                self._error = e
+            except Exception as e:  # anything else would end the thread unseen, and training would go on unsaved
+                error = CheckpointError(f"cannot write checkpoint {path}: {type(e).__name__}: {e}")
+                error.__cause__ = e
+                self._error = error
+            if self._error is not None:
+                if self.on_error is not None:
+                    self.on_error(self._error)
+            elif self.on_saved is not None:
+                self.on_saved(path, iteration)
+        finally:
+            self._done.set()
+
+    @property
+    def in_flight(self):
+        return not self._done.is_set()
 
     def wait(self):
-        """Block until the write in flight is on disk; raise its error, if it had one."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Block until the write in flight is on disk; raise its error, if it had one.
+
+        It waits on an Event, not on Thread.join: a KeyboardInterrupt (Ctrl-C) that arrives inside join() makes
+        Python 3.11 mark the thread as stopped while it still writes, so every later join() -- the one on the
+        way out, the interpreter's own at exit -- returns at once and the process ends mid-write. An
+        interrupted Event.wait() leaves the Event as it was: the next wait() still waits."""
+        self._done.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
