@@ -7,6 +7,8 @@ run code: every value is a tensor, a number, a string or a list/tuple/dict of th
     model_args    the GPTConfig fields the model was built with
     config        the run's full configuration (config.config_to_dict)
     vocabulary    the fingerprint of the data's character vocabulary (tokens.TokenData.vocabulary)
+    data_fingerprint  every data file's size and SHA-256 (tokens.fingerprint), metrics_size the size of the
+                  run's metrics.jsonl, synced, as the checkpoint was written (marsgpt/run_dir.py adds both)
     <part>        the state_dict() of each stateful part train.py hands to marsgpt/run_dir.py: model,
                   optimizer, scaler, rng (RNGState), progress (train.Progress); the optimizer's is the
                   unsharded optimizer's format also under ZeRO-1 (optimizers.ShardedOptimizer gathers every
