@@ -51,17 +51,16 @@ HASH_NOTE_BYTES = 1 << 30
 
 def resolve_run(cfg, dist_info, directory, vocabulary):
     """(cfg with init_from decided, the run_dir.Start, the checkpoint to resume or None), agreed on by every
-    rank: rank 0 holds out_dir and decides (run_dir.RunDir.start) and fingerprints the data (the Start's `data`),
-    then every rank loads the checkpoint it chose and checks it against this launch's configuration and data
-    (`vocabulary`: TokenData.vocabulary; the fingerprint: the Start's `data_change` says how it changed, when
-    allow_data_change lets it)."""
-
-    def decide():
-        start = directory.start(cfg)
-        return dataclasses.replace(start, data=data_fingerprint(cfg))
-
-    start = decide_on_master(dist_info, decide, USER_ERRORS)
+    rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), every rank fingerprints the data (the
+    Start's `data`), then every rank loads the checkpoint rank 0 chose and checks it against this launch's
+    configuration and data (`vocabulary`: TokenData.vocabulary; the fingerprint: the Start's `data_change` says
+    how it changed, when allow_data_change lets it)."""
+    start = decide_on_master(dist_info, lambda: directory.start(cfg), USER_ERRORS)
     cfg = dataclasses.replace(cfg, init_from=start.init_from)
+    # Every rank, each its own: none waits in a collective while another hashes data no manifest records (that
+    # may take minutes), and a node whose copy of the data differs is named when it resumes.
+    data = agree(dist_info, lambda: data_fingerprint(cfg, dist_info.is_master), USER_ERRORS)
+    start = dataclasses.replace(start, data=data)
     ckpt = None
     if start.path is not None:
 
@@ -74,11 +73,11 @@ def resolve_run(cfg, dist_info, directory, vocabulary):
     return cfg, start, ckpt
 
 
-def data_fingerprint(cfg):
-    """tokens.fingerprint of the run's dataset, with a note when making it read much of the data."""
+def data_fingerprint(cfg, is_master):
+    """tokens.fingerprint of the run's dataset, with a note (rank 0's) when making it read much of the data."""
     data_dir = os.path.join(cfg.data_path, cfg.dataset)
     data, hashed = tokens.fingerprint(data_dir)
-    if hashed >= HASH_NOTE_BYTES:
+    if is_master and hashed >= HASH_NOTE_BYTES:
         print(
             f"note: hashed {hashed / 2**30:.1f} GiB of {data_dir} to fingerprint it (its {tokens.MANIFEST_NAME} "
             f"does not record those files as they are); `python -m data.manifest {data_dir}` records them, so "
