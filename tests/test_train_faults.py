@@ -435,7 +435,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint_and_the_job_resu
         output = seen + proc.communicate(timeout=240)[0]
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_job(proc)  # the agent and its ranks (each in a session of its own)
     assert proc.returncode == 0, output
     ckpt = os.path.join(out, "ckpt.pt")
     assert f"stopped by SIGTERM after iter 5: {ckpt} holds it; run the same command to continue" in output

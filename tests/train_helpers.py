@@ -135,11 +135,13 @@ def start_torchrun(args, **env):
 
 
 def wait_for_line(proc, prefix, timeout=120):
-    """Read proc's output until a line starts with `prefix`; return everything read."""
+    """Read proc's output until a line holds `prefix` (a line's start, or after another process's text: torchrun's
+    ranks print unbuffered, each print's text and newline in two writes, so two ranks' lines can share one);
+    return everything read."""
     seen, deadline = [], time.time() + timeout
     for line in proc.stdout:
         seen.append(line)
-        if line.startswith(prefix):
+        if prefix in line:
             return "".join(seen)
         if time.time() > deadline:
             break
