@@ -194,7 +194,7 @@ def setup(cfg, dist_info, directory=None):
         # launch.build_model loaded the weights as it built the model, unless they are in a sharded checkpoint's
         # files, which a sharded model reads its rows of
         directory.restore(ckpt, skip=() if checkpoint.has_shards(ckpt) else ("model",))
-    run.metrics = directory.metrics = launch.open_metrics(cfg, dist_info, progress, resumed=ckpt is not None)
+    run.metrics = directory.metrics = launch.open_metrics(cfg, dist_info, progress, start, ckpt)
     return run, progress, ckpt is not None
 
 
@@ -612,7 +612,7 @@ def exit_status(e, cfg, dist_info, directory, progress):
         if master and directory is None:  # while reading the configuration or joining the ranks
             print("interrupted before the run started", file=sys.stderr)
         elif master:
-            directory.wait_for_writes()  # a save in flight is the newest checkpoint
+            directory.wait_for_writes("interrupted")  # a save in flight is the newest checkpoint
             where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
             print(f"interrupted {where}; {directory.resume_advice()}", file=sys.stderr)
         return 130

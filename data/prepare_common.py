@@ -1,6 +1,8 @@
 """What the data/<name>/prepare.py scripts share: their command line, their one-line errors, the checks and
 readers of --data_files (local parquet or JSON-lines documents with a 'text' field: openwebtext,
-fineweb_edu), and the character-level corpus writer (stdlib_char, shakespeare_char).
+fineweb_edu), and the character-level corpus writer (stdlib_char, shakespeare_char). Each script ends by
+writing manifest.json beside its files (tokens.write_manifest): the fingerprint a run records of its data,
+hashed once here so that no launch reads the data to make it.
 
 The token files themselves (their layouts, writers and reader) and the GPT-2 tokenizer are marsgpt/tokens.py's.
 """
@@ -12,7 +14,7 @@ import sys
 import numpy as np
 
 from marsgpt.files import JSONLineError, json_lines
-from marsgpt.tokens import UINT16_IDS, DataError, write_bin, write_meta
+from marsgpt.tokens import UINT16_IDS, DataError, write_bin, write_manifest, write_meta
 
 
 def run_prepare(main):
@@ -167,6 +169,7 @@ def write_char_corpus(output_dir, text):
     write_bin(os.path.join(output_dir, "train.bin"), ids[:split])
     write_bin(os.path.join(output_dir, "val.bin"), ids[split:])
     write_meta(os.path.join(output_dir, "meta.pkl"), [chr(c) for c in vocab])
+    write_manifest(output_dir)
     print(
         f"{len(ids):,} characters, vocabulary {len(vocab)}: train {split:,} tokens, "
         f"val {len(ids) - split:,} tokens in {output_dir}"

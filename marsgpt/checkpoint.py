@@ -7,6 +7,8 @@ run code: every value is a tensor, a number, a string or a list/tuple/dict of th
     model_args    the GPTConfig fields the model was built with
     config        the run's full configuration (config.config_to_dict)
     vocabulary    the fingerprint of the data's character vocabulary (tokens.TokenData.vocabulary)
+    data_fingerprint  every data file's size and SHA-256 (tokens.fingerprint), metrics_size the size of the
+                  run's metrics.jsonl, synced, as the checkpoint was written (marsgpt/run_dir.py adds both)
     <part>        the state_dict() of each stateful part train.py hands to marsgpt/run_dir.py: model,
                   optimizer, scaler, rng (RNGState), progress (train.Progress); the optimizer's is the
                   unsharded optimizer's format also under ZeRO-1 (optimizers.ShardedOptimizer gathers every
@@ -52,7 +54,7 @@ import zipfile
 import numpy as np
 import torch
 
-from marsgpt.files import atomic_writer, copy_file, os_reason
+from marsgpt.files import DIGEST, atomic_writer, copy_file, file_digest, os_reason
 
 CKPT_NAME = "ckpt.pt"  # the checkpoint a run directory resumes from (marsgpt/run_dir.py names the rest)
 COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter with this prefix
@@ -60,11 +62,9 @@ COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter w
 REQUIRED_KEYS = ("model", "model_args")  # what the tools after training (sample, hellaswag, export) read
 SHARDS_KEY = "sharded"  # a sharded checkpoint's record of the directory holding its sharded tensors (shards.py)
 
-DIGEST = "sha256"
 # The last bytes of a checkpoint with a checksum: this prefix, the JSON record's length in 10 digits, "\n".
 FOOTER_PREFIX = b"\n#marsgpt checksum record of "
 FOOTER_SIZE = len(FOOTER_PREFIX) + 11
-HASH_CHUNK = 16 << 20  # bytes hashed per read when verifying
 
 
 class CheckpointError(Exception):
@@ -202,21 +202,6 @@ def read_trailer(path):
     return trailer
 
 
-def file_digest(path, size=None):
-    """The hex digest of the first `size` bytes of the file `path` (all of it by default), or None when it has
-    fewer."""
-    digest, buffer = hashlib.new(DIGEST), bytearray(HASH_CHUNK)
-    with open(path, "rb", buffering=0) as f:
-        remaining = os.fstat(f.fileno()).st_size if size is None else size
-        while remaining:
-            read = f.readinto(memoryview(buffer)[: min(remaining, HASH_CHUNK)])
-            if not read:
-                return None
-            digest.update(memoryview(buffer)[:read])
-            remaining -= read
-    return digest.hexdigest()
-
-
 def verify(path):
     """Check the checkpoint file `path` against its checksum, reading it once; return its Trailer, or None when
     it has none (nothing to check against). DamagedCheckpoint, naming the file, when the bytes differ."""
@@ -317,7 +302,8 @@ class CheckpointWriter:
     """
 
     def __init__(self, on_saved=None, on_error=None):
-        self._thread = None
+        self._done = threading.Event()  # no write in flight
+        self._done.set()
         self._error = None
         self.on_saved, self.on_error = on_saved, on_error
 
@@ -334,29 +320,39 @@ class CheckpointWriter:
 
     def _start(self, path, write, iteration):
         """Run write() in the writer's thread; its outcome goes to on_saved(path, iteration) or on_error."""
-        self._thread = threading.Thread(target=self._write, args=(path, write, iteration), daemon=False)
-        self._thread.start()
+        self._done.clear()
+        threading.Thread(target=self._write, args=(path, write, iteration), daemon=False).start()
 
     def _write(self, path, write, iteration):
         try:
-            write()
-        except CheckpointError as e:
-            self._error = e
-        except Exception as e:  # anything else would end the thread unseen, and training would go on unsaved
-            error = CheckpointError(f"cannot write checkpoint {path}: {type(e).__name__}: {e}")
-            error.__cause__ = e
-            self._error = error
-        if self._error is not None:
-            if self.on_error is not None:
-                self.on_error(self._error)
-        elif self.on_saved is not None:
-            self.on_saved(path, iteration)
+            try:
+                write()
+            except CheckpointError as e:
+                self._error = e
+            except Exception as e:  # anything else would end the thread unseen, and training would go on unsaved
+                error = CheckpointError(f"cannot write checkpoint {path}: {type(e).__name__}: {e}")
+                error.__cause__ = e
+                self._error = error
+            if self._error is not None:
+                if self.on_error is not None:
+                    self.on_error(self._error)
+            elif self.on_saved is not None:
+                self.on_saved(path, iteration)
+        finally:
+            self._done.set()
+
+    @property
+    def in_flight(self):
+        return not self._done.is_set()
 
     def wait(self):
-        """Block until the write in flight is on disk; raise its error, if it had one."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Block until the write in flight is on disk; raise its error, if it had one.
+
+        It waits on an Event, not on Thread.join: a KeyboardInterrupt (Ctrl-C) that arrives inside join() makes
+        Python 3.11 mark the thread as stopped while it still writes, so every later join() -- the one on the
+        way out, the interpreter's own at exit -- returns at once and the process ends mid-write. An
+        interrupted Event.wait() leaves the Event as it was: the next wait() still waits."""
+        self._done.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -102,6 +102,11 @@ class TrainConfig:
         "scratch; gpt2*: start from OpenAI's weights",
     )
     overwrite: bool = key(False, "with init_from=scratch: delete out_dir's previous run (checkpoints, metrics) first")
+    allow_data_change: bool = key(
+        False,
+        "resume on data whose files differ from those the checkpoint was trained on (it is refused otherwise); "
+        "the change is printed and recorded in metrics.jsonl at the resumed step",
+    )
     eval_interval: int = key(2000, "evaluate (and write ckpt.pt) every this many steps", positive)
     checkpoint_interval: int = key(0, "also write ckpt.pt every this many steps; 0 = at evaluations only", non_negative)
     checkpoint_minutes: float = key(

@@ -1,5 +1,5 @@
-"""Atomic file writes and copies, how a failed write is worded, and the JSON-lines reader that the HellaSwag
-loader and the prepare scripts share.
+"""Atomic file writes and copies, file checksums, how a failed write is worded, and the JSON-lines reader that the
+HellaSwag loader and the prepare scripts share.
 
 Every writer in the repository (token shards, checkpoints and their copies, downloads, metrics.jsonl's
 truncation) goes through atomic_writer, so a crash, kill -9 or full disk leaves either the previous file or
@@ -8,6 +8,7 @@ none, never a truncated one under the final name.
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -100,6 +101,25 @@ def copy_file(src, dst):
             target.seek(0)
             target.truncate()
             shutil.copyfileobj(source, target, 16 << 20)
+
+
+DIGEST = "sha256"  # checkpoints, their shard files and the data's fingerprint (marsgpt/tokens.py) record it
+HASH_CHUNK = 16 << 20  # bytes hashed per read
+
+
+def file_digest(path, size=None):
+    """The hex SHA-256 of the first `size` bytes of the file `path` (all of it by default), or None when it has
+    fewer."""
+    digest, buffer = hashlib.new(DIGEST), bytearray(HASH_CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        remaining = os.fstat(f.fileno()).st_size if size is None else size
+        while remaining:
+            read = f.readinto(memoryview(buffer)[: min(remaining, HASH_CHUNK)])
+            if not read:
+                return None
+            digest.update(memoryview(buffer)[:read])
+            remaining -= read
+    return digest.hexdigest()
 
 
 def os_reason(error):

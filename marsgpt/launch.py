@@ -20,12 +20,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, fsdp, memory_plan
+from marsgpt import checkpoint, fsdp, memory_plan, metrics, tokens
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys
 from marsgpt.metrics import MetricsError, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS
-from marsgpt.run_dir import CHECKPOINT_PARTS, NEWER_PARTS, RunDirError
+from marsgpt.run_dir import CHECKPOINT_PARTS, DATA_FINGERPRINT, METRICS_SIZE, NEWER_PARTS, RunDirError
 from marsgpt.runtime import SetupError, agree, decide_on_master
 from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
@@ -44,16 +44,63 @@ def load_data(cfg):
     return train_data, val_data, vocab_size
 
 
+# Hashing more data than this at a launch (files no manifest.json records as they are) prints a note naming the
+# command that records them, so that the next launch reads nothing.
+HASH_NOTE_BYTES = 1 << 30
+
+
 def resolve_run(cfg, dist_info, directory, vocabulary):
     """(cfg with init_from decided, the run_dir.Start, the checkpoint to resume or None), agreed on by every
-    rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), then every rank loads the checkpoint it
-    chose and checks it against this launch's configuration and data (`vocabulary`: TokenData.vocabulary)."""
+    rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), every rank fingerprints the data (the
+    Start's `data`), then every rank loads the checkpoint rank 0 chose and checks it against this launch's
+    configuration and data (`vocabulary`: TokenData.vocabulary; the fingerprint: the Start's `data_change` says
+    how it changed, when allow_data_change lets it)."""
     start = decide_on_master(dist_info, lambda: directory.start(cfg), USER_ERRORS)
     cfg = dataclasses.replace(cfg, init_from=start.init_from)
+    # Every rank, each its own: none waits in a collective while another hashes data no manifest records (that
+    # may take minutes), and a node whose copy of the data differs is named when it resumes.
+    data = agree(dist_info, lambda: data_fingerprint(cfg, dist_info.is_master), USER_ERRORS)
+    start = dataclasses.replace(start, data=data)
     ckpt = None
     if start.path is not None:
-        ckpt = agree(dist_info, lambda: load_resume_checkpoint(cfg, start.path, dist_info, vocabulary), USER_ERRORS)
+
+        def load():
+            ckpt = load_resume_checkpoint(cfg, start.path, dist_info, vocabulary)
+            return ckpt, data_change(cfg, start.path, ckpt, start.data)
+
+        ckpt, change = agree(dist_info, load, USER_ERRORS)
+        start = dataclasses.replace(start, data_change=change)
     return cfg, start, ckpt
+
+
+def data_fingerprint(cfg, is_master):
+    """tokens.fingerprint of the run's dataset, with a note (rank 0's) when making it read much of the data."""
+    data_dir = os.path.join(cfg.data_path, cfg.dataset)
+    data, hashed = tokens.fingerprint(data_dir)
+    if is_master and hashed >= HASH_NOTE_BYTES:
+        print(
+            f"note: hashed {hashed / 2**30:.1f} GiB of {data_dir} to fingerprint it (its {tokens.MANIFEST_NAME} "
+            f"does not record those files as they are); `python -m data.manifest {data_dir}` records them, so "
+            "that the next launch reads nothing",
+            flush=True,
+        )
+    return data
+
+
+def data_change(cfg, path, ckpt, data):
+    """How the data changed since the checkpoint at `path` was written ('' when it did not, or the checkpoint
+    predates fingerprints); CheckpointError naming the change unless allow_data_change."""
+    if DATA_FINGERPRINT not in ckpt:
+        return ""
+    changes = tokens.data_changes(ckpt[DATA_FINGERPRINT], data)
+    if changes and not cfg.allow_data_change:
+        data_dir = os.path.join(cfg.data_path, cfg.dataset)
+        raise CheckpointError(
+            f"{path} was trained on other data than {data_dir} holds now ({', '.join(changes)}); resume on the "
+            "data it was trained on, continue on this data on purpose with --allow_data_change=True (metrics.jsonl "
+            "records the change), or start a new run in a new out_dir"
+        )
+    return ", ".join(changes)
 
 
 def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
@@ -117,7 +164,7 @@ def config_changes(saved, cfg, optimizer_entry):
     lines = []
     for key, new in config_to_dict(cfg).items():
         old = saved_value(saved, key, new)
-        if key not in ("init_from", "overwrite") and old != new:
+        if key not in ("init_from", "overwrite", "allow_data_change") and old != new:
             note = f" (not used by {optimizer_entry.selected_by})" if key in optimizer_entry.unused_keys else ""
             lines.append(f"resume: {key} {old!r} -> {new!r}{note}")
     return lines
@@ -183,10 +230,14 @@ def eval_windows(cfg, data, dist_info):
     return batches[dist_info.rank :: dist_info.world_size]
 
 
-def open_metrics(cfg, dist_info, progress, resumed):
+def open_metrics(cfg, dist_info, progress, start, ckpt):
     """The run's MetricsLog (metrics.jsonl and wandb on rank 0); a resumed run continues its records (an
     eval_only launch, which trains nothing, cuts none) and its wandb run (or the one --wandb_run_id names),
-    whose id progress then carries."""
+    whose id progress then carries.
+
+    A resume records at its step what it found: records lost before it (then the evaluations of that step run
+    again, restoring theirs: they change nothing in training) and a change of the data (start.data_change).
+    Lines that were not whole records (metrics.MetricsLog's repairs) are named."""
     if cfg.wandb_run_id:
         progress.wandb_run_id = cfg.wandb_run_id
     log = agree(
@@ -194,14 +245,27 @@ def open_metrics(cfg, dist_info, progress, resumed):
         lambda: MetricsLog(
             cfg,
             dist_info.is_master,
-            resume_iter=progress.iter_num if resumed else None,
+            resume_iter=progress.iter_num if ckpt is not None else None,
             wandb_run_id=progress.wandb_run_id,
             config=config_to_dict(cfg),
             truncate=not cfg.eval_only,
+            synced_size=ckpt.get(METRICS_SIZE) if ckpt is not None else None,
         ),
         USER_ERRORS,
     )
     progress.wandb_run_id = log.wandb_run_id
+    lost = decide_on_master(dist_info, lambda: log.lost, USER_ERRORS)  # every rank evaluates again, or none
+    if lost and progress.evaluated_iter == progress.iter_num:
+        progress.evaluated_iter = -1
+    if dist_info.is_master:
+        at = {metrics.ITER: progress.iter_num, metrics.TOKENS: progress.tokens, metrics.TIME_S: progress.elapsed_s}
+        for line in log.repairs:
+            print(f"note: {line}", flush=True)
+        if lost:
+            print(f"note: {lost}; {metrics.LOST_RECORDS} records it at iter {progress.iter_num:,}", flush=True)
+            log.write({**at, metrics.LOST_RECORDS: lost})
+        if start.data_change:
+            log.write({**at, metrics.DATA_CHANGE: start.data_change})
     return log
 
 

@@ -37,6 +37,9 @@ MOMENTUM_NORM, MOMENTUM_NORM_SQ, MOMENTUM_DIV = "momentum_norm", "momentum_norm_
 # A compiled model's timings: the seconds each evaluation took (on its validation record) and the process's
 # first optimizer step took (a record of its own); the first of each includes compiling its graph.
 EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"
+# Notes a resume records at its step, in words: the data changed there (allow_data_change=True); records of the
+# steps before it were lost (the file was cut short by a crash, or damaged).
+DATA_CHANGE, LOST_RECORDS = "data_change", "lost_records"
 
 LOSS_SERIES = (TRAIN_LOSS, VAL_LOSS)  # what marsgpt/plot.py draws
 FILE_NAME = "metrics.jsonl"
@@ -86,27 +89,32 @@ class MetricsLog:
 
     On resume the file is cut back to the checkpoint's iteration, so the steps redone after a crash are
     not recorded twice (truncate=False appends without cutting: an evaluation that trains nothing); wandb
-    continues the checkpoint's run (its id is in every checkpoint).
+    continues the checkpoint's run (its id is in every checkpoint). Whatever a crash or a lost node left in the
+    file that is not a whole record -- a line cut short, bytes that are not JSON or not even text -- is dropped
+    first (`repairs` says what went), and records written before the checkpoint that did not survive are
+    named (`lost`): the checkpoint records how long the file was (`sync`, before each checkpoint), so a
+    shorter intact file is a gap, not a silent loss.
 
     A record that cannot be written (a full disk, a quota) is reported at once in one line naming the file
     and the OS reason; `failed` then holds that line, nothing more is written, and train.py stops the run at
     its next step (marsgpt/run_dir.py): every rank, not only the one that writes.
     """
 
-    def __init__(self, cfg, is_master, resume_iter, wandb_run_id, config, truncate=True):
+    def __init__(self, cfg, is_master, resume_iter, wandb_run_id, config, truncate=True, synced_size=None):
         self.enabled = is_master
         self.wandb = None
         self.wandb_run_id = wandb_run_id
         self.failed = None
+        self.repairs, self.lost = [], None
         if not self.enabled:
             return
         self.path = os.path.join(cfg.out_dir, FILE_NAME)
         try:
             os.makedirs(cfg.out_dir, exist_ok=True)
-            if resume_iter is not None and truncate:
-                self._truncate(resume_iter)
-            elif resume_iter is None and os.path.exists(self.path):
-                os.remove(self.path)  # a fresh run where marsgpt/run_dir.py allowed one (before any checkpoint)
+            if resume_iter is not None:
+                self._repair(resume_iter if truncate else None, synced_size)
+            elif os.path.exists(self.path):
+                os.remove(self.path)  # a fresh run where marsgpt/run_dir.py allowed one (nothing was saved)
             self.file = open(self.path, "a")
         except OSError as e:
             raise MetricsError(f"cannot write {self.path}: {os_reason(e)}") from None
@@ -133,20 +141,32 @@ class MetricsLog:
             self.wandb.define_metric(ITER)
             self.wandb.define_metric("*", step_metric=ITER)
 
-    def _truncate(self, resume_iter):
-        if not os.path.exists(self.path):
-            return
-        kept = []
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by the crash
-                if record.get(ITER, math.inf) <= resume_iter:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        with atomic_writer(self.path, "w") as f:
-            f.writelines(kept)
+    def _repair(self, cut_after, synced_size):
+        """Keep only the file's whole records, and with `cut_after` (an iteration) only those up to it; name what
+        went (repairs) and, when the intact records end before the `synced_size` bytes the checkpoint saw
+        synced, the gap (lost)."""
+        lines = list(_lines(self.path)) if os.path.exists(self.path) else []
+        damaged = [line for line in lines if line.problem]
+        intact = damaged[0].start if damaged else (lines[-1].end if lines else 0)
+        if synced_size is not None and intact < synced_size:
+            self.lost = (
+                f"{self.path} holds {intact:,} intact bytes of the {synced_size:,} it held when the checkpoint was "
+                "written: records of the steps before it were lost"
+            )
+        if damaged:
+            first = damaged[0]
+            self.repairs.append(
+                f"{self.path}: dropped {len(damaged)} line(s) that are not whole records (line {first.number}, "
+                f"byte {first.start:,}: {first.problem})"
+            )
+        kept = [
+            line.raw
+            for line in lines
+            if not line.problem and (cut_after is None or line.record.get(ITER, math.inf) <= cut_after)
+        ]
+        if len(kept) < len(lines):
+            with atomic_writer(self.path, "wb") as f:
+                f.writelines(kept)
 
     def write(self, record):
         if not self.enabled or self.failed:
@@ -156,12 +176,30 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         except OSError as e:
-            self.failed = f"cannot append to {self.path}: {os_reason(e)}"
-            sys.stderr.write(f"error: {self.failed}\n")
-            sys.stderr.flush()
+            self._fail(f"cannot append to {self.path}: {os_reason(e)}")
             return
         if self.wandb is not None:
             self.wandb.log(record)
+
+    def sync(self):
+        """Put the records written so far on disk (fsync) and return the file's size, which the checkpoint about
+        to be written records: no record it covers can then be lost with a node's page cache, and a resume that
+        finds fewer bytes names the gap. None on a rank that writes no records, or when the sync failed (then
+        reported as a failed write)."""
+        if not self.enabled or self.failed:
+            return None
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            return os.fstat(self.file.fileno()).st_size
+        except OSError as e:
+            self._fail(f"cannot sync {self.path}: {os_reason(e)}")
+            return None
+
+    def _fail(self, line):
+        self.failed = line
+        sys.stderr.write(f"error: {line}\n")
+        sys.stderr.flush()
 
     def close(self):
         if self.enabled:
@@ -213,19 +251,57 @@ class LogWindow:
             self.loss_sum = torch.tensor(mine, dtype=torch.float32, device=self.device)
 
 
-def _numbered_records(path):
-    """(line number, record) for each record of a metrics.jsonl; ValueError naming a malformed line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+CUT_SHORT = "cut short"  # a last line without its newline
+
+
+@dataclasses.dataclass
+class _Line:
+    """One line of a metrics.jsonl: where it is, its bytes, and its record or why it is none."""
+
+    number: int  # from 1
+    start: int  # its first byte's offset
+    raw: bytes  # with its newline
+    record: dict | None = None
+    problem: str = ""  # why it is not a record: cut short, not UTF-8 text, not valid JSON, not an object
+
+    @property
+    def end(self):
+        return self.start + len(self.raw)
+
+
+def _lines(path):
+    """Every non-blank line of a metrics.jsonl, read as bytes: a node lost mid-write can leave any bytes at the
+    end (a line cut short, zeros, garbage that is not text)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            line, offset = _Line(number, offset, raw), offset + len(raw)
+            if not raw.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                if not line.endswith("\n"):
-                    continue  # a half-written last line: the run was killed mid-write
-                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
-            yield lineno, record
+            if not raw.endswith(b"\n"):
+                line.problem = CUT_SHORT
+            else:
+                try:
+                    line.record = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    line.problem = "not UTF-8 text"
+                except json.JSONDecodeError as e:
+                    line.problem = f"not valid JSON ({e.msg})"
+                else:
+                    if not isinstance(line.record, dict):
+                        line.record, line.problem = None, "not a JSON object"
+            yield line
+
+
+def _numbered_records(path):
+    """(line number, record) for each record of a metrics.jsonl. A last line cut short (the run was killed
+    mid-write) is skipped; any other line that is not a record raises ValueError naming it (train.py drops such
+    lines when it resumes the run)."""
+    for line in _lines(path):
+        if not line.problem:
+            yield line.number, line.record
+        elif line.problem != CUT_SHORT:
+            raise ValueError(f"{path}, line {line.number}: {line.problem}")
 
 
 def last_iteration(run_dir):

@@ -8,26 +8,32 @@ another node. docs/training.md has the table of what survives what.
     shards/            a sharded run's (zero_stage=3): the directory of each checkpoint above, holding every
                        rank's rows of the parameters and optimizer state (marsgpt/shards.py)
     metrics.jsonl      the run's records (marsgpt/metrics.py)
-    config.json        the run's configuration: written when it starts and when a resume changes it
-    run.lock           who holds the directory (machine, pid, since when), refreshed while it runs
+    checkpoints.jsonl  a line for each checkpoint written: the run's record that it saved something
+    config.json        the run's configuration and its data's fingerprint: written when it starts and when a
+                       resume changes either
+    run.lock           who holds the directory (machine, pid, since when, which directory), refreshed while it runs
 
 The rules, each in one place below:
 - One run per out_dir (RunLock). A launch holds the directory for the run's life; a second one is refused
-  in one line naming the holder; a lock left by a dead run is taken over with a message.
+  in one line naming the holder; a lock left by a dead run, or copied along with a run's directory, is taken
+  over with a message.
 - What a launch does there (decide_start), before anything in it changes. init_from=auto resumes the
   newest intact checkpoint (ckpt.pt, else the newest kept copy or best.pt) and never starts over on top of
-  a run's files; nothing of an earlier run is deleted or overwritten without --overwrite=True.
+  a run's files, unless that run never completed a checkpoint (nothing to continue: the same command starts
+  it over); nothing else of an earlier run is deleted or overwritten without --overwrite=True.
 - Integrity: every checkpoint carries the checksum of its bytes (marsgpt/checkpoint.py), and a sharded one of
   each file of its directory, and is verified when loaded; a damaged one is named and passed over for the
   newest intact one.
 - Copies: best.pt and the kept ckpt_<iter>.pt are copies that share nothing with ckpt.pt (files.copy_file; a
   sharded checkpoint's directory is copied too). A sharded directory no checkpoint file names (replaced, or left
-  by a crash) is removed after each save and at each launch.
+  by a crash) is removed after each save and at each launch. copy_run copies a whole run directory so that the
+  copy resumes, also while a run trains in it.
 - When a checkpoint is written (RunDir.save_if_due): after every evaluation, every checkpoint_interval
   steps, every checkpoint_minutes minutes, and when a signal stops the run -- never from a suspect state
   (steps being skipped as non-finite, non-finite weights, a non-finite evaluation).
-- Signals (StopSignals): SIGTERM or SIGUSR1 on any rank ends the run at the next step boundary with one
-  checkpoint all ranks agree on, exit status 0 and one line saying where it is.
+- Signals (StopSignals): SIGTERM, SIGUSR1 or SIGHUP on any rank ends the run at the next step boundary with one
+  checkpoint all ranks agree on, exit status 0 and one line saying where it is; Ctrl-C stops it at once, and
+  the way out waits for the checkpoint in flight.
 - Failed writes (a checkpoint, a copy, metrics.jsonl) are reported at once, one line naming the file and
   the OS reason, and stop the run at the next step boundary: training on without a checkpoint burns GPU
   hours that the next preemption takes back, where a stopped job is seen at once and continues, with
@@ -44,6 +50,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -57,7 +64,7 @@ import torch.distributed as dist
 from marsgpt import checkpoint, fsdp, metrics, shards
 from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
 from marsgpt.config import ConfigError, config_to_dict
-from marsgpt.files import atomic_writer, os_reason, process_alive, remove_stale_temporaries
+from marsgpt.files import atomic_writer, copy_file, os_reason, process_alive, remove_stale_temporaries
 
 BEST_NAME = "best.pt"
 CONFIG_NAME = "config.json"
@@ -69,6 +76,9 @@ def kept_name(iteration):
     return f"ckpt_{iteration:07d}.pt"
 
 
+# What a checkpoint records beside its parts: the data's fingerprint (tokens.fingerprint), and metrics.jsonl's size
+# once synced as the checkpoint was written (MetricsLog.sync). config.json records the fingerprint too.
+DATA_FINGERPRINT, METRICS_SIZE = "data_fingerprint", "metrics_size"
 # The parts of a run a checkpoint holds, by name (train.checkpoint_parts maps them to the run's objects).
 CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress", "log_window")
 # Parts added since the first checkpoints: an older checkpoint resumes them fresh (the log window was empty
@@ -76,8 +86,9 @@ CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress", "log_wind
 NEWER_PARTS = ("log_window",)
 
 # The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
-# unless told to.
-RUN_FILE_NAMES = (CKPT_NAME, BEST_NAME, metrics.FILE_NAME)
+# unless told to, or unless the run never completed a checkpoint (no checkpoints.jsonl).
+SAVES_NAME = "checkpoints.jsonl"
+RUN_FILE_NAMES = (CKPT_NAME, BEST_NAME, metrics.FILE_NAME, SAVES_NAME)
 
 
 class RunDirError(Exception):
@@ -126,6 +137,8 @@ class Start:
     iteration: int | None = None  # its iteration
     verified: bool = False  # its checksum matched (False: it has none to check)
     notes: tuple = ()  # the checkpoints passed over, and why: printed once the launch goes ahead
+    data: dict | None = None  # the fingerprint of the data this launch trains on (tokens.fingerprint)
+    data_change: str = ""  # how the data differs from the resumed checkpoint's, when allow_data_change let it
 
 
 def decide_start(cfg, names=RUN_FILE_NAMES):
@@ -133,9 +146,11 @@ def decide_start(cfg, names=RUN_FILE_NAMES):
     checkpoint, else starts fresh; 'resume' resumes (the newest intact checkpoint: choose_checkpoint) or fails.
 
     A fresh start into an out_dir that holds a run (run_files with `names`) is refused unless overwrite is
-    set: a relaunch that forgot --init_from=resume must not erase days of training. The one exception is
-    init_from=auto over a run stopped before its first checkpoint, whose metrics.jsonl holds nothing past
-    iter 0 (what the new run writes again), so that a job preempted while it started continues by itself.
+    set: a relaunch that forgot --init_from=resume must not erase days of training. The one exception is a
+    training run that never completed a checkpoint (out_dir has no checkpoints.jsonl, the record of every
+    checkpoint written): killed or stopped before its first save was on disk, it saved nothing a relaunch
+    could continue, so the same command starts it over (and says so) instead of being refused forever. An
+    eval_only run's records are its result: they stay.
     """
     previous = run_files(cfg.out_dir, names)
     checkpoints = [path for path in previous if is_checkpoint(path)]
@@ -144,9 +159,11 @@ def decide_start(cfg, names=RUN_FILE_NAMES):
     if cfg.init_from == "resume":
         raise CheckpointError(f"no checkpoint at {os.path.join(cfg.out_dir, CKPT_NAME)}; {RESUME_ADVICE}")
     init_from = "scratch" if cfg.init_from == "auto" else cfg.init_from
-    if not previous or cfg.overwrite or (cfg.init_from == "auto" and stopped_before_first_checkpoint(previous)):
+    if not previous or cfg.overwrite:
         return Start(init_from)
-    if not checkpoints:  # e.g. an eval_only run's metrics: nothing to resume
+    if not checkpoints and SAVES_NAME not in map(os.path.basename, previous) and not evaluated_only(cfg.out_dir):
+        return Start(init_from, notes=(nothing_saved(cfg.out_dir),))
+    if not checkpoints:  # the checkpoints deleted: the records are all that is left of the run
         raise ConfigError(
             f"out_dir {cfg.out_dir} holds {os.path.basename(previous[0])} but no {CKPT_NAME} to "
             f"resume; start elsewhere with a new --out_dir, or replace it with --overwrite=True"
@@ -157,14 +174,26 @@ def decide_start(cfg, names=RUN_FILE_NAMES):
     )
 
 
-def stopped_before_first_checkpoint(previous):
-    """Whether a run's files are only a metrics.jsonl with nothing past iter 0 (one that cannot be read is kept)."""
-    if [os.path.basename(p) for p in previous] != [metrics.FILE_NAME]:
-        return False
+def evaluated_only(out_dir):
+    """Whether out_dir's config.json is an eval_only run's (False when there is none, or it cannot be read)."""
     try:
-        return (metrics.last_iteration(os.path.dirname(previous[0])) or 0) == 0
-    except (OSError, ValueError):
+        with open(os.path.join(out_dir, CONFIG_NAME), "rb") as f:
+            return json.load(f).get("eval_only") is True
+    except (OSError, ValueError, AttributeError):
         return False
+
+
+def nothing_saved(out_dir):
+    """The line a launch prints as it starts over a run that never completed a checkpoint."""
+    try:
+        last = metrics.last_iteration(out_dir)
+    except (OSError, ValueError):  # no records, or damaged ones: what they held does not change the decision
+        last = None
+    held = "" if last is None else f" (its {metrics.FILE_NAME} reaches iter {last:,})"
+    return (
+        f"out_dir {out_dir} holds a run stopped before its first checkpoint was complete{held}: nothing was "
+        "saved, so it starts over"
+    )
 
 
 def checkpoint_order(path):
@@ -226,6 +255,8 @@ def prepare_out_dir(cfg, start, ckpt=None, changes=(), at=None):
         print(f"resuming {start.path} at {at}{unverified}", flush=True)
         for line in changes:
             print(line, flush=True)
+        if start.data_change:
+            print(f"resume: the data changed: {start.data_change} (allow_data_change=True)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -260,7 +291,7 @@ def _machine():
 
 def describe_holder(holder):
     if holder is None:
-        return "an unreadable lock"
+        return "an unknown holder (its record cannot be read)"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
     return f"pid {holder.get('pid')} on {holder.get('host')} since {since}"
 
@@ -270,16 +301,22 @@ class RunLock:
 
     fcntl locks are not honoured by every network filesystem and do not reach across nodes, but creating a
     file that must not exist yet (O_EXCL) is atomic on all of them (NFS since v3, Lustre, GPFS). The file
-    records its holder -- host, pid, when it started, and the machine identity and process start time
-    that tell a live holder from a reused pid -- and a heartbeat: a thread refreshes its modification time
-    every timeout_s / 4 seconds, and checks that the file is still its own (`lost` says when not).
+    records its holder -- host, pid, when it started, the machine identity and process start time that tell
+    a live holder from a reused pid, and the directory it guards (path and inode) -- and a heartbeat: a
+    thread refreshes its modification time every timeout_s / 4 seconds, and checks that the file is still its
+    own (`lost` says when not). A holder that cannot write its record (a full disk) removes the file again.
 
-    A launch that finds the lock judges the holder. On the same machine it is alive while its process is.
-    On another machine it is alive while its heartbeat is younger than timeout_s: the launch watches the
-    heartbeat for the rest of that bound (at most wait_limit_s), and one that moves is alive. A live holder
-    refuses the launch in one line; a dead one's lock is taken over, with a message. Takeovers go through
-    a second O_EXCL file, so two launches that find the same dead holder do not both take its place.
+    A launch that finds the lock judges the holder. A lock that guards another directory (this out_dir is a
+    copy of a run's, `cp -r` or rsync taking run.lock along) is no holder's here. On the same machine a holder
+    is alive while its process is. On another machine it is alive while its heartbeat is younger than
+    timeout_s: the launch watches the heartbeat for the rest of that bound (at most wait_limit_s), and one that
+    moves is alive. A lock still empty EMPTY_LOCK_WAIT_S after it is found belongs to a launch that died between
+    creating and writing it. A live holder refuses the launch in one line naming it; a dead one's lock is taken
+    over, with a message. Takeovers go through a second O_EXCL file, so two launches that find the same dead
+    holder do not both take its place.
     """
+
+    EMPTY_LOCK_WAIT_S = 2.0  # a launch writes its record microseconds after creating the file (NFS: one round trip)
 
     def __init__(self, path, token, timeout_s):
         self.path, self.token, self.timeout_s = path, token, timeout_s
@@ -301,22 +338,29 @@ class RunLock:
             process_start=_process_start(os.getpid()),
             since=time.time(),
             token=token,
+            directory=os.path.realpath(directory),
+            inode=os.stat(directory).st_ino,
         )
         for _attempt in range(20):  # each round ends with the lock, or with its holder judged
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
-                text, holder, mtime_ns = cls._read(path)
+                text, holder, mtime_ns = cls._read_written(path)
                 if text is None:  # released meanwhile
                     continue
-                reason = cls._judge(directory, holder, mtime_ns, mine, timeout_s, wait_limit_s)
+                reason = cls._judge(directory, text, holder, mtime_ns, mine, timeout_s, wait_limit_s)
                 if cls._take_over(path, text):
                     print(f"out_dir {directory}: took over the lock of {describe_holder(holder)}: {reason}", flush=True)
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(mine))
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(mine))
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:  # a full disk: no empty lock is left for the next launch to wonder about
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+                raise
             return cls(path, token, timeout_s)
         raise RunDirError(f"out_dir {directory}: could not take {path}: other launches keep taking it; try again")
 
@@ -334,14 +378,33 @@ class RunLock:
             holder = None
         return text, holder if isinstance(holder, dict) else None, mtime_ns
 
+    @classmethod
+    def _read_written(cls, path):
+        """_read, once the lock holds more than nothing: a launch that has just created it (the loser of two
+        launches at the same moment finds the winner's) writes its record at once. An empty text after
+        EMPTY_LOCK_WAIT_S is returned as it is."""
+        deadline = time.monotonic() + cls.EMPTY_LOCK_WAIT_S
+        text, holder, mtime_ns = cls._read(path)
+        while text == "" and time.monotonic() < deadline:
+            time.sleep(0.01)
+            text, holder, mtime_ns = cls._read(path)
+        return text, holder, mtime_ns
+
     @staticmethod
-    def _judge(directory, holder, mtime_ns, mine, timeout_s, wait_limit_s):
+    def _judge(directory, text, holder, mtime_ns, mine, timeout_s, wait_limit_s):
         """Why the holder is dead (a reason to print), or RunDirError when it is alive."""
         path = os.path.join(directory, LOCK_NAME)
         refusal = RunDirError(
             f"out_dir {directory} is in use by the run of {describe_holder(holder)} (it holds {path}); wait "
             "for it to end or stop it, or use another --out_dir"
         )
+        if text == "":
+            return "the lock is empty: the launch that created it ended before writing to it (a full disk, a kill)"
+        # Another path and another inode: a copy. One of the two alone is this directory seen through another
+        # mount point or symlink (the path), or moved or restored in place (the inode): judged as its holder.
+        guarded = holder.get("directory") if holder is not None else None
+        if guarded is not None and guarded != mine["directory"] and holder.get("inode") != mine["inode"]:
+            return f"it guards {guarded}; this out_dir is a copy of that run's"
         if holder is not None and (holder.get("host"), holder.get("machine")) == (mine["host"], mine["machine"]):
             pid = holder.get("pid")
             started = _process_start(pid) if isinstance(pid, int) else None
@@ -420,24 +483,52 @@ class RunLock:
 
 
 class StopSignals:
-    """SIGTERM (a scheduler's preemption or time limit, `kill`, torchrun passing one on) and SIGUSR1 (what
-    scripts/slurm_mars_small.sbatch asks SLURM for before the time limit) end the run at the next step
-    boundary with a checkpoint. The handler only records the first one; the loop acts on it."""
+    """The signals that end a run, as train.main takes them over.
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGTERM (a scheduler's preemption or time limit, `kill`, torchrun passing one on), SIGUSR1 (what
+    scripts/slurm_mars_small.sbatch asks SLURM for before the time limit) and SIGHUP (the terminal of the ssh
+    session the run was started from went away) end the run at the next step boundary with a checkpoint. The
+    handler only records the first one; the loop acts on it. After a SIGHUP the terminal cannot take output any
+    more (a write to it fails with EIO): stdout and stderr, where they were that terminal, go to /dev/null.
+
+    SIGINT (Ctrl-C) stops the run where it is (a KeyboardInterrupt: a step that hangs stops too), and every later
+    SIGINT is ignored, so the way out can wait for the checkpoint in flight to reach the disk (torchrun passes
+    a Ctrl-C on to each rank again; a user who cannot wait quits at once with Ctrl-\\, SIGQUIT).
+
+    A SIGHUP or SIGINT the process was started ignoring stays ignored: `nohup` asks that the run survive the
+    terminal, and a shell script's background job (`&`) that its Ctrl-C not reach it.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
     def __init__(self):
         self.received = 0
         self._previous = {}
+        self._terminal = []  # the standard streams' descriptors that are a terminal
 
     def install(self):
-        """Take the two signals over (train.main does; a RunDir built elsewhere leaves them alone); returns self."""
-        if threading.current_thread() is threading.main_thread():  # Python sets handlers from there only
-            self._previous = {s: signal.signal(s, self._record) for s in self.SIGNALS}
+        """Take the signals over (train.main does; a RunDir built elsewhere leaves them alone); returns self."""
+        if threading.current_thread() is not threading.main_thread():  # Python sets handlers from there only
+            return self
+        handlers = {s: self._record for s in self.SIGNALS} | {signal.SIGINT: self._interrupt}
+        for s, handler in handlers.items():
+            if s in (signal.SIGHUP, signal.SIGINT) and signal.getsignal(s) is signal.SIG_IGN:
+                continue
+            self._previous[s] = signal.signal(s, handler)
+        self._terminal = [fd for fd in (1, 2) if os.isatty(fd)]
         return self
 
     def _record(self, signum, frame):
         self.received = self.received or signum
+        if signum == signal.SIGHUP:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in self._terminal:
+                os.dup2(devnull, fd)
+            os.close(devnull)
+
+    def _interrupt(self, signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
 
     def restore(self):
         for s, handler in self._previous.items():
@@ -483,9 +574,11 @@ class RunDir:
         self.write_failed = False
         self.metrics = None  # the run's MetricsLog, whose failed writes stop the run too
         self.parts, self.extras = {}, {}
+        self.data = None  # the fingerprint of the data (rank 0, from the Start: prepare)
         self.latest = None  # (path, iteration) of the newest intact checkpoint on disk (rank 0)
         self.saved_iter = None  # the iteration of the newest checkpoint written or resumed
         self.held_back = None  # why a due checkpoint was not written (a suspect state), until one is
+        self._in_flight = ((), 0.0)  # the copies of the checkpoint being written, and when its save began
         self.clock = time.monotonic()  # when the last checkpoint was written (rank 0's checkpoint_minutes)
         self.agreed = Requests()
 
@@ -495,8 +588,9 @@ class RunDir:
         """Rank 0: hold out_dir (its lock), then decide what this launch does there (decide_start)."""
         self.cfg = cfg
         try:
-            if not os.path.isdir(self.path):
-                os.makedirs(self.path)
+            # through a symlink to a directory not made yet, its target; a launch at the same moment may make it
+            with contextlib.suppress(FileExistsError):
+                os.makedirs(os.path.realpath(self.path))
                 self.created = True
             # Under DDP the other ranks wait for this decision for at most ddp_timeout_s.
             wait_limit = (
@@ -510,15 +604,17 @@ class RunDir:
         return decide_start(cfg)
 
     def prepare(self, cfg, start, ckpt, changes):
-        """Rank 0: prepare_out_dir, then config.json: the configuration of the run, written when it starts and
-        when a resume that trains changes it (an eval_only launch leaves it as it is)."""
-        self.cfg = cfg
+        """Rank 0: prepare_out_dir, then config.json: the configuration of the run and the fingerprint of its data,
+        written when it starts and when a resume that trains changes either (an eval_only launch leaves it as it
+        is)."""
+        self.cfg, self.data = cfg, start.data
         prepare_out_dir(cfg, start, ckpt, changes)
         if start.path is not None:
             self.latest, self.saved_iter = (start.path, start.iteration), start.iteration
-        if ckpt is None or (changes and not cfg.eval_only):
+        changed = changes or start.data_change or (ckpt is not None and DATA_FINGERPRINT not in ckpt)
+        if ckpt is None or (changed and not cfg.eval_only):
             with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w") as f:
-                json.dump(config_to_dict(cfg), f, indent=1)
+                json.dump({**config_to_dict(cfg), DATA_FINGERPRINT: start.data}, f, indent=1)
 
     def register(self, cfg, parts, extras, mesh=None):
         """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
@@ -660,14 +756,41 @@ class RunDir:
         ):
             copies.append(os.path.join(self.path, kept_name(progress.iter_num)))
         self.wait_for_writes()  # a failure of the last write was reported; this one may find room again
+        if self.dist.is_master:  # the records up to this step on disk first, and how long they are
+            state.update({DATA_FINGERPRINT: self.data, METRICS_SIZE: self.metrics.sync()})
+        self._in_flight = (copies, time.monotonic())
         self.writer.save(self.ckpt_path, state, copies)
 
     # --- what happened, and where a stopped run continues
 
     def _saved(self, path, iteration):  # the writer's thread
         self.latest = (path, iteration)
-        if self.mesh is not None and self.dist.is_master:  # the directory the replaced ckpt.pt named goes
+        if not self.dist.is_master:
+            return
+        self._record_save(path, iteration)
+        if self.mesh is not None:  # the directory the replaced ckpt.pt named goes
             shards.remove_unreferenced(self.path, checkpoint_files(self.path))
+
+    def _record_save(self, path, iteration):
+        """Rank 0, once a checkpoint and its copies are on disk: a line in checkpoints.jsonl (the file, its
+        copies, its iteration, when, and how long the write took), the run's record that it has saved something
+        (decide_start starts over only a run that has none)."""
+        copies, began = self._in_flight
+        entry = dict(
+            iter=iteration,
+            file=os.path.basename(path),
+            copies=[os.path.basename(copy) for copy in copies],
+            saved_at=datetime.datetime.now().isoformat(timespec="seconds"),
+            write_s=round(time.monotonic() - began, 3),
+        )
+        record = os.path.join(self.path, SAVES_NAME)
+        try:
+            with open(record, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            self._write_failed(f"cannot append to {record}: {os_reason(e)}")
 
     def _write_failed(self, error):  # the writer's thread: reported at once, acted on at the next step
         self.write_failed = True
@@ -704,8 +827,15 @@ class RunDir:
             ),
         )
 
-    def wait_for_writes(self):
-        """Block until the checkpoint in flight is on disk (a failure was reported the moment it happened)."""
+    def wait_for_writes(self, why=None):
+        """Block until the checkpoint in flight is on disk (a failure was reported the moment it happened). `why`
+        (e.g. 'interrupted'): rank 0 first says that it waits, when a checkpoint is in flight."""
+        if why and self.dist.is_master and self.writer.in_flight:
+            print(
+                f"{why}: waiting for the checkpoint in flight to reach the disk (Ctrl-\\ quits at once, losing it)",
+                file=sys.stderr,
+                flush=True,
+            )
         with contextlib.suppress(CheckpointError):
             self.writer.wait()
 
@@ -719,9 +849,7 @@ class RunDir:
             return f"resume from {self.newest()} with --init_from=resume (or auto)"
         if not self.dist.is_master and os.path.isfile(self.ckpt_path):  # rank 0 keeps count of the saves
             return f"resume from {self.ckpt_path} with --init_from=resume (or auto)"
-        if self.cfg.init_from == "auto" or self.cfg.overwrite:  # a relaunch starts over by itself
-            return "no checkpoint was written yet: run the same command again to start over"
-        return "no checkpoint was written yet: start over with --overwrite=True (or --init_from=auto)"
+        return "no checkpoint was written yet: run the same command again to start over"  # decide_start
 
     def finish(self, progress):
         """The end of a run that reached max_iters (or evaluated, eval_only): its exit status once the last
@@ -747,4 +875,62 @@ class RunDir:
         self.signals.restore()
         if self.created:
             with contextlib.suppress(OSError):
-                os.rmdir(self.path)  # only if empty
+                os.rmdir(os.path.realpath(self.path))  # only if empty
+
+
+# ---------------------------------------------------------------------------------------------------
+# A consistent copy of a run directory, also of one a run is training in.
+
+COPY_ATTEMPTS = 100  # a sharded checkpoint copied again after the run replaced it meanwhile, at most this often
+
+
+def copy_run(source, destination):
+    """Copy the run directory `source` into the new directory `destination` so that the copy resumes from
+    intact checkpoints even while a run trains in `source`: each checkpoint file, then exactly the shard
+    directory it names (a sharded one), then metrics.jsonl, checkpoints.jsonl and config.json -- after the
+    checkpoints, so that they hold every record a checkpoint covers (MetricsLog.sync). run.lock and the
+    temporary files of a save in flight stay behind. A checkpoint file is only ever replaced whole (a rename),
+    so the copy of one is some version of it; a shard directory goes once no checkpoint file names it, so when
+    one vanishes during its copy the run has written a newer checkpoint, which is copied instead. Returns the
+    names of the checkpoint files copied."""
+    if os.path.lexists(destination):
+        raise RunDirError(f"{destination} exists: give a new directory to copy {source} into")
+    os.makedirs(destination)
+    copied = []
+    for path in checkpoint_files(source):
+        for _attempt in range(COPY_ATTEMPTS):
+            try:
+                if _copy_checkpoint(path, os.path.join(destination, os.path.basename(path))):
+                    copied.append(os.path.basename(path))
+                break
+            except FileNotFoundError:  # its shard directory was replaced meanwhile: the file names a newer one
+                continue
+        else:
+            raise RunDirError(f"{path} was replaced {COPY_ATTEMPTS} times while it was copied; copy again")
+    for name in (metrics.FILE_NAME, SAVES_NAME, CONFIG_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            copy_file(os.path.join(source, name), os.path.join(destination, name))
+    return copied
+
+
+def _copy_checkpoint(path, target):
+    """The checkpoint file `path` as `target`, then the files of the shard directory it names, if any; False when
+    the file is gone (deleted meanwhile). FileNotFoundError when a shard file is gone (the target's shard
+    directory is removed again)."""
+    try:
+        copy_file(path, target)
+    except FileNotFoundError:
+        return False
+    record = torch.load(target, map_location="cpu", weights_only=True, mmap=True).get(shards.SHARDS_KEY)
+    if record is None:
+        return True
+    directory = os.path.join(os.path.dirname(target), record["directory"])
+    os.makedirs(directory, exist_ok=True)
+    try:
+        for name in record["files"]:
+            copy_file(os.path.join(os.path.dirname(path), record["directory"], name), os.path.join(directory, name))
+    except FileNotFoundError:
+        shutil.rmtree(directory)
+        os.remove(target)
+        raise
+    return True

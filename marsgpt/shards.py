@@ -41,7 +41,7 @@ import torch
 
 from marsgpt import checkpoint
 from marsgpt.checkpoint import CheckpointError, CheckpointWriter, DamagedCheckpoint
-from marsgpt.files import copy_file, fsync_directory, os_reason
+from marsgpt.files import DIGEST, copy_file, file_digest, fsync_directory, os_reason
 
 SHARDS_DIR = "shards"  # beside the checkpoint files: one directory per sharded checkpoint
 SHARDS_KEY = checkpoint.SHARDS_KEY
@@ -239,9 +239,9 @@ def verify(ckpt):
         path = os.path.join(directory, file)
         if not os.path.isfile(path):
             raise DamagedCheckpoint(f"{path} is missing (a file of the sharded checkpoint {directory})")
-        if os.path.getsize(path) != expected["size"] or checkpoint.file_digest(path) != expected["sha256"]:
+        if os.path.getsize(path) != expected["size"] or file_digest(path) != expected["sha256"]:
             raise DamagedCheckpoint(
-                f"{path} is damaged: its bytes do not match the {checkpoint.DIGEST} recorded when it was written"
+                f"{path} is damaged: its bytes do not match the {DIGEST} recorded when it was written"
             )
 
 

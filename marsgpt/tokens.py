@@ -1,4 +1,5 @@
-"""Token files on disk, the window sampler train.py uses, and the offline-capable GPT-2 tokenizer.
+"""Token files on disk, the window sampler train.py uses, the fingerprint of what a run trains on, and the
+offline-capable GPT-2 tokenizer.
 
 Two layouts are read:
 
@@ -9,6 +10,10 @@ Two layouts are read:
 
 Batches are a pure function of (seed, step, micro_step): every rank of every world size computes the
 same global batch for a given step, which is what lets 1 GPU and N GPUs train the same model.
+
+A dataset's fingerprint (the size and SHA-256 of each file a run reads) is what checkpoints record so that a
+resume on changed data is named; manifest.json, which the prepare scripts write beside the files, records the
+hashes once so that a launch does not read the data to fingerprint it.
 
 The data/<name>/prepare.py scripts write these files; what they share besides is data/prepare_common.py.
 """
@@ -23,7 +28,7 @@ import tempfile
 import numpy as np
 import torch
 
-from marsgpt.files import atomic_write_bytes, atomic_writer
+from marsgpt.files import atomic_write_bytes, atomic_writer, file_digest, os_reason
 from marsgpt.runtime import network_reachable
 
 # The repository's root, where data/<name>/prepare.py live.
@@ -219,6 +224,15 @@ def _headerless_token_count(path):
     return size // 2
 
 
+def split_files(data_dir, split):
+    """(paths, headerless) of a split's token files: [data_dir/<split>.bin] (headerless), else the llm.c shards
+    data_dir/fineweb_<split>_*.bin in order; ([], False) when there are neither."""
+    headerless = os.path.join(data_dir, f"{split}.bin")
+    if os.path.exists(headerless):
+        return [headerless], True
+    return sorted(glob.glob(os.path.join(data_dir, f"fineweb_{split}_*.bin"))), False
+
+
 def _prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
     script = os.path.join(REPOSITORY, "data", name, "prepare.py")
@@ -249,17 +263,15 @@ class TokenData:
         if not os.path.isdir(data_dir):
             raise DataError(f"data directory {data_dir} not found; {_prepare_hint(data_dir)}")
         self.data_dir, self.split = data_dir, split
-        headerless = os.path.join(data_dir, f"{split}.bin")
-        if os.path.exists(headerless):
-            self.paths = [headerless]
-            self.lengths = [_headerless_token_count(headerless)]
+        self.paths, headerless = split_files(data_dir, split)
+        if not self.paths:
+            raise DataError(
+                f"{data_dir} has neither {split}.bin nor fineweb_{split}_*.bin shards; {_prepare_hint(data_dir)}"
+            )
+        if headerless:
+            self.lengths = [_headerless_token_count(p) for p in self.paths]
             self._first_token_byte = 0
         else:
-            self.paths = sorted(glob.glob(os.path.join(data_dir, f"fineweb_{split}_*.bin")))
-            if not self.paths:
-                raise DataError(
-                    f"{data_dir} has neither {split}.bin nor fineweb_{split}_*.bin shards; {_prepare_hint(data_dir)}"
-                )
             self.lengths = [shard_token_count(p) for p in self.paths]
             self._first_token_byte = HEADER_BYTES
         self.num_tokens = sum(self.lengths)
@@ -388,3 +400,95 @@ class TokenData:
             self._windows(lambda s: [seed, s, 0, 1], i * batch_size, batch_size, per_stream, block_size)
             for i in range(num_batches)
         ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a run trains on: the fingerprint of a dataset's files, and the manifest that records it once.
+
+MANIFEST_NAME = "manifest.json"
+
+
+def dataset_files(data_dir):
+    """The names of the files in data_dir a run reads: both splits' token files (split_files) and meta.pkl."""
+    names = [os.path.basename(path) for split in ("train", "val") for path in split_files(data_dir, split)[0]]
+    if os.path.exists(os.path.join(data_dir, "meta.pkl")):
+        names.append("meta.pkl")
+    return names
+
+
+def _manifest_entries(data_dir):
+    """What data_dir's manifest records of each file ({name: {size, mtime_ns, sha256}}); {} when it has none or
+    it cannot be read (then every file is hashed)."""
+    try:
+        with open(os.path.join(data_dir, MANIFEST_NAME), "rb") as f:
+            entries = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _file_entries(data_dir):
+    """({name: {size, mtime_ns, sha256}} for each of dataset_files, bytes hashed to make it). A file's SHA-256 is
+    the manifest's when the manifest records it as it is now -- the same size and modification time -- else it
+    is hashed: a shard replaced, appended to or prepared again since the manifest was written is read once."""
+    recorded, entries, hashed = _manifest_entries(data_dir), {}, 0
+    for name in dataset_files(data_dir):
+        path = os.path.join(data_dir, name)
+        try:
+            stat = os.stat(path)
+            entry = recorded.get(name)
+            unchanged = isinstance(entry, dict) and (entry.get("size"), entry.get("mtime_ns")) == (
+                stat.st_size,
+                stat.st_mtime_ns,
+            )
+            if unchanged and isinstance(entry.get("sha256"), str):
+                sha256 = entry["sha256"]
+            else:
+                sha256, hashed = file_digest(path), hashed + stat.st_size
+        except OSError as e:
+            raise DataError(f"{path} cannot be read: {os_reason(e)}") from None
+        entries[name] = dict(size=stat.st_size, mtime_ns=stat.st_mtime_ns, sha256=sha256)
+    return entries, hashed
+
+
+def fingerprint(data_dir):
+    """(fingerprint, bytes hashed to make it): what a run trains on, {"files": {name: {"size", "sha256"}}} for each
+    file of dataset_files. Checkpoints and config.json record it, so that a resume on data that changed is
+    named (launch.load_resume_checkpoint). With a manifest (the prepare scripts write one) a launch reads
+    nothing but the manifest and each file's size and modification time; without one it hashes every file."""
+    entries, hashed = _file_entries(data_dir)
+    files = {name: dict(size=entry["size"], sha256=entry["sha256"]) for name, entry in entries.items()}
+    return {"files": files}, hashed
+
+
+def write_manifest(data_dir):
+    """Write data_dir/manifest.json: each token file's and meta.pkl's size, modification time and SHA-256 (an
+    entry that still matches its file is kept, not hashed again). The prepare scripts call it as they finish;
+    `python -m data.manifest <data_dir>` writes one for data prepared elsewhere. Returns its path."""
+    if not any(split_files(data_dir, split)[0] for split in ("train", "val")):
+        raise DataError(f"{data_dir} holds no token files (train.bin, val.bin or fineweb_*.bin): not a dataset")
+    entries, _ = _file_entries(data_dir)
+    path = os.path.join(data_dir, MANIFEST_NAME)
+    atomic_write_bytes(path, json.dumps({"files": entries}, indent=1).encode())
+    return path
+
+
+def data_changes(old, new, limit=3):
+    """How the fingerprint `new` differs from `old`, file by file ('train.bin changed (40,000 -> 40,002 bytes)',
+    'fineweb_train_000011.bin is new', 'val.bin is gone'), at most `limit` of them then how many more; [] when
+    they are the same."""
+    old_files, new_files = old["files"], new["files"]
+    changes = []
+    for name in sorted(old_files.keys() | new_files.keys()):
+        before, after = old_files.get(name), new_files.get(name)
+        if before is None:
+            changes.append(f"{name} is new")
+        elif after is None:
+            changes.append(f"{name} is gone")
+        elif before["size"] != after["size"]:
+            changes.append(f"{name} changed ({before['size']:,} -> {after['size']:,} bytes)")
+        elif before["sha256"] != after["sha256"]:
+            changes.append(f"{name} changed (same size, other bytes)")
+    if len(changes) > limit:
+        changes = [*changes[:limit], f"{len(changes) - limit} more"]
+    return changes

@@ -6,7 +6,10 @@ import errno
 import hashlib
 import os
 import random
+import signal
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -192,6 +195,49 @@ def test_writer_reports_any_failure_of_its_thread_as_a_checkpoint_error(tmp_path
     assert isinstance(raised.value.__cause__, TypeError)
     writer.wait()  # reported once
     assert os.listdir(tmp_path) == []
+
+
+def interrupt_once_waiting(thread):
+    """Raise KeyboardInterrupt in `thread` (the main thread) as Ctrl-C does, once it is blocked inside
+    CheckpointWriter.wait (in an Event's Condition.wait, or a Thread.join's lock)."""
+    blocking = (threading.Condition.wait.__code__, threading.Thread._wait_for_tstate_lock.__code__)
+
+    def calls(frame):
+        while frame is not None:
+            yield frame.f_code
+            frame = frame.f_back
+
+    while True:
+        stack = list(calls(sys._current_frames()[thread.ident]))
+        if stack[0] in blocking and checkpoint.CheckpointWriter.wait.__code__ in stack:
+            break
+        time.sleep(0.001)
+    signal.pthread_kill(thread.ident, signal.SIGINT)
+
+
+def test_a_wait_interrupted_by_ctrl_c_still_waits_for_the_write_the_next_time(tmp_path, monkeypatch):
+    """Ctrl-C lost the checkpoint in flight because Python 3.11's Thread.join, interrupted by KeyboardInterrupt,
+    marks the still-running thread as stopped: the next join (train.py's way out, the interpreter's at exit)
+    returned at once and the process ended mid-write. The writer waits on an Event instead: after an
+    interrupted wait, the next one still waits until the file is written."""
+    release, real_save = threading.Event(), checkpoint.save_checkpoint
+
+    def held_save(path, snapshot):
+        release.wait()
+        real_save(path, snapshot)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", held_save)
+    writer = checkpoint.CheckpointWriter()
+    writer.save(str(tmp_path / "ckpt.pt"), state(1, iter_num=8))
+    threading.Thread(target=interrupt_once_waiting, args=(threading.main_thread(),)).start()
+    with pytest.raises(KeyboardInterrupt):
+        writer.wait()
+    assert writer.in_flight
+    threading.Thread(target=lambda: (interrupt_once_waiting(threading.main_thread()), release.set())).start()
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C, while the write goes on
+        writer.wait()
+    writer.wait()  # returns only once the held write is done
+    assert checkpoint.load_checkpoint(tmp_path / "ckpt.pt")["progress"]["iter_num"] == 8
 
 
 @pytest.mark.parametrize("kernel_copy", [True, False])

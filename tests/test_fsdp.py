@@ -1,10 +1,11 @@
 """train.py --zero_stage=3 (FSDP2, marsgpt/fsdp.py; sharded checkpoints, marsgpt/shards.py) through the command
 line: 2 gloo ranks train what one process trains, for every optimizer the trainer offers; the sharded checkpoints
-resume on 2 ranks bit for bit after a kill -9 of the torchrun job during a save and after a SIGTERM to one rank,
-on 1 rank, and from one process's checkpoint on 2 under torchrun; a full disk during a sharded save is one line
-with the OS's reason; a damaged shard file is refused in one line naming it; nothing is
-overwritten; sample.py and export_hf.py read the sharded checkpoint directly; gradients reduce-scattered every
-micro-batch with recomputed activations train the same. HSDP (torchrun, 4 ranks as 2 replicas x 2 shards)
+resume on 2 ranks bit for bit after a kill -9 of the torchrun job during a save, after a Ctrl-C during a save
+(kept, its directory too) and after a SIGTERM to one rank, on 1 rank, and from one process's checkpoint on 2 under
+torchrun; scripts/copy_run.py copies a live sharded run that replaces a checkpoint meanwhile; a full disk during
+a sharded save is one line with the OS's reason; a damaged shard file is refused in one line naming it; nothing
+is overwritten; sample.py and export_hf.py read the sharded checkpoint directly; gradients reduce-scattered
+every micro-batch with recomputed activations train the same. HSDP (torchrun, 4 ranks as 2 replicas x 2 shards)
 is one more launch, marked slow.
 
 Each optimizer is one launch of 4 steps on 2 ranks (2 micro-batches each: the first one's gradients stay
@@ -33,18 +34,28 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
-from train_helpers import ROOT, fill, launch, subprocess_env, tiny_args, tmpfs, wait_for_line
+from train_helpers import (
+    ROOT,
+    fill,
+    kill_job,
+    launch,
+    start_torchrun,
+    subprocess_env,
+    tiny_args,
+    tmpfs,
+    torchrun_command,
+    wait_for_line,
+)
 
 import sample
 import train
 from bench.common import rendezvous
-from marsgpt import checkpoint
+from marsgpt import checkpoint, run_dir
 from model import GPT, GPTConfig
+from scripts import copy_run
 
 pytestmark = pytest.mark.slow
 
@@ -70,11 +81,6 @@ def args_for(data_path, out_dir, name, **overrides):
     return tiny_args(data_path, out_dir, **RUN, **OPTIMIZERS[name], zero_stage=3, **overrides)
 
 
-def torchrun_command(args, nproc=2):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, os.path.join(ROOT, "tests", "train_helpers.py"), *args]
-
-
 def torchrun(args, nproc=2, timeout=300):
     for _attempt in range(2):
         done = subprocess.run(
@@ -90,12 +96,6 @@ def torchrun(args, nproc=2, timeout=300):
             break
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
-
-
-def start_torchrun(args, **env):
-    """The torchrun job of 2 ranks, started (its output one pipe), with test hooks from `env`."""
-    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.Popen(torchrun_command(args), cwd=ROOT, env=subprocess_env(**env), **pipe)
 
 
 def ranks(args, nproc=2, timeout=300):
@@ -226,34 +226,6 @@ def test_two_sharded_ranks_train_what_one_process_trains(runs, name):
         assert any("last_grad" in s for s in whole(sharded)["optimizer"]["state"].values())
 
 
-def children(pid):
-    """The ids of the processes whose parent is `pid` (from /proc: torchrun starts each rank in a session of its
-    own, so a signal to the agent's process group does not reach them)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def kill_job(proc, timeout=60):
-    """kill -9 torchrun's agent `proc` and its ranks at once, as a scheduler ends a job; return once all are gone
-    (rank 0 holds the run's lock until it is)."""
-    pids = [*children(proc.pid), proc.pid]
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + timeout
-    while any(os.path.exists(f"/proc/{pid}") for pid in pids):
-        assert time.monotonic() < deadline, f"processes {pids} outlived kill -9 by {timeout} s"
-        time.sleep(0.05)
-
-
 def assert_same_run(out_a, out_b):
     """Bit for bit: the same records (but wall-clock times), model and optimizer state."""
     assert records(out_a) == records(out_b)
@@ -270,7 +242,7 @@ def test_killed_during_a_sharded_save_the_run_resumes_on_two_ranks_bit_for_bit(r
     uninterrupted, _ = runs("mars-adamw-exact")
     out = str(tmp_path / "out")
     args = args_for(data_path, out, "mars-adamw-exact")
-    proc = start_torchrun(args, TEST_SLOW_SAVE="3")
+    proc = start_torchrun(args, TEST_HOLD_SAVE=f"3:{tmp_path / 'never'}")
     try:
         wait_for_line(proc, "renaming")
     finally:
@@ -283,6 +255,68 @@ def test_killed_during_a_sharded_save_the_run_resumes_on_two_ranks_bit_for_bit(r
     assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 2" in output
     assert f"removed {os.path.join(out, 'shards', unnamed[0])}, a sharded checkpoint no checkpoint file names" in output
     assert_same_run(out, uninterrupted)
+
+
+def test_ctrl_c_during_a_sharded_save_keeps_it_and_the_next_launch_resumes_it_bit_for_bit(runs, data_path, tmp_path):
+    """Ctrl-C (SIGINT to torchrun, which passes it on to each rank) while rank 0 renames the iteration-2 checkpoint
+    file into place, its shard directory complete: rank 0 says it waits for that checkpoint and exits (130) once
+    it is on disk. The next launch keeps the directory (a checkpoint file names it), resumes at 2 and ends bit for
+    bit as the run left alone. (Before, the process left mid-write and the next launch deleted the directory.)"""
+    uninterrupted, _ = runs("mars-adamw-exact")
+    out, release = str(tmp_path / "out"), str(tmp_path / "release")
+    args = args_for(data_path, out, "mars-adamw-exact") + ["--init_from=auto"]
+    proc = start_torchrun(args, TEST_HOLD_SAVE=f"2:{release}")
+    try:
+        seen = wait_for_line(proc, "renaming")
+        proc.send_signal(signal.SIGINT)
+        seen += wait_for_line(proc, "interrupted: waiting for the checkpoint in flight to reach the disk")
+        open(release, "w").close()
+        output = seen + proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert re.search(rf"^interrupted at iter \d+; resume from {re.escape(ckpt)} \(iter 2\)", output, re.M), output
+    named = os.path.join(out, torch.load(ckpt, weights_only=True)[checkpoint.SHARDS_KEY]["directory"])
+    assert whole(ckpt)["progress"]["iter_num"] == 2  # its shard files verified and read
+    output = torchrun(args)
+    assert f"resuming {ckpt} at iter 2" in output and f"removed {named}" not in output
+    assert_same_run(out, uninterrupted)
+
+
+def test_a_copy_of_a_live_sharded_run_resumes_even_when_a_save_replaces_what_it_was_copying(
+    data_path, tmp_path, monkeypatch
+):
+    """scripts/copy_run.py on a zero_stage=3 job that writes a checkpoint at every step boundary, paused after the
+    iteration-2 one: as the copy reaches ckpt.pt's shard directory the job goes on and writes the checkpoints of
+    iterations 3 and 4, removing iteration 2's directory (what a plain `cp -r` then misses). The copy finds it
+    gone, copies the newer ckpt.pt and its directory instead, leaves run.lock behind, and resumes in one process
+    at iteration 4 to the end."""
+    out, backup, pause = str(tmp_path / "out"), str(tmp_path / "backup"), str(tmp_path / "pause")
+    shape = dict(max_iters=6, eval_interval=6, checkpoint_interval=1, gradient_accumulation_steps=4, zero_stage=3)
+    proc = start_torchrun(tiny_args(data_path, out, **shape), TEST_PAUSE=f"0:2,4:{pause}")
+    try:
+        wait_for_line(proc, "paused before step 2", timeout=240)
+        real_copy, replaced = run_dir.copy_file, []
+
+        def copy_file(src, dst):
+            if os.sep + "shards" + os.sep in src and not replaced:
+                replaced.append(os.path.dirname(src))
+                open(f"{pause}.2", "w").close()
+                wait_for_line(proc, "paused before step 4")  # ckpt.pt is iteration 4's, on disk
+            real_copy(src, dst)
+
+        monkeypatch.setattr(run_dir, "copy_file", copy_file)
+        assert copy_run.main([out, backup]) == 0
+        assert not os.path.exists(replaced[0])  # the directory the first ckpt.pt named, gone meanwhile
+        assert whole(backup)["progress"]["iter_num"] == 4 and not os.path.exists(os.path.join(backup, "run.lock"))
+        open(f"{pause}.4", "w").close()
+        assert proc.wait(timeout=240) == 0
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    assert in_this_process(tiny_args(data_path, backup, **shape, init_from="auto")) == 0
+    assert whole(backup)["progress"]["iter_num"] == 6
 
 
 def test_sigterm_to_one_sharded_rank_stops_the_job_at_one_checkpoint_which_resumes_bit_for_bit(

@@ -79,6 +79,15 @@ def shard_tokens(out, split):
     return [data.read(i, 0, np.empty(n, dtype=np.uint16)) for i, n in enumerate(data.lengths)]
 
 
+def assert_manifest_records_the_files(out):
+    """out's manifest.json spares the fingerprint from reading the data, and records what hashing them gives."""
+    recorded, hashed = tokens.fingerprint(str(out))
+    assert hashed == 0 and recorded["files"]
+    os.rename(os.path.join(out, tokens.MANIFEST_NAME), os.path.join(out, "aside.json"))
+    assert tokens.fingerprint(str(out)) == (recorded, sum(entry["size"] for entry in recorded["files"].values()))
+    os.rename(os.path.join(out, "aside.json"), os.path.join(out, tokens.MANIFEST_NAME))
+
+
 def shard_files(out):
     return sorted((f for f in os.listdir(out) if f.endswith(".bin")), key=lambda f: f[-10:])  # by index
 
@@ -106,6 +115,7 @@ def test_fineweb_parquet_to_shards_decodes_back(tmp_path, corpus):
     assert decoded == "".join("<|endoftext|>" + t for t in texts)
     assert TokenData(str(tmp_path / "out"), "val").num_tokens == 2000
     assert TokenData(str(tmp_path / "out"), "train").num_tokens == len(stream) - 2000
+    assert_manifest_records_the_files(tmp_path / "out")
 
 
 @pytest.mark.slow
@@ -152,13 +162,14 @@ def test_interrupted_prepare_resumes_byte_identical(tmp_path, corpus, monkeypatc
 
     monkeypatch.setattr(fineweb, "write_shard", real_write_shard)
     run_fineweb(files, tmp_path / "resumed")
-    assert sorted(os.listdir(tmp_path / "resumed")) == sorted(reference + ["progress.json"])  # no .tmp
+    assert sorted(os.listdir(tmp_path / "resumed")) == sorted(reference + ["manifest.json", "progress.json"])
     assert filecmp.cmpfiles(tmp_path / "reference", tmp_path / "resumed", reference, shallow=False)[0] == reference
 
     # A finished run is left alone; a lost shard is rebuilt; other flags are refused.
     os.remove(tmp_path / "resumed" / reference[-2])
     run_fineweb(files, tmp_path / "resumed")
     assert filecmp.cmp(tmp_path / "reference" / reference[-2], tmp_path / "resumed" / reference[-2], shallow=False)
+    assert_manifest_records_the_files(tmp_path / "resumed")  # the rebuilt shard's entry too
     with pytest.raises(DataError, match="holds shards of another run"):
         run_fineweb(files, tmp_path / "resumed", shard_size=3000)
 
@@ -284,6 +295,7 @@ def test_fineweb_errors(tmp_path, monkeypatch):
 
 def test_stdlib_char_quickstart(tmp_path):
     load_script("stdlib_char").main(["--output_dir", str(tmp_path), "--chars", "200000"])
+    assert_manifest_records_the_files(tmp_path)
     with open(tmp_path / "meta.pkl", "rb") as f:
         meta = pickle.load(f)
     train, val = TokenData(str(tmp_path), "train"), TokenData(str(tmp_path), "val")
@@ -321,6 +333,7 @@ def test_openwebtext_local_files_nanogpt_split(tmp_path):
     assert len(docs) == 3 and docs[-1] == ""  # ceil(4000 * 0.0005) = 2 val documents, EOT after each
     assert val[-1] == train[-1] == EOT_TOKEN
     assert np.count_nonzero(train == EOT_TOKEN) == 3998
+    assert_manifest_records_the_files(tmp_path / "out")
     assert sorted(docs[:2] + enc.decode(train.tolist()).split("<|endoftext|>")[:-1]) == sorted(texts)
 
 
@@ -352,6 +365,22 @@ def assert_error_line(result, *parts):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]  # after any progress bars
     assert last.startswith("error: ") and all(part in last for part in parts), last
+
+
+@pytest.mark.slow
+def test_a_manifest_for_data_prepared_elsewhere_is_one_command(tmp_path):
+    """nanoGPT's bins, without a manifest: `python -m data.manifest <dir>` writes one; a folder that holds no
+    dataset is one error line."""
+    tokens.write_bin(tmp_path / "train.bin", np.arange(1000))
+    tokens.write_bin(tmp_path / "val.bin", np.arange(100))
+    command = [sys.executable, "-m", "data.manifest"]
+    done = subprocess.run([*command, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == f"wrote {tmp_path / tokens.MANIFEST_NAME}\n", done.stderr
+    assert_manifest_records_the_files(tmp_path)
+    assert_error_line(
+        subprocess.run([*command, str(tmp_path / "none")], cwd=REPO, capture_output=True, text=True),
+        "holds no token files",
+    )
 
 
 @pytest.mark.slow

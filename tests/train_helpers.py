@@ -5,8 +5,9 @@
 runs train.main with the faults the environment asks for -- test-only hooks patched in from outside,
 so train.py and marsgpt/checkpoint.py carry no test code:
 
-    TEST_SLOW_SAVE=N       the N-th rename of a finished ckpt.pt prints 'renaming <path>' and sleeps
-                           60 s first (the test kills the process in that window)
+    TEST_HOLD_SAVE=N:PATH  the N-th rename of a finished ckpt.pt (in a sharded save: once its shard directory
+                           is complete) prints 'renaming <path>' and waits until the file PATH exists:
+                           meanwhile the test kills the process, interrupts it, copies out_dir
     TEST_FAIL=RANK:ITER:MODE   on rank RANK, just before step ITER: MODE 'raise' (the rank dies)
                            or 'hang' (prints 'hanging before step ITER' and stops: no more steps,
                            no answer to collectives)
@@ -15,13 +16,14 @@ so train.py and marsgpt/checkpoint.py carry no test code:
     TEST_COMPILE_BACKEND=B torch.compile with backend B (aot_eager: dynamo's graphs without inductor's build)
     TEST_PAUSE=RANK:ITERS:PATH  on rank RANK, just before each step of ITERS (comma-separated), waits for
                            the checkpoint in flight, prints 'paused before step ITER (pid P)' and waits
-                           until the file PATH.ITER exists: meanwhile the test sends a signal, fills the
-                           disk, launches a second run
+                           until the file PATH.ITER exists or a stop signal has arrived: meanwhile the test
+                           sends a signal, fills the disk, launches a second run, copies out_dir
 """
 
 import builtins
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -121,12 +123,25 @@ def launch(args, env=None, **popen):
     )
 
 
+def torchrun_command(args, nproc=2):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, os.path.join(ROOT, "tests", "train_helpers.py"), *args]
+
+
+def start_torchrun(args, **env):
+    """The torchrun job of 2 ranks, started (its output one pipe), with test hooks from `env`."""
+    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(torchrun_command(args), cwd=ROOT, env=subprocess_env(**env), **pipe)
+
+
 def wait_for_line(proc, prefix, timeout=120):
-    """Read proc's output until a line starts with `prefix`; return everything read."""
+    """Read proc's output until a line holds `prefix` (a line's start, or after another process's text: torchrun's
+    ranks print unbuffered, each print's text and newline in two writes, so two ranks' lines can share one);
+    return everything read."""
     seen, deadline = [], time.time() + timeout
     for line in proc.stdout:
         seen.append(line)
-        if line.startswith(prefix):
+        if prefix in line:
             return "".join(seen)
         if time.time() > deadline:
             break
@@ -163,20 +178,49 @@ def fill(directory, leave_bytes=0):
     return filler
 
 
+def children(pid):
+    """The ids of the processes whose parent is `pid` (from /proc: torchrun starts each rank in a session of its
+    own, so a signal to the agent's process group does not reach them)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def kill_job(proc, timeout=60):
+    """kill -9 torchrun's agent `proc` and its ranks at once, as a scheduler ends a job; return once all are gone
+    (rank 0 holds the run's lock until it is)."""
+    pids = [*children(proc.pid), proc.pid]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        assert time.monotonic() < deadline, f"processes {pids} outlived kill -9 by {timeout} s"
+        time.sleep(0.05)
+
+
 def _install_hooks():
     import train
     from marsgpt import checkpoint, run_dir
 
-    slow_save = int(os.environ.get("TEST_SLOW_SAVE", "0"))
-    if slow_save:
+    if os.environ.get("TEST_HOLD_SAVE"):
+        hold, release = os.environ["TEST_HOLD_SAVE"].split(":", 1)
         real_replace, renames = os.replace, [0]
 
         def replace(src, dst):
             if str(dst).endswith(run_dir.CKPT_NAME):
                 renames[0] += 1
-                if renames[0] == slow_save:
+                if renames[0] == int(hold):
                     print(f"renaming {dst}", flush=True)
-                    time.sleep(60)
+                    while not os.path.exists(release):
+                        time.sleep(0.05)
             real_replace(src, dst)
 
         checkpoint.os.replace = replace  # the os module: only this process, only for this test
@@ -203,7 +247,7 @@ def _install_hooks():
             if run.dist.rank == int(rank) and str(it) in iters.split(","):
                 run.directory.wait_for_writes()  # nothing in flight while the test looks
                 print(f"paused before step {it} (pid {os.getpid()})", flush=True)
-                while not os.path.exists(f"{until}.{it}"):
+                while not (os.path.exists(f"{until}.{it}") or run.directory.signals.received):
                     time.sleep(0.05)
             return real_pause_step(run, it)
 

@@ -11,7 +11,8 @@ The input is a list of parquet (or, locally, jsonl) files read one at a time in 
 shard is written under a temporary name and renamed when complete, and progress.json records, for
 every finished shard, where the next one starts as (source file, row, tokens into that document); a
 rerun with the same flags keeps finished shards, opens only the files from there on (skipping whole
-row groups inside the first), and produces byte-identical shards.
+row groups inside the first), and produces byte-identical shards. manifest.json, brought up to date after
+each shard, records every shard's size and SHA-256: the fingerprint a training run records of its data.
 Memory: one shard buffer (2 bytes per token) plus a few MB of text in flight per process.
 """
 
@@ -42,6 +43,7 @@ from marsgpt.tokens import (
     HEADER_BYTES,
     DataError,
     get_gpt2_encoding,
+    write_manifest,
     write_shard,
 )
 
@@ -263,6 +265,7 @@ def prepare(source, list_files, open_file, output_dir, shard_size, num_proc):
     shards = progress["shards"]
     if progress["done"]:
         print(f"{output_dir}: all {len(shards)} shards already prepared")
+        write_manifest(output_dir)  # for shards prepared before manifests: hashed once, here
         return shards
     get_gpt2_encoding()  # fail before starting workers; forked workers inherit it
     if "files" not in progress:  # listed once: a resume reads the same files in the same order
@@ -293,6 +296,7 @@ def prepare(source, list_files, open_file, output_dir, shard_size, num_proc):
             )
         )
         save_progress(output_dir, progress)
+        write_manifest(output_dir)  # hashes the new shard (still in the page cache) and keeps the others' entries
 
     # closed (its line ended) before an error is printed: the error is a line of its own
     with tqdm(unit="tok", unit_scale=True, desc="tokenizing", initial=len(shards) * shard_size) as bar:

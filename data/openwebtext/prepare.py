@@ -28,7 +28,7 @@ from data.prepare_common import (
 )
 from marsgpt.files import atomic_writer
 from marsgpt.runtime import network_reachable
-from marsgpt.tokens import EOT_TOKEN, DataError, get_gpt2_encoding
+from marsgpt.tokens import EOT_TOKEN, DataError, get_gpt2_encoding, write_manifest
 
 HUB_DATASET = "Skylion007/openwebtext"
 WRITE_BATCH = 1 << 16  # documents per write
@@ -127,6 +127,7 @@ def main(argv=None):
     for name, dset in tokenized.items():
         count = write_split(dset, os.path.join(args.output_dir, f"{name}.bin"))
         print(f"{name}.bin: {len(dset):,} documents, {count:,} tokens")
+    write_manifest(args.output_dir)
 
 
 if __name__ == "__main__":

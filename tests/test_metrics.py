@@ -1,0 +1,95 @@
+"""marsgpt/metrics.py: metrics.jsonl as a crash leaves it -- cut short, unsynced, garbage at the end -- is read
+without a crash, repaired on resume and its losses named; what an evaluation appends stays readable."""
+
+import json
+import os
+import types
+
+import pytest
+
+from marsgpt import metrics
+
+
+def row(iteration, **values):
+    record = {"iter": iteration, "tokens": iteration * 10, "time_s": iteration / 2, **values}
+    return (json.dumps(record) + "\n").encode()
+
+
+def write(out_dir, *chunks):
+    """metrics.jsonl in out_dir made of these bytes; the size of each prefix, chunk by chunk."""
+    os.makedirs(out_dir, exist_ok=True)
+    sizes, data = [], b""
+    for chunk in chunks:
+        data += chunk
+        sizes.append(len(data))
+    with open(os.path.join(out_dir, metrics.FILE_NAME), "wb") as f:
+        f.write(data)
+    return sizes
+
+
+def open_log(out_dir, resume_iter, synced_size=None, truncate=True):
+    cfg = types.SimpleNamespace(out_dir=str(out_dir), wandb_log=False)
+    return metrics.MetricsLog(cfg, True, resume_iter, "", {}, truncate=truncate, synced_size=synced_size)
+
+
+GARBAGE = b"\xff\xfe{\n\x00\x00\x00\x9c"  # not UTF-8, with a newline inside: what a lost node may leave
+
+
+def test_a_resume_keeps_the_whole_records_up_to_its_step_and_drops_the_garbage_a_crash_left(tmp_path):
+    sizes = write(tmp_path, row(0, **{"val/loss": 3.0}), row(1, **{"train/loss": 3.1}), row(2), GARBAGE)
+    log = open_log(tmp_path, resume_iter=1, synced_size=sizes[1])
+    log.write({"iter": 2, "tokens": 20, "time_s": 1.0, "train/loss": 2.9})
+    log.close()
+    assert [(r["iter"], sorted(r)[-1]) for r in metrics.read_records(tmp_path)] == [
+        (0, "val/loss"),
+        (1, "train/loss"),
+        (2, "train/loss"),
+    ]
+    assert log.lost is None  # the records up to the checkpoint's step all survived
+    (repair,) = log.repairs
+    assert "dropped 2 line(s) that are not whole records" in repair and "line 4" in repair
+    assert "not UTF-8 text" in repair
+
+
+def test_records_lost_before_the_checkpoint_are_named_and_a_torn_evaluation_row_goes(tmp_path):
+    """The node was lost after the checkpoint at iter 2: the evaluation row of iter 2, which the checkpoint saw
+    synced, survived only in part. The resume keeps what is whole and names the gap."""
+    sizes = write(tmp_path, row(0), row(1), row(2, **{"val/loss": 2.5}))
+    with open(tmp_path / metrics.FILE_NAME, "r+b") as f:
+        f.truncate(sizes[2] - 7)
+    log = open_log(tmp_path, resume_iter=2, synced_size=sizes[2])
+    log.close()
+    assert [r["iter"] for r in metrics.read_records(tmp_path)] == [0, 1]
+    assert log.lost == (
+        f"{tmp_path / metrics.FILE_NAME} holds {sizes[1]:,} intact bytes of the {sizes[2]:,} it held when the "
+        "checkpoint was written: records of the steps before it were lost"
+    )
+    assert "line 3" in log.repairs[0] and "cut short" in log.repairs[0]
+
+
+def test_sync_returns_the_size_on_disk_that_the_checkpoint_records(tmp_path):
+    log = open_log(tmp_path, resume_iter=None)
+    log.write({"iter": 0, "tokens": 0, "time_s": 0.0, "val/loss": 3.0})
+    size = log.sync()
+    log.close()
+    assert size == os.path.getsize(tmp_path / metrics.FILE_NAME) > 0
+    log = open_log(tmp_path, resume_iter=0, synced_size=size)
+    assert log.lost is None and log.repairs == []
+
+
+def test_an_evaluation_appended_after_a_torn_line_is_readable(tmp_path):
+    """eval_only (truncate=False) appends to the file as it is: the torn line goes first, or the new record would
+    continue it and read_metrics refuse the file."""
+    write(tmp_path, row(0, **{"val/loss": 3.0}), b'{"iter": 1, "tokens": 1')
+    log = open_log(tmp_path, resume_iter=1, truncate=False)
+    log.write({"iter": 1, "tokens": 10, "time_s": 0.5, "val/loss": 2.8, "eval/train_loss": 2.7})
+    log.close()
+    assert [point[3] for point in metrics.read_metrics(tmp_path)["val/loss"]] == [3.0, 2.8]
+
+
+def test_readers_skip_a_last_line_cut_short_and_name_any_other_damaged_line(tmp_path):
+    write(tmp_path, row(0), b"\x00\x00\x9c")  # no newline: a write cut short, whatever its bytes
+    assert [r["iter"] for r in metrics.read_records(tmp_path)] == [0]
+    write(tmp_path, row(0), GARBAGE, row(1))
+    with pytest.raises(ValueError, match="line 2: not UTF-8 text"):
+        metrics.read_records(tmp_path)
