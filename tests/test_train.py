@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from train_helpers import make_char_data, tiny_args
+from train_helpers import diverging_from, make_char_data, tiny_args
 
 import train
 from bench.common import rendezvous
@@ -614,15 +614,7 @@ def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one
     """The scenario the divergence message describes: non-finite steps stop the run; a resume with a lower
     learning_rate (and lr_1d, min_lr, weight decay, betas) trains with those values, and says so."""
     real = train.forward_backward
-
-    def inf_from_step_six(run, step):
-        loss = real(run, step)
-        if step >= 6:
-            for p in run.model.parameters():
-                p.grad.fill_(math.inf)
-        return loss
-
-    monkeypatch.setattr(train, "forward_backward", inf_from_step_six)
+    monkeypatch.setattr(train, "forward_backward", diverging_from(real, first_step=6))
     out = str(tmp_path / "out")
     assert train.main(tiny_args(data_path, out, max_iters=20, max_bad_steps=3, learning_rate=1e-2)) == 1
     assert "resume it with --init_from=resume and a lower learning_rate" in capsys.readouterr().err
