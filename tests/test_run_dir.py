@@ -19,7 +19,17 @@ import zipfile
 
 import pytest
 import torch
-from train_helpers import diverging_from, fill, launch, make_char_data, subprocess_env, tiny_args, tmpfs, wait_for_line
+from train_helpers import (
+    ROOT,
+    diverging_from,
+    fill,
+    launch,
+    make_char_data,
+    subprocess_env,
+    tiny_args,
+    tmpfs,
+    wait_for_line,
+)
 
 import sample
 import train
@@ -529,3 +539,23 @@ def test_stop_signals_are_recorded_and_the_previous_handlers_restored():
     assert signals.received == signal.SIGUSR1  # the first one counts
     signals.restore()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize(
+    "argv, init_from, torchrun, advice",
+    [
+        (["config/quickstart.py", "--init_from=auto"], "auto", False, "run the same command to continue"),
+        (["--init_from=resume"], "resume", True, "run the same command to continue"),
+        (  # a fresh start: its --init_from and --overwrite give way to --init_from=resume, paths keep their quotes
+            ["config/a b.py", "--init_from=scratch", "--overwrite=True", "--max_iters=9"],
+            "scratch",
+            False,
+            "continue with: python train.py 'config/a b.py' --max_iters=9 --init_from=resume",
+        ),
+        (["config/x.py"], "scratch", True, "continue with the same command and --init_from=resume at its end"),
+        (None, "gpt2", False, "continue with the same command and --init_from=resume at its end"),
+    ],
+)
+def test_the_advice_after_a_stop_is_the_command_that_continues(monkeypatch, argv, init_from, torchrun, advice):
+    monkeypatch.chdir(ROOT)  # where the README runs everything: train.py's path is relative to the cwd
+    assert run_dir.continue_advice(argv, init_from, launched_by_torchrun=torchrun) == advice
