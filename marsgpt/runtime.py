@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import math
 import os
+import pathlib
 import socket
 import sys
 import threading
@@ -133,23 +134,24 @@ def setup_distributed(cfg):
     return info
 
 
+# A cgroup's CPU quota and period, as cgroup v2 and v1 give them (in a container, its own cgroup is mounted here).
+CPU_QUOTA_FILES = (
+    ("/sys/fs/cgroup/cpu.max",),
+    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+)
+
+
 def usable_cpus():
     """The CPU numbers this process may run on (its affinity), and how many of them it may use at once: their
     count, capped by a cgroup CPU quota (a container's --cpus, SLURM's cgroup), which affinity does not show."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):  # cgroup v2, v1
+    for paths in CPU_QUOTA_FILES:
         try:
-            with open(path) as f:
-                fields = f.read().split()
-            if path.endswith("cpu.max"):
-                quota, period = fields
-            else:
-                with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
-                    quota, period = fields[0], f.read().strip()
+            quota, period = " ".join(pathlib.Path(path).read_text() for path in paths).split()  # "max 100000"
+            cap = math.ceil(int(quota) / int(period)) if quota not in ("max", "-1") else None
         except (OSError, ValueError):
             continue
-        if quota not in ("max", "-1"):
-            return cpus, max(1, min(len(cpus), math.ceil(int(quota) / int(period))))
+        return cpus, len(cpus) if cap is None else max(1, min(len(cpus), cap))
     return cpus, len(cpus)
 
 

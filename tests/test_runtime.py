@@ -316,6 +316,19 @@ def test_each_of_a_node_s_torchrun_processes_gets_its_share(monkeypatch, torch_t
     assert torch.get_num_threads() == 4
 
 
+@pytest.mark.parametrize("v2, v1, usable", [("max 100000", None, 64), ("150000 100000", None, 2), (None, "200000", 2)])
+def test_a_cgroup_cpu_quota_caps_the_usable_cpus(tmp_path, monkeypatch, v2, v1, usable):
+    """A container given 1.5 CPUs (cgroup v2's cpu.max) or 2 (v1's quota over its period) on a 64-CPU host."""
+    files = {"cpu.max": v2, "cfs_quota_us": v1, "cfs_period_us": "100000" if v1 else None}
+    for name, text in files.items():
+        if text is not None:
+            (tmp_path / name).write_text(text + "\n")
+    quota_files = ((str(tmp_path / "cpu.max"),), (str(tmp_path / "cfs_quota_us"), str(tmp_path / "cfs_period_us")))
+    monkeypatch.setattr(runtime, "CPU_QUOTA_FILES", quota_files)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert runtime.usable_cpus() == (list(range(64)), usable)
+
+
 def test_idle_cpus_are_measured_between_none_and_all_of_them():
     cpus, usable = runtime.usable_cpus()
     assert 1 <= usable <= len(cpus)
