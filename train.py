@@ -409,6 +409,7 @@ def log_train(run, progress, window, result, time_s):
         param_norm = fsdp.whole(torch.nn.utils.get_total_norm(list(run.model.parameters())))
     if not run.dist.is_master:
         return
+    cfg = run.cfg
     dt = (time.perf_counter() - window.t0) / window.steps
     if loss is None:
         loss = torch.full((), math.nan, device=run.dist.device)
@@ -432,7 +433,7 @@ def log_train(run, progress, window, result, time_s):
     print(
         f"iter {progress.iter_num}: loss {values[0]:.4f}, lr {record[metrics.LR]:.3e}, "
         f"grad_norm {result.grad_norm:.3f}, {dt * 1000:.1f} ms/step, "
-        f"{record[metrics.TOKENS_PER_SEC]:,.0f} tok/s{mfu_text}",
+        f"{record[metrics.TOKENS_PER_SEC]:,.0f} tok/s{mfu_text}; {window.progress(progress.iter_num, cfg.max_iters)}",
         flush=True,
     )
     run.metrics.write(record)
@@ -566,7 +567,7 @@ def main(argv=None):
         if cfg.dry_run:
             return memory_plan.dry_run(cfg)
         dist_info = setup_distributed(cfg)
-        directory = RunDir(cfg, dist_info, StopSignals().install())
+        directory = RunDir(cfg, dist_info, StopSignals().install(), argv)
         run, progress, _ = setup(cfg, dist_info, directory)
         if dist_info.is_master:
             launch.describe(run, progress)

@@ -444,12 +444,20 @@ def load_model_state(model, state_dict, path):
 
 def load_pretrained(name, override_args=None):
     """GPT.from_pretrained(name) for train.py, sample.py and marsgpt/hellaswag.py: where the Hugging Face hub cannot
-    be reached (a compute node without internet), the local cache at once instead of retries."""
+    be reached (a compute node without internet) or is not to be (HF_HUB_OFFLINE=1, Hugging Face's own switch),
+    the local cache at once instead of retries. Weights that cannot be loaded (not cached offline, a failed
+    download, an unknown name, no transformers) are a CheckpointError: one line in every tool."""
     from marsgpt.runtime import network_reachable
     from model import GPT, HF_CHECKPOINTS, HF_HUB_HOST  # here, as in load_model
 
-    offline = name in HF_CHECKPOINTS and not network_reachable(HF_HUB_HOST)
-    return GPT.from_pretrained(name, override_args, offline=offline)
+    hub_off = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")  # huggingface_hub's values
+    offline = name in HF_CHECKPOINTS and (hub_off or not network_reachable(HF_HUB_HOST))
+    try:
+        return GPT.from_pretrained(name, override_args, offline=offline)
+    except (ValueError, ImportError) as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:  # online: the hub's or the file system's own error, on one line
+        raise CheckpointError(f"cannot load {name}: {' '.join(str(e).split())}") from None
 
 
 def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):

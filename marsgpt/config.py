@@ -230,6 +230,12 @@ class TrainConfig:
     warmup_iters: int = key(2000, "linear warmup steps", non_negative)
     lr_decay_iters: int = key(600000, "cosine reaches min_lr at this step (~= max_iters)", non_negative)
     min_lr: float = key(6e-5, "where every group's lr decays to (absolute, as the reference)", non_negative)
+    scale_schedule: bool = key(
+        False,
+        "fit warmup and decay to max_iters: warmup_iters and lr_decay_iters, taken as written for a run of "
+        "lr_decay_iters steps, are scaled by max_iters / lr_decay_iters (a paper config shortened with --max_iters "
+        "keeps its schedule's shape); False = as given (the paper's)",
+    )
     schedule: Literal["cosine", "wsd", "constant"] = key("cosine", "lr schedule after warmup")
     wsd_decay_frac: float = key(
         0.2,

@@ -53,13 +53,23 @@ def export_hf(model, hf_dir):
         hf_model.save_pretrained(tmp, safe_serialization=True)
         if hf_model.config.vocab_size == GPT2_VOCAB_SIZE:
             _write_gpt2_tokenizer(tmp)
+        mode = new_file_mode()
         for name in os.listdir(tmp):  # the bytes on disk before the rename makes them the export
-            with open(os.path.join(tmp, name), "rb") as f:
+            path = os.path.join(tmp, name)
+            os.chmod(path, mode)  # safetensors writes its file 0600, the others get the umask's mode: all alike
+            with open(path, "rb") as f:
                 os.fsync(f.fileno())
         _move_into_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return hf_model
+
+
+def new_file_mode():
+    """The mode open() gives a new file under this process's umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def is_export_file(name):

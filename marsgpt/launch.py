@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, fsdp, memory_plan, metrics, tokens
+from marsgpt import checkpoint, fsdp, memory_plan, metrics, optimizers, tokens
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys
 from marsgpt.metrics import MetricsError, MetricsLog
@@ -334,6 +334,12 @@ def describe(run, progress):
         f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} x block_size {cfg.block_size}"
     )
     print(f"total tokens: {run.tokens_per_step * cfg.max_iters:,} over max_iters {cfg.max_iters:,}")
+    if cfg.scale_schedule and cfg.decay_lr:
+        warmup_iters, lr_decay_iters = optimizers.schedule_lengths(cfg)
+        print(f"schedule fitted to max_iters (scale_schedule): warmup {warmup_iters:,}, decay to {lr_decay_iters:,}")
+    warning = optimizers.schedule_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr)
     if progress.iter_num >= cfg.max_iters and not cfg.eval_only:
         print(
             f"nothing to train: the run is at iter {progress.iter_num:,} and max_iters is {cfg.max_iters:,}; "

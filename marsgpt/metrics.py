@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -211,6 +212,16 @@ class MetricsLog:
                 self.wandb.finish()
 
 
+def format_duration(seconds):
+    """'45 s', '14 min 37 s', '3 h 12 min', '2 d 5 h': two units at most, for a person to read."""
+    seconds = round(seconds)
+    for unit, size, smaller, smaller_size in (("d", 86400, "h", 3600), ("h", 3600, "min", 60), ("min", 60, "s", 1)):
+        if seconds >= size:
+            rest = (seconds % size) // smaller_size
+            return f"{seconds // size} {unit} {rest} {smaller}" if rest else f"{seconds // size} {unit}"
+    return f"{seconds} s"
+
+
 @dataclasses.dataclass
 class LogWindow:
     """Steps since the last train line: their losses (on the device) and wall-clock time.
@@ -219,7 +230,7 @@ class LogWindow:
     the same steps' losses into the next one as the run left alone. Each rank's sum is its own (the train line
     all-reduces them), so state_dict() takes every rank's (gathered by `gather`, a collective under DDP) and
     load_state_dict() gives each rank its own when the world size is the same, else the total to rank 0.
-    The timing restarts with the process."""
+    The timing restarts with the process, and so does the pace that progress() measures."""
 
     loss_sum: torch.Tensor | None = None
     losses: int = 0
@@ -228,6 +239,7 @@ class LogWindow:
     device: str = "cpu"
     rank: int = 0
     gather: object = None  # this rank's loss sum -> every rank's
+    first_line: tuple | None = None  # (iter, time) of this process's first train line: where its pace starts
 
     def add(self, loss, skipped):
         self.steps += 1
@@ -237,6 +249,20 @@ class LogWindow:
 
     def restart(self):
         self.loss_sum, self.losses, self.steps, self.t0 = None, 0, 0, time.perf_counter()
+
+    def progress(self, iter_num, max_iters):
+        """'3.6% done, 14 min 37 s left' for the train line at iter_num (before restart()). The pace is this
+        process's since its first train line, evaluations and checkpoints included, so the time left counts them
+        and neither a compiled model's first step (it compiles) nor a resume's start weighs on it; the first
+        line, with nothing before it, goes by its own steps."""
+        now = time.perf_counter()
+        if self.first_line is None:
+            self.first_line = (iter_num, now)
+            step_s = (now - self.t0) / self.steps
+        else:
+            step_s = (now - self.first_line[1]) / (iter_num - self.first_line[0])
+        left = max(max_iters - iter_num, 0) * step_s
+        return f"{iter_num / max_iters:.1%} done, {format_duration(left)} left"
 
     def state_dict(self):
         mine = 0.0 if self.loss_sum is None else self.loss_sum.item()  # a float32 value: exact as a float
@@ -318,6 +344,26 @@ def read_records(run_dir):
     ValueError naming the file and line, and a missing file FileNotFoundError.
     """
     return [record for _, record in _numbered_records(os.path.join(run_dir, FILE_NAME))]
+
+
+def summary_lines(run_dir, tokens, time_s, best_checkpoint=None):
+    """The lines that end a finished run: its best validation loss and the iteration it came at (every
+    launch's evaluations, from run_dir/metrics.jsonl), the tokens and wall-clock time it trained (`tokens`,
+    `time_s`: every launch's), where its metrics are and the command that plots them. `best_checkpoint`: the
+    file holding the best evaluation's weights (best.pt), when there is one."""
+    try:
+        evaluations = read_metrics(run_dir, (VAL_LOSS,))[VAL_LOSS]
+    except (OSError, ValueError):  # no evaluation recorded (or an unreadable file: reported when written)
+        evaluations = []
+    trained = f"{tokens:,} tokens in {format_duration(time_s)}"
+    lines = [f"trained {trained}"]
+    if evaluations:
+        iteration, _, _, loss = min(evaluations, key=lambda point: point[3])
+        held = f" ({best_checkpoint} holds it)" if best_checkpoint else ""
+        lines = [f"best val loss {loss:.4f} at iter {iteration:,}{held}; trained {trained}"]
+    plot = shlex.join(["python", "-m", "marsgpt.plot", run_dir, "--out", os.path.join(run_dir, "loss.png")])
+    lines.append(f"metrics: {os.path.join(run_dir, FILE_NAME)}; plot them: {plot}")
+    return lines
 
 
 def read_metrics(run_dir, series=LOSS_SERIES):

@@ -694,6 +694,16 @@ def build_optimizer(model, cfg, device_type, world_size=1, fsdp=False):
     return build(OPTIMIZERS.entry(cfg), model, cfg, placement)
 
 
+def schedule_lengths(cfg):
+    """(warmup_iters, lr_decay_iters) the schedule runs on: as configured, or with scale_schedule fitted to
+    max_iters -- the configured schedule taken as written for a run of lr_decay_iters steps, warmup scaled by
+    max_iters / lr_decay_iters and the decay ending at max_iters, so a paper config shortened for a test run
+    keeps its shape."""
+    if not cfg.scale_schedule or cfg.lr_decay_iters == 0:
+        return cfg.warmup_iters, cfg.lr_decay_iters
+    return round(cfg.warmup_iters * cfg.max_iters / cfg.lr_decay_iters), cfg.max_iters
+
+
 def scheduled_lr(it, cfg, peak):
     """The lr at iteration `it` of a group whose peak lr is `peak`: the reference get_lr
     (MARS/train_muon.py's, which takes each optimizer's base lr; train_mars.py's is the same for one).
@@ -706,11 +716,13 @@ def scheduled_lr(it, cfg, peak):
     decay_lr=False -- constant peak from step 0, no warmup.
     min_lr is absolute and the same for every group, as in the reference, whose Muon trainer decays both
     of its optimizers to it. (MARS's 1-D tensors run at lr_1d / learning_rate times their group's lr.)
+    warmup_iters and lr_decay_iters are schedule_lengths' (scale_schedule fits them to max_iters).
     """
     if not cfg.decay_lr:
         return peak
-    if it < cfg.warmup_iters:
-        return peak * it / cfg.warmup_iters
+    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
+    if it < warmup_iters:
+        return peak * it / warmup_iters
     if cfg.schedule == "constant":
         return peak
     if cfg.schedule == "wsd":
@@ -719,11 +731,34 @@ def scheduled_lr(it, cfg, peak):
             return peak
         remaining = max(0.0, (cfg.max_iters - it) / max(1.0, cfg.wsd_decay_frac * cfg.max_iters))
         return cfg.min_lr + remaining * (peak - cfg.min_lr)
-    if it > cfg.lr_decay_iters:
+    if it > lr_decay_iters:
         return cfg.min_lr
-    decay_ratio = (it - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
     return cfg.min_lr + coeff * (peak - cfg.min_lr)
+
+
+def schedule_warning(cfg):
+    """A warning when max_iters ends the run inside warmup or before the cosine decay ends (a paper config run
+    with --max_iters=100 would train at a few percent of its learning rate and say nothing), else None."""
+    if not cfg.decay_lr or cfg.scale_schedule or cfg.max_iters == 0 or cfg.eval_only:
+        return None
+    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
+    fix = "; --scale_schedule=True fits warmup and decay into max_iters"
+    if cfg.max_iters < warmup_iters:
+        top = (cfg.max_iters - 1) / warmup_iters
+        return (
+            f"warning: max_iters={cfg.max_iters:,} ends the run inside warmup_iters={warmup_iters:,}: the learning "
+            f"rate never rises above {top:.1%} of its peak{fix}"
+        )
+    if cfg.schedule == "cosine" and cfg.max_iters < lr_decay_iters:
+        done = (cfg.max_iters - 1 - warmup_iters) / (lr_decay_iters - warmup_iters)  # the last step's decay_ratio
+        return (
+            f"warning: max_iters={cfg.max_iters:,} stops the cosine decay (lr_decay_iters={lr_decay_iters:,}) at "
+            f"{max(done, 0):.0%} of its length: the last step's learning rate is still "
+            f"{0.5 * (1 + math.cos(math.pi * max(done, 0))):.0%} of the way from min_lr to its peak{fix}"
+        )
+    return None
 
 
 def set_lr(optimizer, it, cfg):

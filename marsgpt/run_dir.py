@@ -50,6 +50,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -558,12 +559,31 @@ class Part:
 # The run's directory, as train.py uses it.
 
 
+def continue_advice(argv, init_from, launched_by_torchrun):
+    """How a run launched with train.py's arguments `argv` and `init_from` as given (before auto is decided)
+    continues once it has stopped with a checkpoint. The same command does when it asks to resume (auto or
+    resume: every run_*.sh and quickstart.sh pass auto); a fresh start's command would be refused, or with
+    --overwrite=True delete the run, so one process is told the command in full, --init_from=resume in place
+    of its --init_from and --overwrite. A torchrun launch is told what to add: train.py does not know
+    torchrun's own arguments; so is a RunDir built outside train.main (`argv` None)."""
+    if init_from in ("auto", "resume"):
+        return "run the same command to continue"
+    if launched_by_torchrun or argv is None:
+        return "continue with the same command and --init_from=resume at its end"
+    train_py = os.path.relpath(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"))
+    kept = [arg for arg in argv if not arg.startswith(("--init_from=", "--overwrite="))]
+    return f"continue with: {shlex.join(['python', train_py, *kept, '--init_from=resume'])}"
+
+
 class RunDir:
     """out_dir for one training run: rank 0 holds its lock and writes its files; every rank takes part in its
-    checkpoints (the optimizer and RNG parts gather across ranks) and agrees on when they happen."""
+    checkpoints (the optimizer and RNG parts gather across ranks) and agrees on when they happen. `argv`:
+    train.py's arguments, for the command a stopped run prints (continue_advice)."""
 
-    def __init__(self, cfg, dist_info, signals=None):
+    def __init__(self, cfg, dist_info, signals=None, argv=None):
         self.cfg, self.dist = cfg, dist_info
+        self.given_init_from = cfg.init_from  # register() takes the decided one (auto: scratch or resume)
+        self.continue_advice = continue_advice(argv, cfg.init_from, launched_by_torchrun=dist_info.ddp)
         self.path = cfg.out_dir
         self.ckpt_path = os.path.join(self.path, CKPT_NAME)
         self.lock = None  # rank 0's, from start()
@@ -696,7 +716,7 @@ class RunDir:
         if problem is not None:
             line = f"stopped by {name} at iter {it} without a new checkpoint ({problem}); {self.resume_advice()}"
         else:
-            line = f"stopped by {name} after iter {it}: {self._holder()} holds it; run the same command to continue"
+            line = f"stopped by {name} after iter {it}: {self._holder()} holds it; {self.continue_advice}"
         raise RunStopped(0, self._master_line(line))
 
     def save_if_due(self, progress, time_s, val_loss=None):
@@ -849,6 +869,8 @@ class RunDir:
             return f"resume from {self.newest()} with --init_from=resume (or auto)"
         if not self.dist.is_master and os.path.isfile(self.ckpt_path):  # rank 0 keeps count of the saves
             return f"resume from {self.ckpt_path} with --init_from=resume (or auto)"
+        if self.given_init_from == "resume":  # decide_start refuses to start over under resume
+            return "no checkpoint was written yet: run the same command without --init_from=resume to start over"
         return "no checkpoint was written yet: run the same command again to start over"  # decide_start
 
     def finish(self, progress):
@@ -859,6 +881,9 @@ class RunDir:
         if self.dist.is_master and failed:
             print(self._failed_write_line(f"finished at iter {progress.iter_num}"), file=sys.stderr, flush=True)
         elif self.dist.is_master and not self.cfg.eval_only:
+            best = os.path.join(self.path, BEST_NAME)
+            best = best if self.cfg.save_best and os.path.isfile(best) else None
+            print("\n".join(metrics.summary_lines(self.path, progress.tokens, progress.elapsed_s, best)), flush=True)
             held = self.saved_iter == progress.iter_num and self.latest is not None
             where = f"{self._holder()} holds it" if held else self.resume_advice()
             print(f"finished at iter {progress.iter_num:,}; {where}", file=sys.stderr, flush=True)

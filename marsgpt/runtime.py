@@ -7,7 +7,9 @@ train.py, sample.py and marsgpt/hellaswag.py share these, so "auto" means the sa
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
+import pathlib
 import socket
 import sys
 import threading
@@ -107,6 +109,10 @@ def setup_distributed(cfg):
             # it is in the environment before this process does any CUDA work.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS_WORKSPACE)
         torch.cuda.set_device(device)
+    elif device == "cpu":
+        note = choose_cpu_threads()
+        if note and rank == 0:
+            print(note, flush=True)
     info = Dist(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     if ddp:
         backend = cfg.backend
@@ -126,6 +132,83 @@ def setup_distributed(cfg):
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s), **kwargs)
     return info
+
+
+# A cgroup's CPU quota and period, as cgroup v2 and v1 give them (in a container, its own cgroup is mounted here).
+CPU_QUOTA_FILES = (
+    ("/sys/fs/cgroup/cpu.max",),
+    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+)
+
+
+def usable_cpus():
+    """The CPU numbers this process may run on (its affinity), and how many of them it may use at once: their
+    count, capped by a cgroup CPU quota (a container's --cpus, SLURM's cgroup), which affinity does not show."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    for paths in CPU_QUOTA_FILES:
+        try:
+            quota, period = " ".join(pathlib.Path(path).read_text() for path in paths).split()  # "max 100000"
+            cap = math.ceil(int(quota) / int(period)) if quota not in ("max", "-1") else None
+        except (OSError, ValueError):
+            continue
+        return cpus, len(cpus) if cap is None else max(1, min(len(cpus), cap))
+    return cpus, len(cpus)
+
+
+def idle_cpus(cpus, seconds=0.25):
+    """How many of the CPUs numbered `cpus` sat idle over the next `seconds` (their idle and iowait time in
+    /proc/stat over the time that passed: 1.5 = one and a half CPUs' worth), or None without /proc/stat."""
+
+    def counters():
+        found = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
+                    times = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+                    found[name] = (times[3] + times[4], sum(times))
+        return found
+
+    try:
+        before = counters()
+        time.sleep(seconds)
+        after = counters()
+    except (OSError, ValueError):
+        return None
+    idle = 0.0
+    for name, (idle_after, total_after) in after.items():
+        idle_before, total_before = before.get(name, (idle_after, total_after))
+        if total_after > total_before:
+            idle += (idle_after - idle_before) / (total_after - total_before)
+    return idle
+
+
+def choose_cpu_threads():
+    """torch's threads for a CPU run where the user has not chosen them (OMP_NUM_THREADS): at most one per CPU
+    this process may use and other work leaves idle, measured over a quarter of a second. torch starts one per
+    core, and its threads wait on each other at every operation: on 2 cores busy with other work, one step of
+    the quickstart took 512 ms on 2 threads and 49 ms on 1 (README, "Threads"). Returns the line that says so
+    when it lowers them, else None. Under torchrun each of a node's LOCAL_WORLD_SIZE processes gets its share."""
+    threads = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS") or threads == 1:
+        return None
+    cpus, usable = usable_cpus()
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    idle = idle_cpus(cpus)
+    free = usable if idle is None else min(usable, round(idle))
+    chosen = max(1, min(threads, free // share))
+    if chosen == threads:
+        return None
+    torch.set_num_threads(chosen)
+    if idle is not None and round(idle) < usable:
+        why = f"{idle:.1f} of the {usable} CPUs it may use were idle (other work is running)"
+    else:
+        why = f"it may use {usable} CPUs (its affinity or a CPU quota)"
+    per_process = f", shared by {share} processes" if share > 1 else ""
+    return (
+        f"note: {chosen} CPU thread{'s' if chosen > 1 else ''} instead of torch's {threads}: {why}{per_process}; "
+        "set OMP_NUM_THREADS to choose"
+    )
 
 
 # The caching allocator's settings: the first variable is torch's current name, the second its older one.

@@ -4,9 +4,9 @@
 # 2-core CPU, a GPU is used when there is one), then sample from it. Extra --key=value arguments go to
 # train.py, e.g. `bash scripts/quickstart.sh --max_iters=100`; an --out_dir among them is where the sample
 # is read from too.
-# Running it again trains again from scratch: --overwrite=True replaces the previous run in the out_dir, so
-# every launch trains what its arguments say (3 minutes is little to lose if one is interrupted). To sample
-# again without training: python sample.py --out_dir=out-quickstart --start="def "
+# Running it again continues the run in its out_dir (--init_from=auto): an interrupted or preempted one
+# from its newest checkpoint, a finished one only samples again. To train afresh over it:
+#   bash scripts/quickstart.sh --init_from=scratch --overwrite=True
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out_dir=out-quickstart
@@ -16,5 +16,5 @@ for arg in "$@"; do
     esac
 done
 python -m data.stdlib_char.prepare
-python train.py config/quickstart.py --overwrite=True "$@"
+python train.py config/quickstart.py --init_from=auto "$@"
 python sample.py --out_dir="$out_dir" --start="def " --num_samples=1 --max_new_tokens=400

@@ -5,11 +5,12 @@ import os
 
 import pytest
 import torch
-from train_helpers import make_char_data
+from train_helpers import choose_kernels, make_char_data
 
 from marsgpt.checkpoint import save_checkpoint
 from model import GPT, GPTConfig
 
+choose_kernels()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: intra-op threads would only contend (and spin) with the other worker's.
     torch.set_num_threads(1)

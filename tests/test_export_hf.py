@@ -125,6 +125,19 @@ def test_export_of_a_model_without_biases(tmp_path):
         assert (all_logits(gpt, idx) - loaded(idx).logits).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_every_file_of_an_export_gets_the_mode_the_umask_gives(tmp_path, umask, mode):
+    """safetensors writes model.safetensors 0600; the export's other files, and now it too, follow the umask."""
+    previous = os.umask(umask)
+    try:
+        export_hf(tiny_gpt(), tmp_path / "hf")  # GPT-2's vocabulary: the tokenizer files too
+    finally:
+        os.umask(previous)
+    modes = {name: oct(os.stat(tmp_path / "hf" / name).st_mode & 0o777) for name in os.listdir(tmp_path / "hf")}
+    assert {"model.safetensors", "config.json", "vocab.json", "merges.txt"} <= set(modes)
+    assert set(modes.values()) == {oct(mode)}, modes
+
+
 @pytest.fixture(scope="module")
 def trained_run(data_path, tmp_path_factory):
     """An out_dir that train.py itself wrote: 2 steps of the tiny character model (about a second)."""

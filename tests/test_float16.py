@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 from test_train_faults import assert_same_run, run_to_end
-from train_helpers import launch, tiny_args, wait_for_line
+from train_helpers import launch, subprocess_env, tiny_args, wait_for_line
 
 import train
 from marsgpt import metrics
@@ -49,10 +49,10 @@ def test_a_float16_exact_mars_run_skips_its_overflowing_steps_and_resumes_bit_ex
     assert len(trained) >= 10 and trained[-1] == 20
     assert saved_scale(reference) < INITIAL_SCALE
 
-    out = str(tmp_path / "killed")
+    out, pause = str(tmp_path / "killed"), str(tmp_path / "pause")
     args = tiny_args(data_path, out, **RESUMED_RUN)
-    proc = launch(args)
-    wait_for_line(proc, "iter 13:")
+    proc = launch(args, env=subprocess_env(TEST_PAUSE=f"0:13:{pause}"))  # killed where it waits: not past 15
+    wait_for_line(proc, "paused before step 13")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     checkpoint = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)

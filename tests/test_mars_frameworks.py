@@ -162,7 +162,13 @@ def test_lightning_manual_optimization_with_the_hand_written_protocol(tmp_path):
 
 
 @pytest.mark.slow
-def test_accelerate_example_equals_a_plain_loop_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+def test_accelerate_example_matches_a_plain_loop_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """The plain loop is held to a tolerance, the resume bit for bit: the plain loop slices its micro-batches
+    out of `inputs` (views at other memory offsets) where accelerate's DataLoader collates each into a new
+    tensor, and a BLAS may sum the same values in another order by their alignment (seen on an AMD EPYC). One
+    rounding's worth of difference in the first forward pass moves these parameters by up to 1e-6 relative
+    (3e-8 absolute) after the 8 steps: the tolerance is 10x that. The resume runs the uninterrupted run's own
+    code on the same tensors, so it must be bit-equal."""
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -185,7 +191,8 @@ def test_accelerate_example_equals_a_plain_loop_and_resumes_bit_for_bit(tmp_path
                 (loss / 2).backward()
             optimizer.step()
             optimizer.zero_grad()
-    assert_same_parameters(model, example["model"])
+    for (name, p), (_, q) in zip(model.named_parameters(), example["model"].named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda text, name=name: f"{name}: {text}")
 
     AcceleratorState._reset_state(True)  # accelerate's state is per process: a second Accelerator starts afresh
     GradientState._reset_state()

@@ -334,6 +334,39 @@ def test_cosine_beyond_lr_decay_iters_stays_at_min_lr():
     assert scheduled_lr(55, cfg, 2e-2) == pytest.approx((2e-2 + 1e-4) / 2)  # halfway through the cosine
 
 
+def test_scale_schedule_fits_a_paper_schedule_to_a_short_run():
+    """A paper run's 2,000 warmup steps of a 100,000-step cosine, shortened to 1,000 steps: warmup 20, the decay
+    reaching min_lr at the last step, the same curve at a hundredth of the steps."""
+    paper = paper_config("small", "mars")
+    short = dataclasses.replace(paper, max_iters=1000, scale_schedule=True)
+    assert optimizers.schedule_lengths(paper) == (2000, 100000)
+    assert optimizers.schedule_lengths(short) == (20, 1000)
+    for it in (0, 10, 20, 500, 999):
+        assert scheduled_lr(it, short, 6e-3) == pytest.approx(scheduled_lr(100 * it, paper, 6e-3), rel=1e-12)
+    assert optimizers.schedule_warning(short) is None
+
+
+@pytest.mark.parametrize(
+    "max_iters, warning",
+    [
+        (5, "max_iters=5 ends the run inside warmup_iters=2,000: the learning rate never rises above 0.2% of its peak"),
+        (
+            50000,
+            "max_iters=50,000 stops the cosine decay (lr_decay_iters=100,000) at 49% of its length: the last step's "
+            "learning rate is still 52% of the way from min_lr to its peak",
+        ),
+        (100000, None),
+    ],
+)
+def test_a_max_iters_that_cuts_the_schedule_short_is_a_warning(max_iters, warning):
+    cfg = paper_config("small", "mars", f"--max_iters={max_iters}")
+    expected = (
+        None if warning is None else f"warning: {warning}; --scale_schedule=True fits warmup and decay into max_iters"
+    )
+    assert optimizers.schedule_warning(cfg) == expected
+    assert optimizers.schedule_warning(dataclasses.replace(cfg, decay_lr=False)) is None  # no schedule to cut
+
+
 def test_wsd_and_constant():
     cfg = TrainConfig(schedule="wsd", max_iters=1000, warmup_iters=100, learning_rate=1e-3, min_lr=1e-4)
     peak = 2e-3  # any group's peak: the floor is min_lr for all of them

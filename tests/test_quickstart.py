@@ -1,15 +1,19 @@
-"""scripts/quickstart.sh end to end, shortened to 2 steps, on a copy of the repository's code (so the corpus it
-prepares and the run it writes stay out of the checkout): it prepares stdlib_char, trains, evaluates and
-samples from the out_dir it trained; launched again, it trains again instead of refusing that out_dir."""
+"""scripts/quickstart.sh end to end, shortened, on a copy of the repository's code (so the corpus it prepares
+and the run it writes stay out of the checkout): it prepares stdlib_char, trains, evaluates and samples from
+the out_dir it trained; launched again, it continues that run (a finished one only samples again), so the same
+command after a preemption neither refuses nor deletes the checkpoint."""
 
+import contextlib
 import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
+from train_helpers import wait_for_line
 
 from marsgpt.metrics import ITER, VAL_LOSS
 
@@ -34,11 +38,14 @@ def copy_of_the_code(tree):
     return tree
 
 
-def quickstart(tree, *args):
+def quickstart(tree, *args, **popen):
+    """bash scripts/quickstart.sh args in the copy `tree`: its finished run (subprocess.run), or with
+    start_new_session=True the process, running in a session of its own (a job a scheduler can signal)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    return subprocess.run(
-        ["bash", os.path.join(tree, "scripts", "quickstart.sh"), *args], env=env, capture_output=True, text=True
-    )
+    argv = ["bash", os.path.join(tree, "scripts", "quickstart.sh"), *args]
+    if popen:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    return subprocess.run(argv, env=env, capture_output=True, text=True)
 
 
 def val_loss_iters(out_dir):
@@ -47,18 +54,62 @@ def val_loss_iters(out_dir):
     return [r[ITER] for r in records if VAL_LOSS in r]
 
 
+def sample_of(stdout):
+    """The sample that ends the output, after the run's summary (whose last line names metrics.jsonl): the prompt
+    and 400 characters, then sample.py's separator."""
+    sample = stdout.rsplit("\nmetrics: ", 1)[1].split("\n", 1)[1]
+    assert sample.endswith("\n---------------\n"), stdout[-800:]
+    sample = sample.removesuffix("\n---------------\n")
+    assert sample.startswith("def ") and len(sample) == len("def ") + 400, sample
+    return sample
+
+
 @pytest.mark.slow
-def test_quickstart_trains_samples_its_out_dir_and_trains_again_when_run_again(tmp_path):
+def test_quickstart_trains_samples_its_out_dir_and_continues_when_run_again(tmp_path):
     tree = copy_of_the_code(tmp_path / "repo")
     out_dir = tmp_path / "my-run"
-    for launch in ("first", "second"):
-        result = quickstart(tree, *SHORT_RUN, f"--out_dir={out_dir}")
-        assert result.returncode == 0, f"{launch} launch: {result.stderr}"
-        after_training = result.stdout.split("\nstep 2: train loss ", 1)[1].split("\n", 1)[1]
-        assert after_training.endswith("\n---------------\n")  # sample.py's separator ends the output
-        sample = after_training.removesuffix("\n---------------\n")
-        assert sample.startswith("def ") and len(sample) == len("def ") + 400  # the prompt, then 400 characters
-        # the second launch replaced the first run: its metrics hold one run's evaluations, not two
-        assert val_loss_iters(out_dir) == [0, 2], launch
+    first = quickstart(tree, *SHORT_RUN, f"--out_dir={out_dir}")
+    assert first.returncode == 0, first.stderr
+    after_training = first.stdout.split("\nstep 2: train loss ", 1)[1].split("\n", 1)[1]
+    assert after_training.startswith("best val loss ")  # the run's summary, then the sample
+    sample_of(first.stdout)
+    assert val_loss_iters(out_dir) == [0, 2]
+    again = quickstart(tree, *SHORT_RUN, f"--out_dir={out_dir}")  # the same command: the run is finished
+    assert again.returncode == 0, again.stderr
+    assert f"resuming {out_dir}/ckpt.pt at iter 2" in again.stdout and "nothing to train" in again.stdout
+    sample_of(again.stdout)
+    assert val_loss_iters(out_dir) == [0, 2]  # sampled again; the run untouched
+    fresh = quickstart(tree, *SHORT_RUN, f"--out_dir={out_dir}", "--init_from=scratch", "--overwrite=True")
+    assert fresh.returncode == 0, fresh.stderr
+    assert "resuming" not in fresh.stdout and val_loss_iters(out_dir) == [0, 2]  # a new run of 2 steps
     assert os.path.isfile(tree / "data" / "stdlib_char" / "train.bin")
     assert not os.path.exists(tree / "out-quickstart")  # trained and sampled in --out_dir only
+
+
+@pytest.mark.slow
+def test_a_quickstart_stopped_by_sigterm_continues_with_the_same_command(tmp_path):
+    """A preemption signals the whole job (its process group): the training step in flight ends with a
+    checkpoint and a line saying that the same command continues; it does, to the end and the sample."""
+    tree = copy_of_the_code(tmp_path / "repo")
+    out_dir = tmp_path / "run"
+    # a 1-layer model, a few ms a step: about 1,000 steps stay after the signal, however late it lands
+    args = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--max_iters=1000", "--eval_interval=500", "--eval_iters=2"]
+    args += ["--log_interval=1", "--device=cpu", f"--out_dir={out_dir}"]
+    job = quickstart(tree, *args, start_new_session=True)
+    try:
+        wait_for_line(job, "iter 3:")
+        os.killpg(job.pid, signal.SIGTERM)
+        output, _ = job.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever of the job is left when the test fails
+            os.killpg(job.pid, signal.SIGKILL)
+    stopped = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM after iter ")]
+    assert len(stopped) == 1 and "Traceback" not in output, output
+    iteration = int(stopped[0].split()[5].rstrip(":"))
+    assert stopped[0].endswith(f": {out_dir}/ckpt.pt holds it; run the same command to continue")
+    assert 3 <= iteration < 1000
+    again = quickstart(tree, *args)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming {out_dir}/ckpt.pt at iter {iteration}" in again.stdout
+    assert val_loss_iters(out_dir) == [0, 500, 1000] if iteration < 500 else [0, 1000]
+    sample_of(again.stdout)

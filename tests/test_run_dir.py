@@ -25,7 +25,17 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-from train_helpers import fill, launch, make_char_data, subprocess_env, tiny_args, tmpfs, wait_for_line
+from train_helpers import (
+    ROOT,
+    diverging_from,
+    fill,
+    launch,
+    make_char_data,
+    subprocess_env,
+    tiny_args,
+    tmpfs,
+    wait_for_line,
+)
 
 import sample
 import train
@@ -403,27 +413,30 @@ def test_a_checkpoint_without_a_checksum_still_resumes_and_says_it_was_not_verif
 
 
 def test_a_diverged_run_keeps_its_last_good_checkpoint_names_it_and_resumes_with_a_clean_count(
-    data_path, tmp_path, capsys
+    data_path, tmp_path, capsys, monkeypatch
 ):
-    """learning_rate=1e4: steps are skipped as non-finite from step 3 on, with a finite but ruined validation
-    loss at the evaluations of iters 5 and 10. No checkpoint is written from that state; the stop names the
-    iter-0 checkpoint; a resume at a sane learning rate trains to the end (the count of bad steps restarts)."""
+    """Every step from step 3 on has infinite gradients (injected: where a learning rate would make float
+    arithmetic overflow depends on the processor's kernels), so steps are skipped as non-finite from step 3 on,
+    across the evaluations of iters 5 and 10. No checkpoint is written from that state; the stop names the
+    iter-0 checkpoint; a resume at a lower learning rate trains to the end (the count of bad steps restarts)."""
     out = str(tmp_path / "out")
-    args = tiny_args(data_path, out, learning_rate=1e4, keep_every_n_evals=1)
-    status, printed, err = run(args, capsys)
+    real = train.forward_backward
+    monkeypatch.setattr(train, "forward_backward", diverging_from(real, first_step=3))
+    status, printed, err = run(tiny_args(data_path, out, keep_every_n_evals=1), capsys)
     assert status == 1
     assert "iter 5: checkpoint held back: the last 2 step(s) were skipped as non-finite" in printed
     one_error_line(
         err,
         "10 consecutive steps (up to iter 13)",
         f"The newest checkpoint, written before the trouble, is {out}/ckpt.pt (iter 0): resume it with "
-        "--init_from=resume and a lower learning_rate (now 10000.0",
+        "--init_from=resume and a lower learning_rate (now 0.003",
     )
     assert iteration_of(os.path.join(out, "ckpt.pt")) == 0 and iteration_of(os.path.join(out, "best.pt")) == 0
     assert not any(name.startswith("ckpt_") for name in os.listdir(out))
-    status, printed, err = run(tiny_args(data_path, out, learning_rate=3e-3, init_from="auto"), capsys)
+    monkeypatch.setattr(train, "forward_backward", real)
+    status, printed, err = run(tiny_args(data_path, out, learning_rate=1e-3, init_from="auto"), capsys)
     assert status == 0, err
-    assert "resume: learning_rate 10000.0 -> 0.003" in printed and iteration_of(out) == 20
+    assert "resume: learning_rate 0.003 -> 0.001" in printed and iteration_of(out) == 20
 
 
 def test_a_resume_counts_bad_steps_anew(data_path, tmp_path, capsys):
@@ -730,3 +743,23 @@ def test_ctrl_c_interrupts_once_and_a_hang_up_the_process_ignores_stays_ignored(
         signals.restore()
         signal.signal(signal.SIGHUP, previous)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize(
+    "argv, init_from, torchrun, advice",
+    [
+        (["config/quickstart.py", "--init_from=auto"], "auto", False, "run the same command to continue"),
+        (["--init_from=resume"], "resume", True, "run the same command to continue"),
+        (  # a fresh start: its --init_from and --overwrite give way to --init_from=resume, paths keep their quotes
+            ["config/a b.py", "--init_from=scratch", "--overwrite=True", "--max_iters=9"],
+            "scratch",
+            False,
+            "continue with: python train.py 'config/a b.py' --max_iters=9 --init_from=resume",
+        ),
+        (["config/x.py"], "scratch", True, "continue with the same command and --init_from=resume at its end"),
+        (None, "gpt2", False, "continue with the same command and --init_from=resume at its end"),
+    ],
+)
+def test_the_advice_after_a_stop_is_the_command_that_continues(monkeypatch, argv, init_from, torchrun, advice):
+    monkeypatch.chdir(ROOT)  # where the README runs everything: train.py's path is relative to the cwd
+    assert run_dir.continue_advice(argv, init_from, launched_by_torchrun=torchrun) == advice

@@ -5,12 +5,15 @@ import multiprocessing
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
 
 import pytest
 import torch
+from train_helpers import ROOT, tiny_args
 
 from bench.common import rendezvous
 from marsgpt import runtime
@@ -254,3 +257,111 @@ def test_agreement_in_one_process_raises_setup_error_with_the_message():
         runtime.agree(one, lambda: (_ for _ in ()).throw(ValueError("bad file")), (ValueError,))
     with pytest.raises(KeyError):  # not a user error: a bug, raised as is
         runtime.decide_on_master(one, lambda: {}["x"], (ValueError,))
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU threads on a busy or small machine.
+
+
+@pytest.fixture
+def torch_threads():
+    """Restores torch's thread count after the test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "idle, usable, expected, why",
+    [
+        (0.3, 4, 1, "0.3 of the 4 CPUs it may use were idle (other work is running)"),
+        (2.6, 4, 3, "2.6 of the 4 CPUs it may use were idle (other work is running)"),
+        (4.0, 2, 2, "it may use 2 CPUs (its affinity or a CPU quota)"),
+        (None, 2, 2, "it may use 2 CPUs (its affinity or a CPU quota)"),  # no /proc/stat: the cap alone
+        (3.7, 4, None, None),  # enough idle CPUs: torch's own choice stands
+    ],
+)
+def test_cpu_threads_are_lowered_to_the_idle_usable_cpus_with_a_line_saying_so(
+    monkeypatch, torch_threads, idle, usable, expected, why
+):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(runtime, "usable_cpus", lambda: (list(range(usable)), usable))
+    monkeypatch.setattr(runtime, "idle_cpus", lambda cpus: idle)
+    torch.set_num_threads(4)
+    note = runtime.choose_cpu_threads()
+    if expected is None:
+        assert note is None and torch.get_num_threads() == 4
+        return
+    assert torch.get_num_threads() == expected
+    assert note == (
+        f"note: {expected} CPU thread{'s' if expected > 1 else ''} instead of torch's 4: {why}; "
+        "set OMP_NUM_THREADS to choose"
+    )
+
+
+def test_cpu_threads_the_user_chose_are_kept(monkeypatch, torch_threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.setattr(runtime, "idle_cpus", lambda cpus: 0.0)
+    torch.set_num_threads(4)
+    assert runtime.choose_cpu_threads() is None and torch.get_num_threads() == 4
+
+
+def test_each_of_a_node_s_torchrun_processes_gets_its_share(monkeypatch, torch_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(runtime, "usable_cpus", lambda: (list(range(8)), 8))
+    monkeypatch.setattr(runtime, "idle_cpus", lambda cpus: 8.0)
+    torch.set_num_threads(8)
+    assert runtime.choose_cpu_threads().endswith(", shared by 2 processes; set OMP_NUM_THREADS to choose")
+    assert torch.get_num_threads() == 4
+
+
+@pytest.mark.parametrize("v2, v1, usable", [("max 100000", None, 64), ("150000 100000", None, 2), (None, "200000", 2)])
+def test_a_cgroup_cpu_quota_caps_the_usable_cpus(tmp_path, monkeypatch, v2, v1, usable):
+    """A container given 1.5 CPUs (cgroup v2's cpu.max) or 2 (v1's quota over its period) on a 64-CPU host."""
+    files = {"cpu.max": v2, "cfs_quota_us": v1, "cfs_period_us": "100000" if v1 else None}
+    for name, text in files.items():
+        if text is not None:
+            (tmp_path / name).write_text(text + "\n")
+    quota_files = ((str(tmp_path / "cpu.max"),), (str(tmp_path / "cfs_quota_us"), str(tmp_path / "cfs_period_us")))
+    monkeypatch.setattr(runtime, "CPU_QUOTA_FILES", quota_files)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert runtime.usable_cpus() == (list(range(64)), usable)
+
+
+def test_idle_cpus_are_measured_between_none_and_all_of_them():
+    cpus, usable = runtime.usable_cpus()
+    assert 1 <= usable <= len(cpus)
+    idle = runtime.idle_cpus(cpus, seconds=0.1)
+    assert idle is None or 0.0 <= idle <= len(cpus) + 1e-9
+
+
+def spinning(count):
+    """`count` processes that each keep a CPU busy (other work on the machine) until killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+@pytest.mark.slow
+def test_train_py_on_a_machine_busy_with_other_work_takes_one_thread_and_says_so(data_path, tmp_path):
+    """Every usable CPU kept busy by another process: torch's threads would wait on each other at every
+    operation, so train.py (no OMP_NUM_THREADS set) takes one thread and says why in one line."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = ROOT
+    default = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env, capture_output=True, text=True
+    )
+    threads = int(default.stdout)
+    if threads < 2:
+        pytest.skip(f"torch takes {threads} thread here: there is nothing to lower")
+    busy = spinning(runtime.usable_cpus()[1])
+    try:
+        args = tiny_args(data_path, str(tmp_path / "out"), max_iters=1, eval_iters=1)
+        done = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stdout.splitlines() if "CPU thread" in line]
+    assert len(notes) == 1 and notes[0].startswith(f"note: 1 CPU thread instead of torch's {threads}: "), done.stdout
+    assert "other work is running" in notes[0]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from train_helpers import make_char_data, tiny_args
+from train_helpers import ROOT, diverging_from, make_char_data, tiny_args
 
 import train
 from bench.common import rendezvous
@@ -573,11 +573,35 @@ def test_init_from_auto_starts_fresh_then_continues_exactly(data_path, tmp_path)
     assert json.load(open(os.path.join(pieces, "config.json")))["init_from"] == "resume"
 
 
+def gpt2_tokenized_data(root, name="bpe"):
+    """A dataset of random GPT-2 token ids (no meta.pkl: the GPT-2 vocabulary), under root/name."""
+    from marsgpt.tokens import write_bin
+
+    (root / name).mkdir()
+    ids = torch.randint(0, 50257, (3000,), generator=torch.Generator().manual_seed(0)).numpy()
+    write_bin(root / name / "train.bin", ids)
+    write_bin(root / name / "val.bin", ids[:1000])
+    return str(root)
+
+
+@pytest.mark.slow
+def test_init_from_gpt2_without_the_network_or_the_cache_is_one_error_line(tmp_path):
+    """`python train.py --init_from=gpt2` on a machine that cannot download GPT-2 (HF_HUB_OFFLINE=1, Hugging Face's
+    own switch, stands for no network) and has no copy in its cache: one line, exit 2, out_dir left as it was."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    args = tiny_args(gpt2_tokenized_data(tmp_path), str(out), dataset="bpe", init_from="gpt2", max_iters=1)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "empty_cache"), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: gpt2 is not in the local Hugging Face cache") and done.stderr.count("\n") == 1
+    assert "load it once on a machine online" in done.stderr and not out.exists()
+
+
 @pytest.mark.slow
 def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
     """init_from=gpt2 builds OpenAI's shape (biases, the unpadded 50257 tokens), not the configuration's: a
     resume rebuilds the checkpoint's model. A tiny stand-in for GPT-2 replaces the download."""
-    from marsgpt.tokens import write_bin
 
     def tiny_gpt2(name, override_args, offline):
         assert offline  # the hub is unreachable (below): the cache at once, no retries
@@ -587,15 +611,12 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(GPT, "from_pretrained", tiny_gpt2)
     monkeypatch.setattr(runtime, "network_reachable", lambda host: False)
-    (tmp_path / "bpe").mkdir()
-    ids = torch.randint(0, 50257, (3000,), generator=torch.Generator().manual_seed(0)).numpy()
-    write_bin(tmp_path / "bpe" / "train.bin", ids)
-    write_bin(tmp_path / "bpe" / "val.bin", ids[:1000])
+    data_path = gpt2_tokenized_data(tmp_path)
     whole, pieces = str(tmp_path / "whole"), str(tmp_path / "pieces")
     args = dict(dataset="bpe", max_iters=4, eval_interval=2, init_from="gpt2")
-    run_ok(tiny_args(str(tmp_path), whole, **args))
-    run_ok(tiny_args(str(tmp_path), pieces, **{**args, "max_iters": 2}))
-    run_ok(tiny_args(str(tmp_path), pieces, **{**args, "init_from": "resume"}))
+    run_ok(tiny_args(data_path, whole, **args))
+    run_ok(tiny_args(data_path, pieces, **{**args, "max_iters": 2}))
+    run_ok(tiny_args(data_path, pieces, **{**args, "init_from": "resume"}))
     timing = {"time_s", "tokens_per_sec", "step_ms"}
     assert [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(pieces)] == [
         {k: v for k, v in r.items() if k not in timing} for r in read_metrics(whole)
@@ -607,6 +628,23 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
         assert torch.equal(resumed["model"][key], value), key
 
 
+def test_a_run_shorter_than_its_schedule_is_warned_and_scale_schedule_fits_it(data_path, tmp_path, capsys):
+    """tiny_args' schedule: warmup 2, cosine to 20 steps. Run for 8 it warns (the lr never decays to min_lr);
+    with scale_schedule the schedule is fitted to the 8 steps, and the lr follows the fitted one."""
+    args = tiny_args(data_path, str(tmp_path / "cut"), max_iters=8, eval_interval=8)
+    run_ok(args, capsys)
+    warning = "warning: max_iters=8 stops the cosine decay (lr_decay_iters=20) at 28% of its length"
+    assert warning in capsys.readouterr().err
+    out = str(tmp_path / "fitted")
+    run_ok(tiny_args(data_path, out, max_iters=8, eval_interval=8, scale_schedule=True), capsys)
+    captured = capsys.readouterr()
+    assert "warning: max_iters" not in captured.err
+    assert "schedule fitted to max_iters (scale_schedule): warmup 1, decay to 8\n" in captured.out
+    cfg = train.load_config(tiny_args(data_path, out, max_iters=8, warmup_iters=1, lr_decay_iters=8))
+    for r in (r for r in read_metrics(out) if "lr" in r):  # a record at iter i was logged after step i - 1
+        assert r["lr"] == pytest.approx(scheduled_lr(r["iter"] - 1, cfg, 3e-3), rel=1e-12)
+
+
 @pytest.mark.slow
 def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one(
     data_path, tmp_path, monkeypatch, capsys
@@ -614,15 +652,7 @@ def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one
     """The scenario the divergence message describes: non-finite steps stop the run; a resume with a lower
     learning_rate (and lr_1d, min_lr, weight decay, betas) trains with those values, and says so."""
     real = train.forward_backward
-
-    def inf_from_step_six(run, step):
-        loss = real(run, step)
-        if step >= 6:
-            for p in run.model.parameters():
-                p.grad.fill_(math.inf)
-        return loss
-
-    monkeypatch.setattr(train, "forward_backward", inf_from_step_six)
+    monkeypatch.setattr(train, "forward_backward", diverging_from(real, first_step=6))
     out = str(tmp_path / "out")
     assert train.main(tiny_args(data_path, out, max_iters=20, max_bad_steps=3, learning_rate=1e-2)) == 1
     assert "resume it with --init_from=resume and a lower learning_rate" in capsys.readouterr().err

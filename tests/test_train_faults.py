@@ -11,6 +11,7 @@ import json
 import os
 import pty
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -160,6 +161,28 @@ def test_a_signal_finishes_the_step_writes_a_checkpoint_and_the_run_resumes_iden
     assert "Traceback" not in output and "iter 12:" not in output
     assert torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 11
     run_to_end(args + ["--init_from=auto"])
+    assert_same_run(out, uninterrupted)
+
+
+def test_a_fresh_run_stopped_by_sigterm_prints_the_command_that_continues_it(data_path, uninterrupted, tmp_path):
+    """`python train.py ...` without --init_from starts fresh, so running it again would be refused: a SIGTERM
+    stop prints the command that continues instead (--overwrite=True left out: it would delete the run), and
+    that command, run as printed, ends as the run left alone."""
+    out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
+    args = tiny_args(data_path, out, **RESUME_RUN) + ["--overwrite=True"]
+    proc = launch(args, env=subprocess_env(TEST_PAUSE=f"0:10:{pause}"))
+    wait_for_line(proc, "paused before step 10")
+    proc.send_signal(signal.SIGTERM)
+    open(f"{pause}.10", "w").close()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    stop, _, command = output.splitlines()[-1].partition("; continue with: ")
+    assert stop == f"stopped by SIGTERM after iter 11: {os.path.join(out, 'ckpt.pt')} holds it"
+    assert command == shlex.join(["python", "train.py", *args[:-1], "--init_from=resume"])
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])  # `python`: this interpreter
+    done = subprocess.run(shlex.split(command), cwd=ROOT, env=subprocess_env(PATH=path), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 11" in done.stdout
     assert_same_run(out, uninterrupted)
 
 

@@ -14,6 +14,7 @@ so train.py and marsgpt/checkpoint.py carry no test code:
     TEST_UNREADABLE=RANK:PATH  on rank RANK the file PATH does not exist (a node without the shared
                            file system): os.path.isfile says False and open raises FileNotFoundError
     TEST_COMPILE_BACKEND=B torch.compile with backend B (aot_eager: dynamo's graphs without inductor's build)
+    TEST_MKLDNN=0          torch.backends.mkldnn off (as in the tests' own process: conftest.py)
     TEST_PAUSE=RANK:ITERS:PATH  on rank RANK, just before each step of ITERS (comma-separated), waits for
                            the checkpoint in flight, prints 'paused before step ITER (pid P)' and waits
                            until the file PATH.ITER exists or a stop signal has arrived: meanwhile the test
@@ -22,6 +23,7 @@ so train.py and marsgpt/checkpoint.py carry no test code:
 
 import builtins
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -206,7 +208,33 @@ def kill_job(proc, timeout=60):
         time.sleep(0.05)
 
 
+def diverging_from(forward_backward, first_step):
+    """train.forward_backward whose every step from `first_step` on ends with infinite gradients: divergence
+    injected at a chosen step, so the steps a test asserts follow from the injection, not from where one
+    processor's float arithmetic happens to overflow (tests monkeypatch train.forward_backward with it)."""
+
+    def diverging(run, step):
+        loss = forward_backward(run, step)
+        if step >= first_step:
+            for p in run.model.parameters():
+                p.grad.fill_(math.inf)
+        return loss
+
+    return diverging
+
+
+def choose_kernels():
+    """TEST_MKLDNN=0: oneDNN's matmul and convolution kernels off, another arithmetic path. With
+    ATEN_CPU_CAPABILITY=default (torch's baseline kernels) and MKL_CBWR=COMPATIBLE (MKL's processor-independent
+    path) it shows which tests hold two code paths bit-equal only by the luck of one processor's kernels."""
+    if os.environ.get("TEST_MKLDNN") == "0":
+        import torch
+
+        torch.backends.mkldnn.enabled = False
+
+
 def _install_hooks():
+    choose_kernels()
     import train
     from marsgpt import checkpoint, run_dir
 
