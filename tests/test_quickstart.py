@@ -62,3 +62,15 @@ def test_quickstart_trains_samples_its_out_dir_and_trains_again_when_run_again(t
         assert val_loss_iters(out_dir) == [0, 2], launch
     assert os.path.isfile(tree / "data" / "stdlib_char" / "train.bin")
     assert not os.path.exists(tree / "out-quickstart")  # trained and sampled in --out_dir only
+
+
+def test_on_a_gpu_the_quickstart_compiles_in_float32_and_on_the_cpu_neither_changes():
+    """config/quickstart.py: on CUDA float32 (not autocast's bfloat16) and torch.compile, its default there; on the
+    CPU float32 uncompiled, what dtype 'auto' and compile's default gave before (the README's CPU figures)."""
+    from marsgpt.config import load_config
+    from marsgpt.runtime import resolve_compile, resolve_dtype
+
+    cfg = load_config([os.path.join(ROOT, "config", "quickstart.py")])
+    assert (resolve_dtype(cfg.dtype, "cuda"), resolve_compile(cfg.compile, "cuda")) == ("float32", True)
+    assert (resolve_dtype(cfg.dtype, "cpu"), resolve_compile(cfg.compile, "cpu")) == ("float32", False)
+    assert (resolve_dtype("auto", "cpu"), resolve_compile(None, "cpu")) == ("float32", False)
