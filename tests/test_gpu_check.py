@@ -930,7 +930,7 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     assert fsdp["FSDP2 mars-adamw step: bytes sent per rank"]["result"].endswith(": allreduce_ x1")
     assert fsdp["FSDP2 mars-m step: bytes sent per rank"]["result"].endswith(": allreduce_ x1, alltoall_base_ x2")
     assert fsdp["FSDP2 muon-owners step: bytes sent per rank"]["result"].endswith(": alltoall_base_ x2")
-    # MARS's default path against fused=True, measured; a bitwise resume; XL's memory
+    # MARS's default path against fused=True, measured; a bitwise resume; the compile again; the quickstart
     optimizer = [r for r in report["rows"] if r["check"] == "optimizer"]
     assert [r["what"] for r in optimizer[:2]] == [
         "MARS-AdamW step vs AdamW(fused=True): default path vs fused=True",
@@ -940,17 +940,30 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     resume = rows["resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)"]["details"]
     assert resume["losses"] > 0 and resume["max_abs_difference"] == 0
     assert 0 <= resume["resumed_from"] < gpu_check.RESUME_RUN["max_iters"]
-    assert rows["memory_xl", "peak memory: GPT-2 XL, MARS, 5 x 1024"]["details"]["steps"] == 2
+    warm = rows["small_mars_warm", f"{what}: compile, warm cache"]
+    assert warm["status"] == PASS and warm["details"]["first_step_s"] > 0
+    quickstart = rows["quickstart", "the quickstart: scripts/quickstart.sh's commands"]
+    assert quickstart["status"] == PASS and quickstart["details"]["steps"] == gpu_check.QUICKSTART_CPU["max_iters"]
 
 
 @pytest.mark.slow
 def test_the_other_checks_run_end_to_end_on_cpu(tmp_path):
-    """The launch paths and the tools (memory_small and small_deterministic run memory_xl's and small_mars's code
-    with another config or one more key, and each process start costs seconds on a small CPU)."""
-    report, rows = run_on_cpu(SCRIPT, tmp_path / "out", "--only", "single", "torchrun", "sample", "hellaswag")
-    assert [r["check"] for r in report["rows"]] == ["warm", "data", "single", "torchrun", "sample", "hellaswag"]
+    """The launch paths, the tools and GPT-2 XL's memory (memory_small and small_deterministic run memory_xl's and
+    small_mars's code with another config or one more key, and each process start costs seconds on a small CPU)."""
+    only = ("single", "torchrun", "sample", "hellaswag", "memory_xl")
+    report, rows = run_on_cpu(SCRIPT, tmp_path / "out", "--only", *only)
+    assert [r["check"] for r in report["rows"]] == [
+        "warm",
+        "data",
+        "single",
+        "torchrun",
+        "sample",
+        "hellaswag",
+        "memory_xl",
+    ]
     assert "world size 1 on cpu" in rows["single", "one process: python train.py, device auto"]["result"]
     assert rows["hellaswag", "marsgpt/hellaswag.py --data on a tiny local file"]["details"]["n"] == 8
+    assert rows["memory_xl", "peak memory: GPT-2 XL, MARS, 5 x 1024"]["details"]["steps"] == 2
 
 
 def test_a_warm_up_that_runs_out_of_time_is_a_failed_row(tmp_path, monkeypatch):
