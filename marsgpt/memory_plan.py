@@ -159,8 +159,10 @@ class Activations:
         dropout = 2 * c * self.mask(a) * self.dropout  # after the attention and the MLP
         if self.math_attention:  # float32 copies of q, k and v instead of q, k, v and the log-sum-exp
             return 8 * c + 11 * a * c + 12 * c + 16 + dropout
-        if self.compiled:  # the attention projection's output (a bytes), not the float32 sum the MLP's input is
-            return 4 * c + 15 * a * c + 4 * h + 16 + dropout
+        if self.compiled:  # the attention projection's output (a bytes), not the float32 sum the MLP's input is,
+            # and q times the per-layer factor, a tensor of its own (model.CausalSelfAttention.layer_factor_as_data)
+            scaled_q = a * c * self.cfg.scale_attn_by_inverse_layer_idx
+            return 4 * c + 15 * a * c + scaled_q + 4 * h + 16 + dropout
         return 8 * c + 14 * a * c + 4 * h + 16 + dropout
 
     def attention_probabilities(self):

@@ -169,9 +169,15 @@ SMALL_VOCABULARY = dict(n_layer=2, n_head=4, n_embd=128, vocab_size=64, block_si
     "shape, dtype, batch_size, loss_rows",
     [("4x256", "bfloat16", 4, 48), ("4x256", "float32", 1, 48), ("2x128-bias", "bfloat16", 4, None)],
 )
-def test_compiled_activation_formula_is_the_cpu_allocators_peak(monkeypatch, shape, dtype, batch_size, loss_rows):
+@pytest.mark.parametrize("by_layer", [False, True], ids=["", "scaled-by-layer"])
+def test_compiled_activation_formula_is_the_cpu_allocators_peak(
+    monkeypatch, shape, dtype, batch_size, loss_rows, by_layer
+):
+    """by_layer: scale_attn_by_inverse_layer_idx, the paper's setting, whose per-layer factor the compiled blocks
+    multiply q by (a q-sized tensor more per block)."""
+    shape = dict(SHAPES[shape], scale_attn_by_inverse_layer_idx=by_layer)
     formula, peak = formula_against_allocator(
-        monkeypatch, SHAPES[shape], dtype, False, batch_size, loss_rows, False, 0.0, compiled=True
+        monkeypatch, shape, dtype, False, batch_size, loss_rows, False, 0.0, compiled=True
     )
     assert formula == pytest.approx(peak, rel=5e-3)
 
