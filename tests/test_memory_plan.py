@@ -185,13 +185,14 @@ def test_compiled_activation_formula_is_the_cpu_allocators_peak(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, dtype, checkpointing, above",
-    [(SMALL_VOCABULARY, "float32", False, 0.08), (SHAPES["4x256"], "bfloat16", True, 0.12)],
+    [(SMALL_VOCABULARY, "float32", False, 0.08), (SHAPES["4x256"], "float32", True, 0.17)],
     ids=["block-backward", "recomputed-block"],
 )
 def test_compiled_formula_bounds_the_backward_pass_from_above(monkeypatch, shape, dtype, checkpointing, above):
     """Peaks in a block's backward pass (a vocabulary smaller than the width; activation checkpointing, whose
     recomputed block's backward pass is the peak): the plan is at most `above` over the allocator's peak
-    (measured on this repository's CPU: 6.1% and 10.0% over)."""
+    (measured on this repository's CPU: 6.1% and 15.4% over). In float32: with ATEN_CPU_CAPABILITY=default,
+    inductor's bfloat16 code for a checkpointed block calls a packing kernel that needs AVX-512."""
     formula, peak = formula_against_allocator(
         monkeypatch, shape, dtype, checkpointing, 4, 48, False, 0.0, compiled=True
     )
