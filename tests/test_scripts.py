@@ -135,13 +135,15 @@ def test_slurm_example_requeues_and_gives_the_step_its_cpus(tmp_path):
         SLURM_JOB_ID="4242",
         SLURM_CPUS_PER_TASK="32",
     )
-    run = subprocess.run(
-        ["bash", SBATCH, "--max_iters=10"], env={**fake_bin(tmp_path), **slurm}, capture_output=True, text=True
-    )
+    env = {key: value for key, value in fake_bin(tmp_path).items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    run = subprocess.run(["bash", SBATCH, "--max_iters=10"], env={**env, **slurm}, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     step_env, torchrun = run.stdout.splitlines()
     # srun (Slurm >= 22.05) does not inherit --cpus-per-task; the compile caches are on the shared file system
     assert step_env.split() == ["SRUN_CPUS_PER_TASK=32", f"TORCHINDUCTOR_CACHE_DIR={ROOT}/.torchinductor"]
+    mine = dict(env, **slurm, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))  # a cache the user chose is kept
+    run = subprocess.run(["bash", SBATCH], env=mine, capture_output=True, text=True)
+    assert run.stdout.splitlines()[0].split()[1] == f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'cache'}"
     assert torchrun.split() == [
         "--nnodes=2",
         "--node_rank=1",
