@@ -127,8 +127,8 @@ def add_product_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def chunk_loss(x_rows, weight, targets_rows, row_weights, vocabulary, want_grad):
-    """One chunk of _ChunkedCrossEntropy: the summed cross-entropy of the logits x_rows @ weight^T (in float32,
-    row_weights' dtype) against targets_rows (-1: not scored) and, with want_grad, the gradient of the mean loss
+    """One chunk of _ChunkedCrossEntropy: the summed cross-entropy (in row_weights' dtype, float32) of the logits
+    x_rows @ weight^T against targets_rows (-1: not scored) and, with want_grad, the gradient of the mean loss
     with respect to those logits, in their dtype: (softmax - one_hot(target)) * row_weights (1 / the count of
     scored rows on scored rows, 0 elsewhere). The one-hot is a comparison with `vocabulary` (0, 1, ..., V - 1),
     not a scatter: no op here is one CUDA runs non-deterministically. GPT.compile_blocks compiles this."""
@@ -371,11 +371,12 @@ class GPT(nn.Module):
         return logits, loss
 
     def compile_blocks(self, **options):
-        """torch.compile (with `options`) each block on its own, in place, and the chunked loss: what train.py
-        compiles. Every block runs the same graph (the per-layer attention factor is data:
+        """torch.compile (with `options`) each block on its own, in place, and the loss's chunk (chunk_loss): what
+        train.py compiles. Every block runs the same graph (the per-layer attention factor is data:
         CausalSelfAttention.layer_factor_as_data), so a 12-layer model compiles one block graph for training and
-        one for evaluation instead of a whole-model graph for each; the loss compiles with chunks of
-        COMPILED_LOSS_CHUNK_SCORES. The embeddings and the final LayerNorm stay eager: a few kernels."""
+        one for evaluation instead of a whole-model graph for each; the loss takes chunks of
+        COMPILED_LOSS_CHUNK_SCORES, each one call of a small graph, so no graph sees more than one chunk. The
+        embeddings, the final LayerNorm and the loop over the chunks stay eager: a few kernels each."""
         for block in self.transformer.h:
             block.attn.layer_factor_as_data()
             block.compile(**options)
