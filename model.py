@@ -6,6 +6,7 @@ imports nothing from the repository: copy it into another project on its own. tr
 only by the Hugging Face functions at the bottom, and is imported there.
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass, fields
@@ -109,42 +110,79 @@ def model_args_from_config(cfg, vocab_size=GPTConfig.vocab_size):
 # The scores of the output layer cross_entropy_in_chunks computes at once: 2**25 (128 MiB in float32), about
 # 670 rows with GPT-2's vocabulary, instead of a whole micro-batch's (15 x 1024 rows: 3.1 GB in float32).
 LOSS_CHUNK_SCORES = 2**25
+# Compiled (GPT.compile_blocks), a chunk's logits become its gradient in place and its float32 log-softmax is
+# never stored: it holds a quarter of the bytes per score or less, so its chunks are 4 times larger. Fewer chunks
+# are fewer additions of a (vocabulary x width) product into the output weight's gradient (GPT-2 small at
+# 30 x 1024 tokens: 12 instead of 47).
+COMPILED_LOSS_CHUNK_SCORES = 4 * LOSS_CHUNK_SCORES
+
+
+@torch.library.custom_op("marsgpt::add_product_", mutates_args=("total",))
+def add_product_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b, as one operation torch.compile cannot see into. The chunked loss adds each chunk's share
+    of the output weight's gradient this way: written as `+=` in a compiled loss, inductor fuses the chunks'
+    in-place additions into one addition of every chunk's product, which keeps all of them (GPT-2 small at
+    30 x 1024 tokens: 47 of 77 MB each) alive at once. The same kernels as `total += a @ b`, so the same bits."""
+    total += a @ b
+
+
+def chunk_loss(x_rows, weight, targets_rows, row_weights, vocabulary, want_grad):
+    """One chunk of _ChunkedCrossEntropy: the summed cross-entropy (in row_weights' dtype, float32) of the logits
+    x_rows @ weight^T against targets_rows (-1: not scored) and, with want_grad, the gradient of the mean loss
+    with respect to those logits, in their dtype: (softmax - one_hot(target)) * row_weights (1 / the count of
+    scored rows on scored rows, 0 elsewhere). The one-hot is a comparison with `vocabulary` (0, 1, ..., V - 1),
+    not a scatter: no op here is one CUDA runs non-deterministically. GPT.compile_blocks compiles this."""
+    logits = F.linear(x_rows, weight)
+    log_probs = torch.log_softmax(logits.to(row_weights.dtype), dim=-1)
+    loss = F.nll_loss(log_probs, targets_rows, ignore_index=-1, reduction="sum")
+    if not want_grad:
+        return loss, None
+    grad_logits = log_probs.exp_().sub_((targets_rows[:, None] == vocabulary).to(row_weights.dtype))
+    return loss, grad_logits.mul_(row_weights[:, None]).to(logits.dtype)
+
+
+def matmul_dtype(weight):
+    """The dtype F.linear computes with `weight` in: autocast's where it is on (for any floating dtype but
+    float64, which it leaves as it is), else weight's own."""
+    device = weight.device.type
+    if weight.dtype != torch.float64 and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of the logits x @ weight^T against targets (-1: not scored), a chunk of rows at a
-    time. The gradients with respect to x and weight are computed in the forward pass, chunk by chunk, and
-    kept for the backward pass: the logits of the whole micro-batch, and the float32 log-softmax and
-    gradient that F.cross_entropy keeps of them, never exist. Under autocast the matmuls run in its dtype
-    and the log-softmax in float32, as they do through nn.Linear and F.cross_entropy."""
+    time (chunk_loss, or its compiled version: `loss_of_chunk`). The gradients with respect to x and weight are
+    computed in the forward pass, chunk by chunk, and kept for the backward pass: the logits of the whole
+    micro-batch, and the float32 log-softmax and gradient that F.cross_entropy keeps of them, never exist. Under
+    autocast the matmuls run in its dtype and the log-softmax in float32, as they do through nn.Linear and
+    F.cross_entropy: x and weight are cast once, as autocast casts them for F.linear."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, rows_per_chunk):
+    def forward(ctx, x, weight, targets, rows_per_chunk, loss_of_chunk):
         want_grad_x, want_grad_weight = ctx.needs_input_grad[:2]
+        low = matmul_dtype(weight)
+        loss_dtype = torch.promote_types(weight.dtype, torch.float32)  # F.cross_entropy's under autocast
         scored = targets != -1
         count = scored.sum()
-        loss_dtype = torch.promote_types(weight.dtype, torch.float32)  # F.cross_entropy's under autocast
+        row_weights = scored.to(loss_dtype) / count
+        weight_low = weight.to(low)
+        vocabulary = torch.arange(weight.size(0), device=x.device)
         loss_sum = torch.zeros((), dtype=loss_dtype, device=x.device)
         grad_x = torch.empty_like(x) if want_grad_x else None
         grad_weight = torch.zeros_like(weight, dtype=loss_dtype) if want_grad_weight else None
-        vocabulary = torch.arange(weight.size(0), device=x.device)
         for start in range(0, x.size(0), rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
-            x_rows, targets_rows = x[rows], targets[rows]
-            logits = F.linear(x_rows, weight)
-            log_probs = torch.log_softmax(logits.to(loss_dtype), dim=-1)
-            loss_sum += F.nll_loss(log_probs, targets_rows, ignore_index=-1, reduction="sum")
-            if not (want_grad_x or want_grad_weight):
-                continue
-            # d(mean loss)/d(logits) = (softmax - one_hot(target)) / count on scored rows, 0 elsewhere. The
-            # one-hot is a comparison, not a scatter: no op here is one CUDA runs non-deterministically.
-            grad_logits = log_probs.exp_().sub_((targets_rows[:, None] == vocabulary).to(loss_dtype))
-            grad_logits.mul_((scored[rows].to(loss_dtype) / count)[:, None])
-            grad_logits = grad_logits.to(logits.dtype)
+            x_rows = x[rows].to(low)
+            loss, grad_logits = loss_of_chunk(
+                x_rows, weight_low, targets[rows], row_weights[rows], vocabulary, want_grad_x or want_grad_weight
+            )
+            loss_sum += loss
             if want_grad_x:
-                grad_x[rows] = grad_logits @ weight.to(logits.dtype)
+                grad_x[rows] = grad_logits @ weight_low
             if want_grad_weight:
-                grad_weight += grad_logits.T @ x_rows.to(logits.dtype)
+                add_product_(grad_weight, grad_logits.T, x_rows)
+            del x_rows, grad_logits  # freed before the next chunk's logits exist
         ctx.save_for_backward(grad_x, grad_weight)
         return loss_sum / count
 
@@ -156,20 +194,24 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             None if grad_weight is None else grad_weight * grad_loss,
             None,
             None,
+            None,
         )
 
 
-def loss_chunk_rows(vocab_size, chunk_scores=None):
-    """The rows of logits cross_entropy_in_chunks computes at once: chunk_scores (LOSS_CHUNK_SCORES unless
-    given) over the vocabulary, at least one. The memory plan counts the same chunks."""
-    return max(1, (chunk_scores or LOSS_CHUNK_SCORES) // vocab_size)
+def loss_chunk_rows(vocab_size, chunk_scores=None, compiled=False):
+    """The rows of logits cross_entropy_in_chunks computes at once: chunk_scores (unless given LOSS_CHUNK_SCORES,
+    or COMPILED_LOSS_CHUNK_SCORES for a compiled loss) over the vocabulary, at least one. The memory plan counts
+    the same chunks."""
+    default = COMPILED_LOSS_CHUNK_SCORES if compiled else LOSS_CHUNK_SCORES
+    return max(1, (chunk_scores or default) // vocab_size)
 
 
-def cross_entropy_in_chunks(x, weight, targets, chunk_scores=None):
+def cross_entropy_in_chunks(x, weight, targets, chunk_scores=None, loss_of_chunk=chunk_loss):
     """F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1) for x (N, C), weight (V, C), targets (N,),
     holding at most about chunk_scores logits at a time (_ChunkedCrossEntropy): the loss without the (N, V)
-    logits."""
-    return _ChunkedCrossEntropy.apply(x, weight, targets, loss_chunk_rows(weight.size(0), chunk_scores))
+    logits. loss_of_chunk: chunk_loss, or a compiled version of it."""
+    rows = loss_chunk_rows(weight.size(0), chunk_scores)
+    return _ChunkedCrossEntropy.apply(x, weight, targets, rows, loss_of_chunk)
 
 
 class CausalSelfAttention(nn.Module):
@@ -269,6 +311,8 @@ class GPT(nn.Module):
         # recomputes the rest in the backward pass. A switch, not a GPTConfig field: it changes memory and
         # time, never the function or the saved weights.
         self.activation_checkpointing = False
+        # The training loss (forward with return_logits=False); compile_blocks compiles it.
+        self.chunked_loss = cross_entropy_in_chunks
         # Weight tying (Press & Wolf, 2017), as in GPT-2: one matrix embeds tokens and scores them.
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -321,10 +365,25 @@ class GPT(nn.Module):
             # generation needs only the next token: skip the (B, T, vocab) output matmul
             return self.lm_head(x[:, [-1], :]), None
         if not return_logits:
-            return None, cross_entropy_in_chunks(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+            return None, self.chunked_loss(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+    def compile_blocks(self, **options):
+        """torch.compile (with `options`) each block on its own, in place, and the loss's chunk (chunk_loss): what
+        train.py compiles. Every block runs the same graph (the per-layer attention factor is data:
+        CausalSelfAttention.layer_factor_as_data), so a 12-layer model compiles one block graph for training and
+        one for evaluation instead of a whole-model graph for each; the loss takes chunks of
+        COMPILED_LOSS_CHUNK_SCORES, each one call of a small graph, so no graph sees more than one chunk. The
+        embeddings, the final LayerNorm and the loop over the chunks stay eager: a few kernels each."""
+        for block in self.transformer.h:
+            block.attn.layer_factor_as_data()
+            block.compile(**options)
+        compiled_chunk_loss = torch.compile(chunk_loss, dynamic=False, **options)
+        self.chunked_loss = functools.partial(
+            cross_entropy_in_chunks, chunk_scores=COMPILED_LOSS_CHUNK_SCORES, loss_of_chunk=compiled_chunk_loss
+        )
 
     def crop_block_size(self, block_size):
         """Shrink the context window, e.g. to train GPT-2's 1024-token weights at 512."""

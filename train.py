@@ -45,6 +45,7 @@ from marsgpt.runtime import (
     SetupError,
     agree,
     exit_process,
+    resolve_compile,
     resolve_dtype,
     set_deterministic,
     setup_distributed,
@@ -86,10 +87,9 @@ class Run:
 
     cfg: object
     dist: object  # runtime.Dist
-    model: torch.nn.Module  # the GPT (under FSDP2 sharded in place): parameters, state_dict, estimate_mfu
-    train_model: torch.nn.Module  # what the training forward goes through (compiled, DDP-wrapped)
-    eval_model: torch.nn.Module  # compiled, without DDP
-    compiled: bool  # torch.compile: the whole model, or (FSDP2) each block
+    model: torch.nn.Module  # the GPT (its blocks compiled, under FSDP2 sharded, in place): what evaluation runs
+    train_model: torch.nn.Module  # what the training forward goes through: the model, or DDP's wrapper of it
+    compiled: bool  # torch.compile: each block and the loss (model.GPT.compile_blocks)
     model_args: dict
     optimizer: object
     look_ahead: torch.optim.Optimizer | None  # exact MARS: the MARS that takes the look-ahead gradient, else None
@@ -152,15 +152,16 @@ def setup(cfg, dist_info, directory=None):
     model.to(dist_info.device)
     model.activation_checkpointing = cfg.activation_checkpointing
     autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
-    compile_model = cfg.compile if cfg.compile is not None else dist_info.device_type == "cuda"
+    compile_model = resolve_compile(cfg.compile, dist_info.device_type)
     mesh = None
     if fsdp.enabled(cfg, dist_info):
         mesh = fsdp.device_mesh(cfg, dist_info)
         policies = fsdp.mixed_precision(resolve_dtype(cfg.dtype, dist_info.device_type), dist_info.device_type)
-        train_model = eval_model = fsdp.shard_model(model, mesh, policies, compile_blocks=compile_model)
+        train_model = fsdp.shard_model(model, mesh, policies, compile_blocks=compile_model)
     else:
-        eval_model = torch.compile(model) if compile_model else model
-        train_model = wrap_ddp(eval_model, dist_info) if dist_info.ddp else eval_model
+        if compile_model:
+            model.compile_blocks()
+        train_model = wrap_ddp(model, dist_info) if dist_info.ddp else model
     optimizer = build_optimizer(model, cfg, dist_info.device_type, dist_info.world_size, fsdp=mesh is not None)
     progress = Progress()
 
@@ -171,7 +172,6 @@ def setup(cfg, dist_info, directory=None):
         model=model,
         train_model=train_model,
         train_batches=launch.eval_windows(cfg, train_data, dist_info),
-        eval_model=eval_model,
         compiled=compile_model,
         mesh=mesh,
         model_args=model_args,
@@ -366,17 +366,17 @@ def evaluate(run, batches):
     every forward pass is a collective (its all-gathers), so a rank with one window fewer than others runs one
     more pass, on zeros, whose loss it does not count."""
     cfg = run.cfg
-    run.eval_model.eval()
+    run.model.eval()
     loss_sum = torch.zeros((), device=run.dist.device)
     missing = -(-cfg.eval_iters // run.dist.world_size) - len(batches) if run.mesh is not None else 0
     zeros = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)
     for i, (x, y) in enumerate([*batches, *[(zeros, zeros)] * missing]):
         x, y = to_device(x, y, run.dist.device)
         with run.autocast:
-            _, loss = run.eval_model(x, y, return_logits=False)
+            _, loss = run.model(x, y, return_logits=False)
         if i < len(batches):
             loss_sum += loss.float()
-    run.eval_model.train()
+    run.model.train()
     return all_reduce_sum(run, loss_sum).item() / run.cfg.eval_iters
 
 

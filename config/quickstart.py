@@ -25,5 +25,8 @@ weight_decay = 1e-2
 warmup_iters = 350
 lr_decay_iters = 7000
 min_lr = 6e-4
-# device 'auto': a GPU when there is one. No torch.compile: its start-up would outlast this short run.
-compile = False
+# device 'auto': a GPU when there is one. There, this model is too small to keep the GPU busy: each step's time is
+# the host's, launching kernels. So float32 (no autocast cast before each matmul; on the CPU, float32 is what
+# dtype 'auto' means) and torch.compile on CUDA only, its default (each block one call of one graph); the CPU
+# runs uncompiled: its compile would outlast this short run.
+dtype = "float32"

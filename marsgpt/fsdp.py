@@ -58,19 +58,19 @@ def mixed_precision(dtype, device_type):
 
 def shard_model(model, mesh, policies=(None, None), compile_blocks=False):
     """fully_shard each of model's blocks, then the root, in place (model stays the GPT, its parameters
-    DTensors). compile_blocks: torch.compile each block first (in place, Module.compile), the order FSDP2 and
-    torch.compile compose in: the all-gathers and reduce-scatters stay outside the compiled graphs, which
-    hold no graph break. Every block runs the same graphs (one for training, one for evaluation): the attention's
-    per-layer factor is data, not a constant of each block's graph (model.CausalSelfAttention.layer_factor_as_data;
-    without it, GPT-2 small's 12 blocks passed torch._dynamo's recompile_limit of 8 and 4 of them ran uncompiled).
-    tests/test_fsdp.py compiles 10 blocks on 2 CPU ranks with dynamo's aot_eager backend."""
+    DTensors). compile_blocks: compile each block and the loss first (in place, model.GPT.compile_blocks), the
+    order FSDP2 and torch.compile compose in: the all-gathers and reduce-scatters stay outside the compiled
+    graphs, which hold no graph break. Every block runs the same graphs (one for training, one for evaluation):
+    the attention's per-layer factor is data, not a constant of each block's graph
+    (model.CausalSelfAttention.layer_factor_as_data; without it, GPT-2 small's 12 blocks passed torch._dynamo's
+    recompile_limit of 8 and 4 of them ran uncompiled). tests/test_fsdp.py compiles 10 blocks on 2 CPU ranks
+    with dynamo's aot_eager backend."""
     from torch.distributed.fsdp import fully_shard
 
     blocks_policy, root_policy = policies
+    if compile_blocks:
+        model.compile_blocks()
     for block in model.transformer.h:
-        if compile_blocks:
-            block.attn.layer_factor_as_data()  # one graph for every block, not one per layer
-            block.compile()
         fully_shard(block, mesh=mesh, **_policy(blocks_policy))
     fully_shard(model, mesh=mesh, **_policy(root_policy))
     return model

@@ -24,7 +24,7 @@ import torch
 
 from marsgpt import optimizers
 from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer, is_sharded
-from marsgpt.runtime import resolve_dtype
+from marsgpt.runtime import resolve_compile, resolve_dtype
 from marsgpt.tokens import DataError, TokenData
 from model import (
     GPT,
@@ -138,6 +138,7 @@ class Activations:
     loss_rows: int  # rows of the output layer's scores the loss computes at once (model.loss_chunk_rows)
     math_attention: bool = False  # the math attention kernel (--deterministic=True on CUDA)
     device_type: str = "cuda"
+    compiled: bool = False  # the blocks and the loss's chunks compiled (model.GPT.compile_blocks)
 
     @property
     def cast(self):
@@ -158,6 +159,10 @@ class Activations:
         dropout = 2 * c * self.mask(a) * self.dropout  # after the attention and the MLP
         if self.math_attention:  # float32 copies of q, k and v instead of q, k, v and the log-sum-exp
             return 8 * c + 11 * a * c + 12 * c + 16 + dropout
+        if self.compiled:  # the attention projection's output (a bytes), not the float32 sum the MLP's input is,
+            # and q times the per-layer factor, a tensor of its own (model.CausalSelfAttention.layer_factor_as_data)
+            scaled_q = a * c * self.cfg.scale_attn_by_inverse_layer_idx
+            return 4 * c + 15 * a * c + scaled_q + 4 * h + 16 + dropout
         return 8 * c + 14 * a * c + 4 * h + 16 + dropout
 
     def attention_probabilities(self):
@@ -212,40 +217,57 @@ class Activations:
         return checkpointing * self.cfg.n_layer * torch.get_rng_state().numel() * (self.device_type == "cpu")
 
     def loss_chunks(self, tokens):
-        """(rows, rows of the chunk before or 0) of each kind of chunk the loss takes a micro-batch in."""
+        """The rows of each size of chunk the loss takes a micro-batch in."""
         full, rest = divmod(tokens, self.loss_rows)
-        sizes = [self.loss_rows] * full + [rest] * bool(rest)
-        return set(zip(sizes, [0] + sizes[:-1]))
+        return [rows for rows, count in ((self.loss_rows, full), (rest, rest)) if count]
 
-    def loss_chunk(self, rows, carried):
-        """The most one chunk of model._ChunkedCrossEntropy's forward holds at once: its logits (a bytes per
-        score), their float32 log-softmax, which becomes the gradient in place, the gradient's copy in the
-        autocast dtype, the one-hot comparison (1 byte) and its float32 copy, the matmuls' casts and outputs;
-        and what the previous chunk's names still hold until the loop rebinds them (`carried` rows)."""
+    def loss_chunk(self, rows):
+        """The most one chunk of model._ChunkedCrossEntropy's forward holds at once: its input rows cast to the
+        autocast dtype, then in model.chunk_loss its logits (a bytes per score), their float32 log-softmax, which
+        becomes the gradient in place, the one-hot comparison (1 byte) and its float32 copy, the gradient's copy in
+        the autocast dtype; then that gradient's two matmuls, each with its output."""
         c, v, a, cast = self.cfg.n_embd, self.cfg.vocab_size, self.element_bytes, self.cast
         low = a * cast  # the gradient's copy in the autocast dtype, a tensor of its own when cast
-        promote = 4 * v * c * cast * (self.device_type == "cpu")  # the CPU's += of a bfloat16 into float32
-        return max(
-            (a + 4 + low) * carried * v + a * cast * rows * c + a * rows * v,  # the logits' matmul
-            (4 + low) * carried * v + (a + 4 * cast + 4) * rows * v,  # the log-softmax of a float32 copy
-            (low if cast else 4) * carried * v + (a + 9) * rows * v,  # minus the one-hot
-            (a + 4 + low) * rows * v + low * v * c + a * rows * c,  # the input's gradient
-            # the output weight's gradient: the input's cast is freed before the CPU's promotion
-            (a + 4 + low) * rows * v + a * v * c + max(low * rows * c, promote),
+        x_rows = a * cast * rows * c
+        if self.compiled:  # one buffer, the logits and then their gradient; the two matmuls after it
+            return x_rows + a * rows * v + max(a * rows * c, a * v * c + self.promote())
+        gradient = (low if cast else 4) * rows * v
+        return x_rows + max(
+            a * rows * v,  # the logits' matmul
+            (a + 4 * cast + 4) * rows * v,  # the log-softmax of a float32 copy
+            (a + 9) * rows * v,  # minus the one-hot
+            (a + 4 + low) * rows * v,  # the gradient's copy
+            gradient + a * rows * c,  # the input's gradient
+            gradient + a * v * c + self.promote(),  # the output weight's gradient
         )
+
+    def promote(self):
+        """What the CPU's += of a product in the autocast dtype into the float32 output weight's gradient adds: a
+        float32 copy of the product."""
+        return 4 * self.cfg.vocab_size * self.cfg.n_embd * self.cast * (self.device_type == "cpu")
 
     def loss_forward(self, tokens):
         """The most the loss holds in the forward pass: its input (the final LayerNorm's float32 output), the
-        gradients it computes there for the backward pass (the input's, the output weight's in float32), the
-        vocabulary's indices, the scored positions' mask, and its largest chunk."""
+        gradients it computes there for the backward pass (the input's, the output weight's in float32), each
+        row's float32 weight in the mean, the scored positions' mask, the vocabulary's indices, and its largest
+        chunk."""
         c, v = self.cfg.n_embd, self.cfg.vocab_size
-        held = tokens * (8 * c + 1) + 4 * v * c + 8 * v
-        return held + max(self.loss_chunk(rows, carried) for rows, carried in self.loss_chunks(tokens))
+        held = tokens * (8 * c + 5) + 4 * v * c + 8 * v
+        return held + max(self.loss_chunk(rows) for rows in self.loss_chunks(tokens))
 
     def loss_backward(self, tokens):
         """The loss's backward pass: the two gradients it kept, and their copies scaled by the incoming one."""
         c, v = self.cfg.n_embd, self.cfg.vocab_size
         return 2 * (tokens * 4 * c + 4 * v * c)
+
+    def forward_weight_copies(self, checkpointing):
+        """The Linear parameters whose copies in the autocast dtype exist when the forward pass ends: autocast's
+        cache holds every weight's and bias's; compiled, the loss holds its weight's and each block keeps its
+        weights' for its backward pass (its biases' are temporaries of its graph), unless it is checkpointed."""
+        if not self.compiled:
+            return self.linear_params
+        head = self.cfg.vocab_size * self.cfg.n_embd
+        return head if checkpointing else self.linear_weights
 
     def peak(self, tokens, checkpointing):
         """(moment, {part: bytes}) of the largest moment of the forward and backward pass."""
@@ -270,7 +292,7 @@ class Activations:
                     activations=blocks + tokens * self.after_blocks(),
                     attention=n_layer * attention,
                     loss=self.loss_forward(tokens),
-                    weight_copies=cast * a * self.linear_params,
+                    weight_copies=cast * a * self.forward_weight_copies(checkpointing),
                 ),
                 "start of the backward pass": dict(
                     activations=blocks + tokens * self.after_blocks(),
@@ -301,7 +323,7 @@ class Activations:
                 "loss in the forward pass": dict(
                     activations=block_inputs + tokens * self.after_blocks(),
                     loss=self.loss_forward(tokens),
-                    weight_copies=cast * a * self.linear_params,
+                    weight_copies=cast * a * self.forward_weight_copies(checkpointing),
                 ),
                 "start of the backward pass": dict(
                     activations=block_inputs + tokens * self.after_blocks(),
@@ -321,9 +343,10 @@ class Activations:
         return max(moments.items(), key=lambda item: sum(item[1].values()))
 
 
-def activations_for(model_args, dtype, math_attention=False, device_type="cuda"):
+def activations_for(model_args, dtype, math_attention=False, device_type="cuda", compiled=False):
     """The formula's terms for the model model_args describes (built on the meta device) in autocast dtype, with
-    the math attention kernel or the fused ones, on CUDA (or the CPU, whose kernels the tests measure)."""
+    the math attention kernel or the fused ones, on CUDA (or the CPU, whose kernels the tests measure), compiled
+    (model.GPT.compile_blocks) or not."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**model_args))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -338,9 +361,10 @@ def activations_for(model_args, dtype, math_attention=False, device_type="cuda")
         linear_weights=params(linears, biases=False),
         linear_params=params(linears),
         block_linear_params=params(block),
-        loss_rows=loss_chunk_rows(model.config.vocab_size),
+        loss_rows=loss_chunk_rows(model.config.vocab_size, compiled=compiled),
         math_attention=math_attention,
         device_type=device_type,
+        compiled=compiled,
     )
 
 
@@ -356,6 +380,7 @@ class MemoryPlan:
     block_size: int
     dtype: str
     activation_checkpointing: bool
+    compiled: bool  # the blocks and the loss's chunks compiled (model.GPT.compile_blocks)
     parameter_bytes: int
     gradient_bytes: int
     rank_state_bytes: tuple  # each rank's optimizer state (one entry unsharded)
@@ -417,13 +442,14 @@ def plan(
     data's); dtype: the autocast dtype the run resolves to (default: cfg.dtype, 'auto' taken as bfloat16);
     layout: optimizer_layout(cfg, model_args), to reuse it across plans that differ only in world size,
     batch, checkpointing or zero_stage; device_type: where the run trains (FSDP2 gathers bfloat16 parameters on
-    CUDA only, marsgpt/fsdp.py's mixed_precision).
+    CUDA only, marsgpt/fsdp.py's mixed_precision; compile=None compiles on CUDA only, runtime.resolve_compile).
     """
     model_args = model_args or model_args_from_config(cfg)
     dtype = dtype or (AUTO_DTYPE if cfg.dtype == "auto" else cfg.dtype)
     layout = layout or optimizer_layout(cfg, model_args)
     # --deterministic=True leaves CUDA only the math attention kernel (runtime.set_deterministic)
-    activations = activations_for(model_args, dtype, math_attention=cfg.deterministic)
+    compiled = resolve_compile(cfg.compile, device_type)
+    activations = activations_for(model_args, dtype, math_attention=cfg.deterministic, compiled=compiled)
     sharded = is_sharded(cfg, world_size)
     parameters = layout.parameters
     parameter_bytes = sum(e.elements for e in parameters) * 4  # float32 weights, and gradients alike
@@ -471,7 +497,8 @@ def plan(
     moment, parts = peak(cfg.batch_size)
     fused_attention_bytes = None
     if cfg.deterministic:
-        fused_attention_bytes = static + sum(peak(cfg.batch_size, activations_for(model_args, dtype))[1].values())
+        fused = activations_for(model_args, dtype, compiled=compiled)
+        fused_attention_bytes = static + sum(peak(cfg.batch_size, fused)[1].values())
         notes.append(
             f"deterministic=True: CUDA runs only the math attention kernel, which keeps each layer's float32 "
             f"attention probabilities; with the fused kernels (deterministic=False) the total is "
@@ -486,6 +513,7 @@ def plan(
         block_size=cfg.block_size,
         dtype=dtype,
         activation_checkpointing=cfg.activation_checkpointing,
+        compiled=compiled,
         parameter_bytes=parameter_bytes,
         gradient_bytes=parameter_bytes,
         rank_state_bytes=rank_state_bytes,
@@ -633,7 +661,7 @@ def format_plan(p):
     """The lines train.py prints."""
     lines = [
         f"memory plan per GPU (an estimate): {p.n_params / 1e6:,.1f}M parameters, {p.description}, {sharding(p)}, "
-        f"micro-batch {p.micro_batch} x {p.block_size} tokens, {p.dtype}, "
+        f"micro-batch {p.micro_batch} x {p.block_size} tokens, {p.dtype}, {'' if p.compiled else 'not '}compiled, "
         f"activation checkpointing {'on' if p.activation_checkpointing else 'off'}"
         + (", deterministic (the math attention kernel)" if p.fused_attention_bytes is not None else ""),
         f"  parameters       {gib(p.parameter_bytes):>11}",

@@ -230,13 +230,16 @@ def wrap_ddp(model, dist_info):
     beside them, one gradient-sized copy less (6.2 GB on GPT-2 XL). That holds only while they stay there:
     train.train_step zeroes them in place instead of setting them to None, and they exist before DDP is built,
     so DDP places them in its buckets at once -- else the no_sync micro-batches of the first step would
-    accumulate into gradients of their own beside the buckets."""
+    accumulate into gradients of their own beside the buckets. broadcast_buffers=False: the GPT's only buffers
+    are the compiled attention's per-layer factors (model.CausalSelfAttention.layer_factor_as_data), the same
+    constants on every rank, which DDP would otherwise broadcast from rank 0 before every forward pass."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     return DDP(
         model,
         device_ids=[dist_info.local_rank] if dist_info.device_type == "cuda" else None,
         gradient_as_bucket_view=True,
+        broadcast_buffers=False,
     )
 
 
@@ -311,6 +314,11 @@ def resolve_dtype(dtype, device_type):
         # than float16 with a GradScaler.
         return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     return "float32"
+
+
+def resolve_compile(compile_model, device_type):
+    """Whether a run compiles its model (model.GPT.compile_blocks): compile=None means on CUDA only."""
+    return compile_model if compile_model is not None else device_type == "cuda"
 
 
 def autocast(device_type, dtype):

@@ -195,12 +195,13 @@ def attention_kernel(run):
 
 def compiled_run(steps, train_argv):
     """The path a paper run takes on a GPU, as train.main takes it: train.setup's compiled model under DDP
-    (launched by torchrun, one rank), its first step and first evaluation (each compiles its graph), a second
+    (launched by torchrun, one rank), its first step and first evaluation (each compiles its graphs), a second
     step, then `steps` timed steps and an evaluation with recompiles forbidden
     (torch.compiler.set_stance("fail_on_recompile")). TORCH_LOGS (set by gpu_check) logs every recompile and
     graph break; dynamo's counters count the graphs and the breaks. Returns the compile seconds, the graphs,
     the breaks, tokens/s, MFU as train.py logs it, peak memory beside the memory plan train.py printed, and
-    which attention kernel ran; a recompile or an out-of-memory error ends the timed steps and is reported."""
+    which attention kernel ran; a recompile or an out-of-memory error ends the timed steps and is reported.
+    steps=0: the compile seconds alone (gpu_check's second run, its compile cache warm)."""
     from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel
 
@@ -231,6 +232,9 @@ def compiled_run(steps, train_argv):
         t0 = time.perf_counter()
         train.evaluate(run, run.val_batches)
         result["eval_s"] = time.perf_counter() - t0
+        if not steps:
+            run.metrics.close()
+            return dict(result, graphs=counters["stats"]["unique_graphs"])
         for it in range(1, WARM_UP_STEPS):
             train.train_step(run, it)
         result["graphs_after_warm_up"] = counters["stats"]["unique_graphs"]

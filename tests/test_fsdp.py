@@ -27,6 +27,7 @@ by about the whole displacement.
 """
 
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -54,7 +55,7 @@ import sample
 import train
 from bench.common import rendezvous
 from marsgpt import checkpoint, run_dir
-from model import GPT, GPTConfig
+from model import GPT, Block, GPTConfig, chunk_loss
 from scripts import copy_run
 
 pytestmark = pytest.mark.slow
@@ -536,8 +537,9 @@ def test_compiled_blocks_share_one_graph_and_train_what_eager_blocks_train(data_
     """--compile=True under FSDP2: each block compiled on its own (dynamo's aot_eager backend here; the graphs,
     breaks and recompiles are dynamo's whatever the backend), 10 blocks whose attention is scaled by layer
     (the trainer's default). Every block runs the same graphs -- no-grad for the first evaluation, then one
-    recompile for training -- with no graph break and torch's recompile_limit (8) never reached (with the factor
-    a constant per block it was, and blocks ran uncompiled); the run trains what one eager process trains."""
+    recompile for training, as the loss's chunk, first without its gradient, then with it -- with no graph
+    break and torch's recompile_limit (8) never reached (with the factor a constant per block it was, and blocks
+    ran uncompiled); the run trains what one eager process trains."""
     shape = dict(n_layer=10, max_iters=4, eval_interval=2, eval_iters=3, log_interval=1, gradient_accumulation_steps=4)
     out, single = str(tmp_path / "compiled"), str(tmp_path / "single")
     args = tiny_args(data_path, out, **shape, zero_stage=3, compile=True, scale_attn_by_inverse_layer_idx=True)
@@ -545,7 +547,11 @@ def test_compiled_blocks_share_one_graph_and_train_what_eager_blocks_train(data_
     monkeypatch.setenv("TORCH_LOGS", "recompiles,graph_breaks")
     output = ranks(args)
     recompiles = re.findall(r"Recompiling function (\w+) in (\S+)", output)
-    assert recompiles == [("forward", f"{os.path.join(ROOT, 'model.py')}:{recompiled_line()}")], recompiles
+    model_py = os.path.join(ROOT, "model.py")
+    assert recompiles == [
+        ("forward", f"{model_py}:{line_of(Block.forward)}"),
+        ("chunk_loss", f"{model_py}:{line_of(chunk_loss)}"),
+    ]
     assert "GLOBAL_STATE changed: grad_mode" in output
     assert "recompile_limit" not in output and "Graph break" not in output
     assert in_this_process(tiny_args(data_path, single, **shape, scale_attn_by_inverse_layer_idx=True)) == 0
@@ -553,13 +559,9 @@ def test_compiled_blocks_share_one_graph_and_train_what_eager_blocks_train(data_
     assert val_losses(out) == pytest.approx(val_losses(single), abs=1e-5)
 
 
-def recompiled_line():
-    """The line of model.Block.forward's def: what dynamo names when it compiles a block."""
-    import inspect
-
-    from model import Block
-
-    return inspect.getsourcelines(Block.forward)[1]
+def line_of(function):
+    """The line of a function's def: what dynamo names when it compiles it."""
+    return inspect.getsourcelines(function)[1]
 
 
 def test_bfloat16_on_cuda_gathers_the_blocks_in_bfloat16_and_reduces_in_float32():

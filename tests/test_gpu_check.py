@@ -15,7 +15,7 @@ import pytest
 import torch
 from train_helpers import subprocess_env
 
-from marsgpt import hellaswag, launch
+from marsgpt import hellaswag, launch, metrics
 from marsgpt.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,8 +88,8 @@ def test_only_runs_the_checks_it_names_after_those_they_need():
     assert [c.name for c in gpu_check.with_needs(["optimizer"])] == ["optimizer"]
 
 
-def test_the_budgets_fit_in_ten_minutes_and_the_first_ten_minutes_checks_in_eight():
-    assert gpu_check.TOTAL_BUDGET_S == gpu_check.budget_of(gpu_check.CHECKS) <= 10 * 60
+def test_the_budgets_fit_in_fourteen_minutes_and_the_first_ten_minutes_checks_in_eight():
+    assert gpu_check.TOTAL_BUDGET_S == gpu_check.budget_of(gpu_check.CHECKS) <= gpu_check.TIME_LIMIT_S == 14 * 60
     first = gpu_check.with_needs(gpu_check.FIRST_TEN_MINUTES, gpu_check.FIRST_TEN_MINUTES)
     assert [c.name for c in first] == list(gpu_check.FIRST_TEN_MINUTES)  # in its own order: the real path first
     assert gpu_check.budget_of(first) <= gpu_check.FIRST_TEN_MINUTES_LIMIT_S == 8 * 60
@@ -174,10 +174,10 @@ def compiled_result(**values):
         steps=10,
         skipped=0,
         error="",
-        first_step_s=63.5,
-        eval_s=41.25,
-        graphs_after_warm_up=14,
-        graphs=14,
+        first_step_s=23.5,
+        eval_s=6.25,
+        graphs_after_warm_up=6,
+        graphs=6,
         graph_breaks={},
         step_s=0.5,
         tokens_per_sec=491_520.0,
@@ -185,8 +185,8 @@ def compiled_result(**values):
         mfu_llmc=39.87,
         attention_kernel="flash",
         deterministic=False,
-        plan_bytes=13 * 2**30,
-        peak_allocated_bytes=11.5 * 2**30,
+        plan_bytes=12 * 2**30,
+        peak_allocated_bytes=11.8 * 2**30,
         peak_reserved_bytes=12.5 * 2**30,
         total_bytes=139.8 * 2**30,
     )
@@ -203,12 +203,12 @@ def test_a_compiled_run_gives_its_compile_graphs_throughput_memory_and_attention
         ("w: attention kernel", PASS),
     ]
     assert [r.result for r in rows] == [
-        "first step 63.5 s, first evaluation 41.2 s, each compiling its graph",
-        "no graph break; 14 graph(s) compiled in the warm-up, no recompile after it (forbidden)",
+        "first step 23.5 s, first evaluation 6.2 s, each compiling its graphs",
+        "no graph break; 6 graph(s) compiled in the warm-up, no recompile after it (forbidden)",
         "491,520 tokens/s, MFU 42.5% (39.9% as llm.c counts), 500 ms/step of 245,760 tokens (10 steps; compiled, "
         "DDP over 1 rank)",
-        "peak 11.5 GiB allocated, 12.5 GiB reserved, of 139.8 GiB; plan 13.0 GiB (uncompiled), measured/plan 0.88 "
-        "(at most 1.15)",
+        "peak 11.8 GiB allocated, 12.5 GiB reserved, of 139.8 GiB; plan 12.0 GiB (compiled), measured/plan 0.98 "
+        "(tolerance 5%)",
         "flash; expected a fused kernel (flash, memory-efficient, cuDNN)",
     ]
     unknown_gpu = gpu_check.compiled_rows("w", "c", OK, 120, compiled_result(mfu=None, mfu_llmc=None), cuda=True)
@@ -224,11 +224,12 @@ def test_a_compiled_run_gives_its_compile_graphs_throughput_memory_and_attention
             1,
             "recompiled after the warm-up: RuntimeError: Detected recompile",
         ),
-        (dict(graphs=15), 1, "graphs after the warm-up 14, at the end 15"),
+        (dict(graphs=7), 1, "graphs after the warm-up 6, at the end 7"),
         (dict(first_step_s=None, eval_s=None), 0, "first step not reached, first evaluation not reached"),
         (dict(ddp=False), 2, "compiled True, DDP False: not the real path"),
         (dict(error="OutOfMemoryError: CUDA out of memory", tokens_per_sec=None), 2, "not measured: OutOfMemoryError"),
-        (dict(peak_allocated_bytes=16 * 2**30), 3, "measured/plan 1.23 (at most 1.15)"),
+        (dict(peak_allocated_bytes=12.7 * 2**30), 3, "measured/plan 1.06 (tolerance 5%)"),
+        (dict(peak_allocated_bytes=11.3 * 2**30), 3, "measured/plan 0.94 (tolerance 5%)"),
         (dict(attention_kernel="math"), 4, "math; expected a fused kernel"),
         (dict(attention_kernel="flash", deterministic=True), 4, "flash; expected math"),
     ],
@@ -250,14 +251,96 @@ def test_a_compiled_run_that_wrote_nothing_is_one_failed_row_and_the_cpu_judges_
         del cpu[key]
     rows = gpu_check.compiled_rows("w", "c", OK, 120, cpu, cuda=False)
     assert all(r.status == PASS for r in rows)
-    assert rows[0].result.endswith("each compiling its graph (aot_eager)")
+    assert rows[0].result.endswith("each compiling its graphs (aot_eager)")
     assert rows[3].result == "peak resident set 0.5 GiB (host memory)"
     assert rows[4].result == "flash (CPU) (on CUDA: a fused kernel (flash, memory-efficient, cuDNN))"
 
 
+def test_on_cuda_the_paper_config_s_compile_is_judged_against_its_cold_start_targets():
+    targets = gpu_check.COLD_START_TARGETS_S
+    [compile_row, *_] = gpu_check.compiled_rows("w", "c", OK, 150, compiled_result(), cuda=True, targets=targets)
+    assert compile_row.status == PASS
+    assert compile_row.result == (
+        "first step 23.5 s, first evaluation 6.2 s, each compiling its graphs; "
+        "target first step <= 30 s and first evaluation <= 10 s, cold"
+    )
+    h200 = compiled_result(first_step_s=78.5, eval_s=33.8)  # the whole model's compile on 2026-12-04
+    assert gpu_check.compiled_rows("w", "c", OK, 150, h200, cuda=True, targets=targets)[0].status == FAIL
+    on_cpu = gpu_check.compiled_rows("w", "c", OK, 150, h200, cuda=False, targets=targets)[0]
+    assert on_cpu.status == PASS and on_cpu.result.endswith("cold (judged on CUDA only)")
+
+
+def test_a_warm_compile_passes_when_its_first_step_is_shorter_than_the_cold_one():
+    cold, warm = compiled_result(), dict(first_step_s=8.0, eval_s=2.0, backend="inductor", graphs=6)
+    row = gpu_check.warm_compile_row("w", "c", OK, 45, warm, cold, cuda=True)
+    assert row.status == PASS
+    assert row.result == (
+        "first step 8.0 s, first evaluation 2.0 s with the cache the first run left; "
+        "cold: first step 23.5 s, first evaluation 6.2 s"
+    )
+    assert gpu_check.warm_compile_row("w", "c", OK, 45, dict(warm, first_step_s=24.0), cold, True).status == FAIL
+    no_cold = gpu_check.warm_compile_row("w", "c", OK, 45, warm, {}, True)
+    assert no_cold.status == FAIL and no_cold.result.endswith("cold: not measured")
+    timed_out = gpu_check.warm_compile_row("w", "c", Finished(-9, "", timed_out=True), 45, {}, cold, True)
+    assert timed_out.status == FAIL and timed_out.result.startswith("timed out")
+    on_cpu = gpu_check.warm_compile_row("w", "c", OK, 45, dict(warm, backend="aot_eager"), cold, cuda=False)
+    assert on_cpu.status == PASS and on_cpu.result.endswith("(aot_eager: no inductor cache to reuse)")
+
+
+def test_the_quickstart_row_times_the_script_s_three_commands_against_30_s():
+    sampled = Finished(0, "def f():\n---------------\n")
+    runs = [("prepare", OK, 2.0), ("train", OK, 20.5), ("sample", sampled, 3.0)]
+    records = [{metrics.ITER: 7000, metrics.STEP_MS: 2.25}]
+    row = gpu_check.quickstart_row("w", "c", runs, 40, records, cuda=True)
+    assert row.status == PASS
+    assert row.result == (
+        "25.5 s: corpus 2.0 s, 7,000 steps 20.5 s, 2.2 ms/step at the end, sample 3.0 s; target <= 30 s"
+    )
+    slow = [runs[0], ("train", OK, 80.0), runs[2]]
+    assert gpu_check.quickstart_row("w", "c", slow, 40, records, cuda=True).status == FAIL
+    assert gpu_check.quickstart_row("w", "c", slow, 40, records, cuda=False).result.endswith(
+        "(judged on CUDA only; 7000 steps on the CPU)"
+    )
+    cut = [runs[0], ("train", Finished(-9, "", timed_out=True), 40.0)]
+    row = gpu_check.quickstart_row("w", "c", cut, 40, records, cuda=True)
+    assert row.status == FAIL and row.result.startswith("train: timed out: still running at the end of its 40 s")
+    assert "metrics.jsonl to iter 7000" in row.result
+    unsampled = gpu_check.quickstart_row("w", "c", [*runs[:2], ("sample", OK, 3.0)], 40, records, True)
+    assert unsampled.status == FAIL and unsampled.result == "exit 0, but no sample in sample.py's output"
+
+
+def test_on_cuda_the_quickstart_runs_the_script_s_commands_whole_with_a_cold_compile_cache(tmp_path, monkeypatch):
+    """scripts/quickstart.sh's three commands, its corpus and run in <work>; on CUDA the whole 7,000 steps, and
+    training with a compile cache of its own (a new user's), not the GPT-2 runs'."""
+    commands = []
+
+    def run_command(argv, log_path, timeout_s, stop_at=None, env=None):
+        commands.append((argv, env))
+        return Finished(0, "def f():\n---------------\n" if "sample.py" in argv else "")
+
+    monkeypatch.setattr(gpu_check, "run_command", run_command)
+    ctx = gpu_check.Context(device="cuda", work=str(tmp_path), logs=str(tmp_path))
+    ctx.check, ctx.deadline = gpu_check.CHECKS_BY_NAME["quickstart"], float("inf")
+    [row] = gpu_check.check_quickstart(ctx)
+    assert row.status == PASS and row.result.endswith("target <= 30 s")  # three exits 0 and a sample, in no time
+    (prepare, _), (train, train_env), (sample, sample_env) = commands
+    with open(os.path.join(ROOT, "scripts", "quickstart.sh")) as f:
+        script = f.read()
+    assert "python -m data.stdlib_char.prepare" in script and prepare[1:3] == ["-m", "data.stdlib_char.prepare"]
+    assert "python train.py config/quickstart.py" in script and train[1:3] == ["train.py", "config/quickstart.py"]
+    assert not any(a.startswith(("--max_iters", "--eval_iters")) for a in train)
+    assert '--start="def " --num_samples=1 --max_new_tokens=400' in script
+    assert sample[-3:] == ["--start=def ", "--num_samples=1", "--max_new_tokens=400"]
+    cache = train_env["TORCHINDUCTOR_CACHE_DIR"]
+    assert cache.startswith(str(tmp_path)) and cache != gpu_check.compile_env(ctx)["TORCHINDUCTOR_CACHE_DIR"]
+    assert sample_env is None
+    cpu = dict(gpu_check.quickstart_commands(gpu_check.Context(device="cpu", work=str(tmp_path), logs="")))
+    assert "--max_iters=100" in cpu["train"]
+
+
 def test_the_deterministic_run_is_reported_against_the_default_one():
     default = compiled_result()
-    deterministic = compiled_result(tokens_per_sec=245_760.0, peak_allocated_bytes=23 * 2**30, deterministic=True)
+    deterministic = compiled_result(tokens_per_sec=245_760.0, peak_allocated_bytes=23.6 * 2**30, deterministic=True)
     row = gpu_check.determinism_row("w", "c", deterministic, default)
     assert row.status == PASS and row.result == "0.50x the default run's tokens/s, 2.00x its peak memory"
     assert gpu_check.determinism_row("w", "c", compiled_result(tokens_per_sec=None), default).status == FAIL
@@ -512,10 +595,11 @@ def test_memory_rows_without_a_plan_report_the_peak_and_say_so():
 
 
 def test_memory_rows_compare_the_peak_with_the_plan_within_its_tolerance():
-    close = gpu_check.memory_row("w", "c", OK, 55, cuda_memory(plan_bytes=44 * 2**30, plan_note=""))
-    assert close.status == PASS and close.result.endswith("plan 44.0 GiB, measured/plan 1.10 (tolerance 15%)")
-    far = gpu_check.memory_row("w", "c", OK, 55, cuda_memory(plan_bytes=30 * 2**30, plan_note=""))
-    assert far.status == FAIL and "measured/plan 1.61" in far.result
+    close = gpu_check.memory_row("w", "c", OK, 55, cuda_memory(plan_bytes=47 * 2**30, plan_note=""))
+    assert close.status == PASS and close.result.endswith("plan 47.0 GiB, measured/plan 1.03 (tolerance 5%)")
+    for plan_gib, ratio in ((44, "1.10"), (52, "0.93")):  # either way
+        far = gpu_check.memory_row("w", "c", OK, 55, cuda_memory(plan_bytes=plan_gib * 2**30, plan_note=""))
+        assert far.status == FAIL and f"measured/plan {ratio}" in far.result
     broken = gpu_check.memory_row(
         "w", "c", OK, 55, cuda_memory(plan_note="memory_plan.plan failed: x", plan_error=True)
     )
@@ -685,7 +769,7 @@ def test_on_cuda_main_warms_the_node_then_reads_it_and_runs_the_real_path(tmp_pa
     assert launcher == ["--standalone", "--nproc_per_node=1"]
     assert "config/train_gpt2_small_mars.py" in compiled and "--compile=True" in compiled
     assert "--gradient_accumulation_steps=8" in compiled and not any(a.startswith("--n_layer") for a in compiled)
-    assert env == {"TORCH_LOGS": "recompiles,graph_breaks"}
+    assert env["TORCH_LOGS"] == "recompiles,graph_breaks" and env["TORCHINDUCTOR_CACHE_DIR"].endswith("compile_cache")
     rows = [(r["check"], r["what"], r["status"]) for r in report["rows"]]
     assert rows[:3] == [
         ("warm", "warm-up: the modules imported, a CUDA context and cuBLAS on every GPU", PASS),
@@ -846,7 +930,7 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     assert fsdp["FSDP2 mars-adamw step: bytes sent per rank"]["result"].endswith(": allreduce_ x1")
     assert fsdp["FSDP2 mars-m step: bytes sent per rank"]["result"].endswith(": allreduce_ x1, alltoall_base_ x2")
     assert fsdp["FSDP2 muon-owners step: bytes sent per rank"]["result"].endswith(": alltoall_base_ x2")
-    # MARS's default path against fused=True, measured; a bitwise resume; XL's memory
+    # MARS's default path against fused=True, measured; a bitwise resume; the compile again; the quickstart
     optimizer = [r for r in report["rows"] if r["check"] == "optimizer"]
     assert [r["what"] for r in optimizer[:2]] == [
         "MARS-AdamW step vs AdamW(fused=True): default path vs fused=True",
@@ -856,17 +940,30 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     resume = rows["resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)"]["details"]
     assert resume["losses"] > 0 and resume["max_abs_difference"] == 0
     assert 0 <= resume["resumed_from"] < gpu_check.RESUME_RUN["max_iters"]
-    assert rows["memory_xl", "peak memory: GPT-2 XL, MARS, 5 x 1024"]["details"]["steps"] == 2
+    warm = rows["small_mars_warm", f"{what}: compile, warm cache"]
+    assert warm["status"] == PASS and warm["details"]["first_step_s"] > 0
+    quickstart = rows["quickstart", "the quickstart: scripts/quickstart.sh's commands"]
+    assert quickstart["status"] == PASS and quickstart["details"]["steps"] == gpu_check.QUICKSTART_CPU["max_iters"]
 
 
 @pytest.mark.slow
 def test_the_other_checks_run_end_to_end_on_cpu(tmp_path):
-    """The launch paths and the tools (memory_small and small_deterministic run memory_xl's and small_mars's code
-    with another config or one more key, and each process start costs seconds on a small CPU)."""
-    report, rows = run_on_cpu(SCRIPT, tmp_path / "out", "--only", "single", "torchrun", "sample", "hellaswag")
-    assert [r["check"] for r in report["rows"]] == ["warm", "data", "single", "torchrun", "sample", "hellaswag"]
+    """The launch paths, the tools and GPT-2 XL's memory (memory_small and small_deterministic run memory_xl's and
+    small_mars's code with another config or one more key, and each process start costs seconds on a small CPU)."""
+    only = ("single", "torchrun", "sample", "hellaswag", "memory_xl")
+    report, rows = run_on_cpu(SCRIPT, tmp_path / "out", "--only", *only)
+    assert [r["check"] for r in report["rows"]] == [
+        "warm",
+        "data",
+        "single",
+        "torchrun",
+        "sample",
+        "hellaswag",
+        "memory_xl",
+    ]
     assert "world size 1 on cpu" in rows["single", "one process: python train.py, device auto"]["result"]
     assert rows["hellaswag", "marsgpt/hellaswag.py --data on a tiny local file"]["details"]["n"] == 8
+    assert rows["memory_xl", "peak memory: GPT-2 XL, MARS, 5 x 1024"]["details"]["steps"] == 2
 
 
 def test_a_warm_up_that_runs_out_of_time_is_a_failed_row(tmp_path, monkeypatch):

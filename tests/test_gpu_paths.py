@@ -4,6 +4,7 @@ decisions; the meta device for the training step and its logging on every optimi
 two-rank gloo DDP with recompiles forbidden; and a census of the aten ops a training step runs against the
 ops torch documents as non-deterministic on CUDA."""
 
+import functools
 import json
 import os
 import sys
@@ -270,8 +271,7 @@ COMPILED_STEPS = 20
 
 def compiled_ddp_rank(rank, rendezvous_env, backend, data_path, out_dir, report_path):
     os.environ.update(rendezvous_env)
-    compile_model = torch.compile
-    torch.compile = lambda model: compile_model(model, backend=backend)  # what train.setup calls
+    torch.compile = functools.partial(torch.compile, backend=backend)  # what train.setup calls
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
 

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from allocator import allocator_peak
 from torch.nn import functional as F
 
 import model as model_module
@@ -441,3 +442,106 @@ def test_the_chunked_loss_compiles_into_one_graph(backend):
     torch.testing.assert_close(loss, eager_loss)
     for grad, p in zip(grads, gpt.parameters()):
         torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_compiled_loss_holds_one_chunk_s_product_at_a_time(monkeypatch, one_thread):
+    """The whole chunked loss compiled by inductor (as torch.compile of the GPT compiles it): each chunk adds its
+    share of the output weight's gradient, a (vocabulary x width) product, through one opaque operation
+    (model.add_product_), so the compiled loss holds one product at a time, as the eager loop does: the CPU
+    allocator's peak through its forward and backward pass is at most the eager loop's. Written as `+=` (the
+    second half), inductor fuses the 16 chunks' additions into one addition of 16 products, all alive together
+    (2 MiB each here, in bfloat16): the peak then exceeds the eager loop's."""
+    rows, vocab = 128, 8192
+    torch.manual_seed(0)
+    x = torch.randn(16 * rows, 128, requires_grad=True)
+    weight = torch.randn(vocab, 128, requires_grad=True)
+    targets = torch.randint(0, vocab, (16 * rows,))
+
+    def peak(loss_fn):
+        def forward_backward():
+            x.grad = weight.grad = None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(x, weight, targets, chunk_scores=rows * vocab)
+            loss.backward()
+
+        return allocator_peak(forward_backward)
+
+    eager = peak(model_module.cross_entropy_in_chunks)
+    torch._dynamo.reset()
+    compiled = peak(torch.compile(model_module.cross_entropy_in_chunks))
+    assert compiled <= eager, (compiled, eager)
+
+    def add_product_inline(total, a, b):
+        total += a @ b
+
+    monkeypatch.setattr(model_module, "add_product_", add_product_inline)
+    torch._dynamo.reset()
+    fused = peak(torch.compile(model_module.cross_entropy_in_chunks))
+    assert fused > eager + 8 * vocab * 128 * 2, (fused, eager)  # more than 8 products beyond the eager loop's
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps every graph dynamo hands it and counts the calls of each: it runs the
+    graph as traced (eager kernels, autograd through them)."""
+
+    def __init__(self):
+        self.graphs, self.calls = [], []
+
+    def __call__(self, graph, example_inputs):
+        index = len(self.graphs)
+        self.graphs.append(graph)
+        self.calls.append(0)
+
+        def run(*args):
+            self.calls[index] += 1
+            return graph.forward(*args)
+
+        return run
+
+    def with_op(self, op):
+        """The indices of the graphs that call `op`."""
+        return [i for i, g in enumerate(self.graphs) if any(node.target is op for node in g.graph.nodes)]
+
+
+def test_compile_blocks_compiles_one_block_graph_that_every_layer_runs():
+    """GPT.compile_blocks on 12 layers with the per-layer attention scale (the paper's setting): one graph of a
+    block for training and one for evaluation, each run by all 12 blocks, the loss's chunk one graph each; after
+    the first step and evaluation nothing compiles again (recompiles forbidden), and the compiled model trains as
+    the eager one (the per-layer factor multiplies q instead of folding into SDPA's scale: one rounding of q)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    recorder = GraphRecorder()
+    eager, compiled = (
+        tiny_gpt(n_layer=12, scale_attn_by_inverse_layer_idx=True),
+        tiny_gpt(n_layer=12, scale_attn_by_inverse_layer_idx=True),
+    )
+    compiled.compile_blocks(backend=recorder)
+    idx, targets = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+
+    def step(gpt):
+        gpt.train()
+        gpt.zero_grad()
+        loss = gpt(idx, targets, return_logits=False)[1]
+        loss.backward()
+        with torch.no_grad():
+            gpt.eval()
+            eval_loss = gpt(idx, targets, return_logits=False)[1]
+        return loss, eval_loss, [p.grad.clone() for p in gpt.parameters()]
+
+    first = step(compiled)
+    blocks = recorder.with_op(F.scaled_dot_product_attention)
+    assert len(blocks) == 2 and [recorder.calls[i] for i in blocks] == [12, 12]  # training, evaluation
+    assert len(recorder.graphs) == 4  # and the loss's chunk, with and without its gradient
+    assert counters["stats"]["unique_graphs"] == 4 and not counters["graph_break"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        again = step(compiled)
+    assert [recorder.calls[i] for i in blocks] == [24, 24]
+    expected = step(eager)
+    for got in (first, again):
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+        for grad, expected_grad in zip(got[2], expected[2]):
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)

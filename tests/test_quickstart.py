@@ -113,3 +113,15 @@ def test_a_quickstart_stopped_by_sigterm_continues_with_the_same_command(tmp_pat
     assert f"resuming {out_dir}/ckpt.pt at iter {iteration}" in again.stdout
     assert val_loss_iters(out_dir) == [0, 500, 1000] if iteration < 500 else [0, 1000]
     sample_of(again.stdout)
+
+
+def test_on_a_gpu_the_quickstart_compiles_in_float32_and_on_the_cpu_neither_changes():
+    """config/quickstart.py: on CUDA float32 (not autocast's bfloat16) and torch.compile, its default there; on the
+    CPU float32 uncompiled, what dtype 'auto' and compile's default gave before (the README's CPU figures)."""
+    from marsgpt.config import load_config
+    from marsgpt.runtime import resolve_compile, resolve_dtype
+
+    cfg = load_config([os.path.join(ROOT, "config", "quickstart.py")])
+    assert (resolve_dtype(cfg.dtype, "cuda"), resolve_compile(cfg.compile, "cuda")) == ("float32", True)
+    assert (resolve_dtype(cfg.dtype, "cpu"), resolve_compile(cfg.compile, "cpu")) == ("float32", False)
+    assert (resolve_dtype("auto", "cpu"), resolve_compile(None, "cpu")) == ("float32", False)

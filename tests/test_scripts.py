@@ -18,14 +18,16 @@ SBATCH = os.path.join(ROOT, "scripts", "slurm_mars_small.sbatch")
 def fake_bin(tmp_path, gpus=None, torch_gpus=0, torchrun='echo "$@"'):
     """A PATH where torchrun runs `torchrun` (prints its arguments), nvidia-smi lists `gpus` GPUs, python (asked
     for torch.cuda.device_count()) prints torch_gpus or fails when that is None (no torch), srun prints the
-    SRUN_CPUS_PER_TASK its step gets and runs its command (after its options), scontrol lists the hosts node0
-    and node1 and prints its other commands, and scancel prints its arguments and sends TERM to the step."""
+    SRUN_CPUS_PER_TASK and TORCHINDUCTOR_CACHE_DIR its step gets and runs its command (after its options),
+    scontrol lists the hosts node0 and node1 and prints its other commands, and scancel prints its arguments and
+    sends TERM to the step."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
     tools = {
         "torchrun": torchrun,
         "python": "exit 1" if torch_gpus is None else f"echo {torch_gpus}",
-        "srun": 'echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-unset}"; while [[ $1 == -* ]]; do shift; done; '
+        "srun": 'echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-unset}" '
+        '"TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-unset}"; while [[ $1 == -* ]]; do shift; done; '
         'exec "$@"',
         "scontrol": '[[ "$1 $2" == "show hostnames" ]] && printf "node0\\nnode1\\n" || echo "scontrol $*"',
         "scancel": f'echo "scancel $*"; kill -TERM "$(cat {tmp_path}/step.pid)"',
@@ -133,12 +135,15 @@ def test_slurm_example_requeues_and_gives_the_step_its_cpus(tmp_path):
         SLURM_JOB_ID="4242",
         SLURM_CPUS_PER_TASK="32",
     )
-    run = subprocess.run(
-        ["bash", SBATCH, "--max_iters=10"], env={**fake_bin(tmp_path), **slurm}, capture_output=True, text=True
-    )
+    env = {key: value for key, value in fake_bin(tmp_path).items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    run = subprocess.run(["bash", SBATCH, "--max_iters=10"], env={**env, **slurm}, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     step_env, torchrun = run.stdout.splitlines()
-    assert step_env == "SRUN_CPUS_PER_TASK=32"  # srun (Slurm >= 22.05) does not inherit --cpus-per-task
+    # srun (Slurm >= 22.05) does not inherit --cpus-per-task; the compile caches are on the shared file system
+    assert step_env.split() == ["SRUN_CPUS_PER_TASK=32", f"TORCHINDUCTOR_CACHE_DIR={ROOT}/.torchinductor"]
+    mine = dict(env, **slurm, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))  # a cache the user chose is kept
+    run = subprocess.run(["bash", SBATCH], env=mine, capture_output=True, text=True)
+    assert run.stdout.splitlines()[0].split()[1] == f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'cache'}"
     assert torchrun.split() == [
         "--nnodes=2",
         "--node_rank=1",
