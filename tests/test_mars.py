@@ -478,7 +478,6 @@ def test_compiled_step_is_one_graph(rule, amsgrad):
         eps=1e-8,
         weight_decay=0.1,
         gamma=0.025,
-        keep_grad=True,
     )
     assert explanation.graph_count == 1 and explanation.graph_break_count == 0
 
@@ -829,6 +828,52 @@ def test_sparse_gradient_raises():
         MARS(emb.parameters()).step()
 
 
+def step_allocations(opt):
+    """The most bytes the CPU allocator holds at once during opt.step(), beyond what it held before (torch's
+    profiler's allocation events; an internal API, so its absence fails the test)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    events = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    held = peak = 0
+    for _, size in sorted(events):
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("last_grad_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("is_approx", [True, False])
+def test_a_step_allocates_a_gradient_sized_buffer_only_for_another_last_grad_dtype(is_approx, last_grad_dtype):
+    """c_t is computed in last_grad's buffer, which the step then refills with g_t: no gradient-sized buffer,
+    approximate or exact (the memory plan counts one only for a last_grad in another dtype than the parameter's)."""
+    p = torch.nn.Parameter(torch.randn(256, 256))
+    opt = MARS([p], is_approx=is_approx, last_grad_dtype=last_grad_dtype)
+    for t in range(3):
+        if not is_approx:
+            p.grad = torch.randn_like(p)
+            opt.update_previous_grad()
+        p.grad = torch.randn_like(p)
+        if t < 2:
+            opt.step()
+        else:
+            peak = step_allocations(opt)
+        opt.update_last_grad()
+    gradient = p.numel() * p.element_size()
+    assert peak >= gradient if last_grad_dtype else peak < gradient // 100
+
+
 # ---------------------------------------------------------------------------------------------------
 # State.
 
@@ -1058,7 +1103,7 @@ def test_mars_imports_only_torch_and_the_standard_library():
             imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module)
-    assert imported == {"functools", "math", "sys", "warnings", "torch"}
+    assert imported == {"functools", "math", "sys", "typing", "warnings", "torch"}
 
 
 def test_lr_1d_follows_the_schedule_after_a_state_dict_round_trip():
