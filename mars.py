@@ -788,10 +788,11 @@ def mars(parts):
 
 
 def _compiles(part, i):
-    """Whether the compiled step takes tensor i: an elementwise rule, and tensors in one dense layout."""
+    """Whether the compiled step takes tensor i: an elementwise rule, tensors in one dense layout, and more than
+    one element (a graph compiled for one element would serve no other size)."""
     tensors = [part.params[i], part.grads[i], part.last_grads[i], part.exp_avgs[i]]
     tensors += [part.exp_avg_sqs[i], part.max_exp_avg_sqs[i]]
-    return part.rules[i] in _ELEMENTWISE_RULES and _one_dense_layout(tensors)
+    return part.rules[i] in _ELEMENTWISE_RULES and part.params[i].numel() > 1 and _one_dense_layout(tensors)
 
 
 def _by_device_and_dtype(params, *lists):
@@ -1047,21 +1048,22 @@ def _fused_mars(
     with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
         for device, (p, g, g_prev, m, v, v_max, step, rule) in _by_device_and_dtype(*lists):
             opmath = _opmath(p[0].dtype)
-            device_lr = _lr_on(lr, device) if torch.is_tensor(lr) else torch.full((), lr, dtype=opmath, device=device)
+            device_lr = torch.as_tensor(_lr_on(lr, device), dtype=opmath, device=device)
             device_numbers = {
                 name: torch.full((), value, dtype=opmath, device=device) for name, value in numbers.items()
             }
-            scalars = zip(*_adam_scalars(step, device_lr, beta1, beta2, p[0].dtype))
-            for i, (step_size, bias_correction2_rsqrt) in enumerate(scalars):
+            for i in range(len(p)):
                 flat = _flat_views([p[i], g[i], g_prev[i], m[i], v[i], v_max[i]])
                 compiled = _compiled_mars_tensor_step(_simdlen(p[i], g_prev[i]))
-                compiled(*flat, device_lr, step_size, bias_correction2_rsqrt, rule=rule[i], **device_numbers)
+                compiled(*flat, device_lr, step[i], rule=rule[i], **device_numbers)
 
 
-def _fused_mars_tensor_step(
-    p, g, g_prev, m, v, v_max, lr, step_size, bias_correction2_rsqrt, *, rule, beta1, beta2, eps, weight_decay, gamma
-):
-    """_mars_tensor_step as inductor compiles it fastest; the same rule, within a rounding."""
+def _fused_mars_tensor_step(p, g, g_prev, m, v, v_max, lr, step, *, rule, beta1, beta2, eps, weight_decay, gamma):
+    """_mars_tensor_step as inductor compiles it fastest; the same rule, within a rounding. _adam_scalars's two
+    numbers are computed in the graph, from the tensor's own step count (a view of a stack of them would make the
+    graph depend on how many tensors stepped together)."""
+    t = step.to(_opmath(p.dtype))
+    step_size, bias_correction2_rsqrt = lr / (1 - beta1**t), (1 - beta2**t).rsqrt()
     g = g.to(m.dtype)
     c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)
     # On CPU inductor's float32 sum is a slow cascade when g_prev is in c's dtype, where a float64 sum is faster;

@@ -394,6 +394,18 @@ def test_fused_step_does_not_recompile_for_new_lr_or_new_shapes():
         run_mars(*other, lrs=[1e-3, 2e-3], fused=True)
 
 
+def test_fused_step_does_not_recompile_for_another_number_of_tensors_or_a_one_element_one():
+    """torch's optimizer tests reached dynamo's recompile limit inside step(): the bias corrections went in as
+    views of one stacked tensor, whose length (one tensor stepping, or more) the graph was specialized on, and a
+    one-element tensor compiled a graph of its own. The corrections are computed in the graph now, from the
+    tensor's step count, and a one-element tensor steps on the path foreach says."""
+    torch._dynamo.reset()
+    run_mars(*make_problem(torch.float32, steps=1, shapes=[(6, 5)]), lrs=[1e-2], fused=True)  # compiles
+    with torch.compiler.set_stance("fail_on_recompile"):
+        more = make_problem(torch.float32, steps=2, shapes=[(6, 5), (3, 4), (1, 1), (7, 2)])
+        run_mars(*more, lrs=[1e-2, 5e-3], fused=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion"])
 def test_fused_step_does_not_recompile_when_every_number_changes(mars_type):
