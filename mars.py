@@ -230,17 +230,14 @@ class MARS(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict):
-        # foreach and fused, how this process computes the step, stay this process's choice whatever the checkpoint
-        # says (torch's load_state_dict would take the saved values).
+        # A setting a group was saved without (an older mars.py, or stripped) is this optimizer's; so are foreach
+        # and fused, how this process computes the step, whatever the checkpoint says.
         paths = [{key: group[key] for key in ("foreach", "fused")} for group in self.param_groups]
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            missing = sorted(group.keys() - saved.keys())
-            if missing:
-                raise ValueError(
-                    f"this state dict's parameter groups lack {', '.join(missing)}: it was not written by this MARS "
-                    f"(mars.py {__version__}); load it with the version that wrote it"
-                )
-        super().load_state_dict(state_dict)
+        current = [
+            {k: v for k, v in group.items() if k not in ("params", "param_names")} for group in self.param_groups
+        ]
+        saved_groups = [{**mine, **saved} for mine, saved in zip(current, state_dict["param_groups"])]
+        super().load_state_dict({**state_dict, "param_groups": saved_groups})
         # Exact MARS's protocol restarts (torch's set_state_dict first takes a zero-lr step() to create the state).
         self._protocol.update(_new_protocol(), zero_grad_calls=self._protocol["zero_grad_calls"])
         for group, path in zip(self.param_groups, paths):

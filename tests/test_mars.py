@@ -887,6 +887,62 @@ def test_a_step_allocates_a_gradient_sized_buffer_only_for_another_last_grad_dty
 
 
 # ---------------------------------------------------------------------------------------------------
+# What torch's optimizers accept, MARS accepts (issue 36: torch's generic optimizer tests found each of these).
+
+
+@pytest.mark.parametrize("named_before,named_after", [(False, True), (True, False)])
+def test_a_state_dict_loads_between_plain_and_named_parameters(named_before, named_after):
+    """param_names is torch's own group key: an optimizer built from model.named_parameters() loads a state dict
+    saved from model.parameters(), and back, and continues bit for bit; the group keeps whichever names it had."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    twin = copy.deepcopy(model)
+    data = torch.randn(6, 5, 4, generator=torch.Generator().manual_seed(1))
+
+    def params(module, named):
+        return list(module.named_parameters()) if named else list(module.parameters())
+
+    def train(module, opt, batches):
+        for x in batches:
+            opt.zero_grad()
+            module(x).square().sum().backward()
+            opt.step()
+
+    opt = MARS(params(model, named_before), lr=1e-2)
+    train(model, opt, data[:3])
+    twin.load_state_dict(model.state_dict())
+    twin_opt = MARS(params(twin, named_after), lr=1e-2)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a file: a live one shares its tensors
+    train(model, opt, data[3:])
+    train(twin, twin_opt, data[3:])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert twin_opt.param_groups[0]["param_names"] == [name for name, _ in model.named_parameters()]
+
+
+def test_a_state_dict_without_later_settings_takes_this_optimizers():
+    """A state dict whose groups lack foreach and fused (older files, or stripped) or a setting later versions of
+    mars.py added loads, each missing setting taking the restoring optimizer's (as foreach and fused always do);
+    the settings it has are its own."""
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=2, shapes=SHAPES[:3])  # no N-D tensor: routings agree
+    _, opt = run_mars(x0s, grads, lookaheads, lrs=[5e-3] * 2, gamma=0.1)
+    saved = opt.state_dict()
+    later = ("foreach", "fused", "routing", "eps_1d_uncorrected", "last_grad_dtype")
+    for group in saved["param_groups"]:
+        for key in later:
+            del group[key]
+    params = [torch.nn.Parameter(x.clone()) for x in x0s]
+    settings = dict(foreach=False, routing="nd", eps_1d_uncorrected=True, last_grad_dtype=torch.bfloat16)
+    restored = MARS(params, lr=1e-2, **settings)
+    restored.load_state_dict(saved)
+    group = restored.param_groups[0]
+    assert {key: group[key] for key in later} == dict(settings, fused=None)
+    assert group["lr"] == 5e-3 and group["gamma"] == 0.1
+    for p, g in zip(params, grads[0]):
+        p.grad = g.clone()
+    restored.step()
+
+
+# ---------------------------------------------------------------------------------------------------
 # State.
 
 
