@@ -223,9 +223,11 @@ class MARS(torch.optim.Optimizer):
             # strings, lists and dicts. load_state_dict takes the name or the dtype (checkpoints written before).
             if isinstance(group["last_grad_dtype"], torch.dtype):
                 group["last_grad_dtype"] = str(group["last_grad_dtype"]).removeprefix("torch.")
-        # Exact MARS's 'previous_grad' is left out (the next update_previous_grad() writes it whole before any use).
+        # Exact MARS's 'previous_grad' is left out (the next update_previous_grad() writes it whole before any use);
+        # an entry that is no parameter's state (a state-dict hook may write one) passes as it is.
         state["state"] = {
-            i: {k: v for k, v in entry.items() if k != "previous_grad"} for i, entry in state["state"].items()
+            i: {k: v for k, v in entry.items() if k != "previous_grad"} if isinstance(entry, dict) else entry
+            for i, entry in state["state"].items()
         }
         return state
 
@@ -250,7 +252,8 @@ class MARS(torch.optim.Optimizer):
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(saved_ids, params):
-            for key, value in state_dict["state"].get(i, {}).items():
+            saved = state_dict["state"].get(i)
+            for key, value in saved.items() if isinstance(saved, dict) else ():
                 if key == "step":
                     self.state[p][key] = torch.as_tensor(value, dtype=torch.float32, device=p.device)
                 elif torch.is_tensor(value) and value.dtype != p.dtype and key in self.state[p]:
@@ -482,7 +485,8 @@ class MARS(torch.optim.Optimizer):
         else:
             if exact:
                 for entry in self.state.values():
-                    entry.pop("previous_param", None)
+                    if isinstance(entry, dict):
+                        entry.pop("previous_param", None)
             loss = None
             if closure is not None:
                 with torch.enable_grad():

@@ -942,6 +942,21 @@ def test_a_state_dict_without_later_settings_takes_this_optimizers():
     restored.step()
 
 
+@pytest.mark.parametrize("is_approx", [True, False])
+def test_an_entry_of_the_state_that_is_no_parameters_state_is_carried(is_approx):
+    """torch's state-dict hooks may write into optimizer.state an entry that is not a parameter's state (a number):
+    state_dict() carries it, load_state_dict keeps it, and steps (exact MARS's hand-written protocol too, whose
+    step drops x_{t-1} from every state) step past it."""
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    params, opt = run_mars(x0s, grads[:1], lookaheads[:1], is_approx=is_approx)
+    opt.state["marker"] = 1
+    saved = opt.state_dict()
+    assert saved["state"]["marker"] == 1
+    opt.load_state_dict(saved)
+    assert opt.state["marker"] == 1
+    run_mars(x0s, grads[1:], lookaheads[1:], lrs=LRS[1:], params=params, opt=opt)
+
+
 # ---------------------------------------------------------------------------------------------------
 # State.
 
