@@ -423,7 +423,7 @@ class MARS(torch.optim.Optimizer):
         if handled or rest:  # advanced on the device: the kernels read the step counts from there
             torch._foreach_add_([self.state[p]["step"] for p in handled + rest], 1)
         flags = dict(foreach=group["foreach"], fused=group["fused"])
-        mars_numbers = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"])
+        mars_numbers = dict(lr=_scalar(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"])
         mars_numbers.update(weight_decay=group["weight_decay"], gamma=group["gamma"], eps_uncorrected=False)
         adamw_numbers = dict(lr=lr_1d, beta1=group["betas_1d"][0], beta2=group["betas_1d"][1], eps=group["eps"])
         adamw_numbers.update(
@@ -444,7 +444,7 @@ class MARS(torch.optim.Optimizer):
         seen = self._lr_1d_seen[index]
         factor_written = not _same(group["lr_1d_factor"], seen["lr_1d_factor"])
         lr_1d_written = not _same(group["lr_1d"], seen["lr_1d"]) and not _restates_peak(group)
-        lr, lr_1d, factor = group["lr"], group["lr_1d"], group["lr_1d_factor"]
+        lr, lr_1d, factor = _scalar(group["lr"]), _scalar(group["lr_1d"]), _scalar(group["lr_1d_factor"])
         if lr_1d_written and factor_written:
             if not _agree(lr_1d, lr * factor):
                 raise ValueError(
@@ -616,13 +616,15 @@ def _validate(hp, at_step=False):
                     "divisions finite)"
                 )
             continue
-        may_be_tensor = name in ("lr", "lr_1d", "lr_1d_factor")
-        is_scalar_tensor = may_be_tensor and torch.is_tensor(value) and value.ndim == 0 and value.is_floating_point()
-        if is_scalar_tensor and at_step:
-            continue
-        if not (is_number or is_scalar_tensor) or not 0.0 <= float(value) < math.inf:
-            allowed = "a finite number >= 0" + (" or a 0-d floating tensor" if may_be_tensor else "")
-            raise ValueError(f"invalid {name}: {value!r} (must be {allowed})")
+        if name in ("lr", "lr_1d", "lr_1d_factor") and torch.is_tensor(value):
+            if value.numel() != 1 or not value.is_floating_point():
+                raise ValueError(f"invalid {name}: {value!r} (a Tensor lr must be 1-element and floating point)")
+            if at_step:
+                continue
+        elif not is_number:
+            raise ValueError(f"invalid {name}: {value!r} (must be a finite number >= 0)")
+        if not 0.0 <= float(value) < math.inf:
+            raise ValueError(f"invalid {name}: {value!r} (must be a finite number >= 0)")
     for name in ("amsgrad", "is_approx", "optimize_1d", "eps_1d_uncorrected"):
         if not isinstance(hp[name], bool):
             raise ValueError(f"invalid {name}: {hp[name]!r} (must be True or False)")
@@ -660,8 +662,8 @@ def _validate(hp, at_step=False):
     for name in ("foreach", "fused"):
         if not (hp[name] is None or isinstance(hp[name], bool)):
             raise ValueError(f"invalid {name}: {hp[name]!r} (must be None, True or False)")
-    if hp["fused"] and hp["foreach"] is False:
-        raise ValueError("invalid fused=True with foreach=False: the fused path is a multi-tensor path")
+    if hp["fused"] and hp["foreach"]:
+        raise ValueError("invalid fused=True with foreach=True: `fused` and `foreach` cannot be `True` together")
 
 
 def _check_dense(grad):
@@ -691,6 +693,11 @@ def update_rule(p, group):
     """How MARS updates p in this parameter group: None for the AdamW part (the tensors MARS does not handle),
     else its rule: "adamw", "lion", or one of NEWTON_SCHULZ_RULES."""
     return _rule(p, group["mars_type"]) if _takes_mars(p, group) else None
+
+
+def _scalar(value):
+    """A 1-element tensor lr as a 0-d tensor (a view: no host read); numbers as they are."""
+    return value.reshape(()) if torch.is_tensor(value) and value.ndim else value
 
 
 def _opmath(dtype):

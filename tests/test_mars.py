@@ -762,7 +762,7 @@ def test_newton_schulz_on_a_spread_spectrum():
     "kwargs,name",
     [
         (dict(lr=-1e-3), "lr"),
-        (dict(lr=torch.tensor([1e-3])), "lr"),
+        (dict(lr=torch.tensor([1e-3, 1e-3])), "lr"),
         (dict(eps=-1e-8), "eps"),
         (dict(eps=0.0), "eps"),
         (dict(lr_1d=-1.0), "lr_1d"),
@@ -776,7 +776,7 @@ def test_newton_schulz_on_a_spread_spectrum():
         (dict(mars_type="mars-sgd"), "mars_type"),
         (dict(foreach="yes"), "foreach"),
         (dict(fused=1), "fused"),
-        (dict(fused=True, foreach=False), "fused"),
+        (dict(fused=True, foreach=True), "fused"),
         (dict(routing="conv"), "routing"),
         (dict(last_grad_dtype="bfloat16"), "last_grad_dtype"),
         (dict(last_grad_dtype=torch.int8), "last_grad_dtype"),
@@ -888,6 +888,30 @@ def test_a_step_allocates_a_gradient_sized_buffer_only_for_another_last_grad_dty
 
 # ---------------------------------------------------------------------------------------------------
 # What torch's optimizers accept, MARS accepts (issue 36: torch's generic optimizer tests found each of these).
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_a_one_element_tensor_lr_of_any_shape_steps_as_the_number(shape, path):
+    """torch takes lr=torch.tensor([1e-3]); so does MARS, stepping as with the number (a 2-element lr is refused,
+    test_invalid_arguments_raise_naming_the_argument)."""
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    expected, _ = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 3, **PATHS[path])
+    lrs = [torch.tensor(1e-2).reshape(shape)] * 3
+    params, opt = run_mars(x0s, grads, lookaheads, lrs=lrs, **PATHS[path])
+    for a, b in zip(params, expected):
+        torch.testing.assert_close(a, b)
+    assert opt.param_groups[0]["lr_1d"].shape == ()  # the 1-D lr of the step, lr × lr_1d_factor
+
+
+def test_fused_with_foreach_false_takes_the_compiled_step():
+    """torch refuses only fused=True with foreach=True: fused=True, foreach=False (what torch's test helper
+    generates on CUDA) compiles the elementwise rules' tensors and steps the rest on the reference."""
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=3)
+    expected, _ = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 3, foreach=False)
+    params, opt = run_mars(x0s, grads, lookaheads, lrs=[1e-2] * 3, fused=True, foreach=False)
+    for a, b in zip(params, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the compiled step rounds in its own order
 
 
 @pytest.mark.parametrize("named_before,named_after", [(False, True), (True, False)])
