@@ -178,7 +178,9 @@ class MARS(torch.optim.Optimizer):
         elif not isinstance(params, set):  # Optimizer refuses sets (their order changes between runs)
             params = list(params)
         param_group = {**param_group, "params": params}
-        for p in params:
+        # Named parameters (model.named_parameters()) come as (name, tensor) pairs.
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params if torch.is_tensor(p) or isinstance(p, tuple)]
+        for p in tensors:
             if torch.is_tensor(p) and p.is_complex():
                 raise ValueError(
                     f"MARS does not support complex parameters (got one of shape {tuple(p.shape)}, {p.dtype}); "
@@ -194,7 +196,7 @@ class MARS(torch.optim.Optimizer):
             inherited = param_group["weight_decay"]
             param_group["weight_decay_1d"] = group["weight_decay_1d"] = inherited
             paper = self.defaults["weight_decay_1d"]
-            affected = [p for p in params if torch.is_tensor(p) and not _takes_mars(p, group)]
+            affected = [p for p in tensors if torch.is_tensor(p) and not _takes_mars(p, group)]
             if inherited != paper and affected:
                 warnings.warn(
                     f"MARS: parameter group {len(self.param_groups)} sets weight_decay={inherited} but not "

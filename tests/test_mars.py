@@ -914,6 +914,18 @@ def test_fused_with_foreach_false_takes_the_compiled_step():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the compiled step rounds in its own order
 
 
+@pytest.mark.parametrize("how", ["constructor", "add_param_group"])
+def test_a_complex_parameter_passed_by_name_is_refused(how):
+    """A (name, tensor) pair (model.named_parameters()) is checked as a tensor is: with foreach=False it trained
+    with meaningless complex arithmetic, and MARS-Shampoo made NaN."""
+    named = [("w", torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64)))]
+    with pytest.raises(ValueError, match="MARS does not support complex parameters.*view_as_real"):
+        if how == "constructor":
+            MARS(named, foreach=False)
+        else:
+            MARS([("v", torch.nn.Parameter(torch.zeros(2, 2)))]).add_param_group({"params": named})
+
+
 @pytest.mark.parametrize("named_before,named_after", [(False, True), (True, False)])
 def test_a_state_dict_loads_between_plain_and_named_parameters(named_before, named_after):
     """param_names is torch's own group key: an optimizer built from model.named_parameters() loads a state dict
