@@ -231,7 +231,20 @@ class MARS(torch.optim.Optimizer):
             i: {k: v for k, v in entry.items() if k != "previous_grad"} if isinstance(entry, dict) else entry
             for i, entry in state["state"].items()
         }
+        if any(not group["is_approx"] for group in self.param_groups):
+            self._write_previous_params(state)
         return state
+
+    def _write_previous_params(self, state):
+        """Exact MARS: 'previous_param' (x_{t-1}) in every tensor's state whichever protocol ran, so that any
+        checkpoint has the keys of a fresh optimizer's state (torch.distributed.checkpoint loads into that
+        template; torch creates it with a step(closure=None), which keeps x). Where no x_{t-1} was kept, the
+        parameter stands in, and 'previous_param_kept' says so: load_state_dict drops it again."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, entry in state["state"].items():
+            if isinstance(i, int) and isinstance(entry, dict) and entry:
+                entry["previous_param_kept"] = "previous_param" in entry
+                entry.setdefault("previous_param", params[i].detach())
 
     def load_state_dict(self, state_dict):
         # A setting a group was saved without (an older mars.py, or stripped) is this optimizer's; so are foreach
@@ -247,6 +260,9 @@ class MARS(torch.optim.Optimizer):
         for group, path in zip(self.param_groups, paths):
             group.update(path)
             group["last_grad_dtype"] = _dtype_by_name(group["last_grad_dtype"])
+            for p in group["params"]:
+                if not self.state.get(p, {}).pop("previous_param_kept", True):  # the parameter stood in: none kept
+                    self.state[p].pop("previous_param")
         self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]  # the groups are the checkpoint's now
         # Optimizer.load_state_dict casts every state tensor to its parameter's dtype and leaves 'step' where it
         # was saved; MARS keeps some in another dtype (float16 parameters' m and v, last_grad_dtype) and every step
@@ -471,24 +487,27 @@ class MARS(torch.optim.Optimizer):
         protocol = self._protocol
         exact = any(not group["is_approx"] for group in self.param_groups)
         hand_written = protocol["look_ahead_called"]  # update_previous_grad() supplies g_{t-1}
-        if protocol["last_grad_pending"]:
+        if protocol["last_grad_pending"] and (hand_written or closure is None):
             raise RuntimeError(_STALE_LOOK_AHEAD if hand_written else _NO_SECOND_GRADIENT)
         if len(self._lr_1d_seen) != len(self.param_groups):  # groups installed without add_param_group
             self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]
         for group in self.param_groups:  # everything a scheduler or a user may have written, before any change
             _validate(group, at_step=True)
         lrs_1d = [self._live_lr_1d(index, group) for index, group in enumerate(self.param_groups)]
-        # Through a closure exact MARS keeps x_t as the next step's x_{t-1}; after a step without, it is stale.
-        by_closure = exact and closure is not None and not hand_written
-        if by_closure:
+        # x_t is kept as the next step's x_{t-1} unless the hand-written protocol runs: the closure route needs it,
+        # and a first step with neither (torch's zero-lr step that creates the state to load a checkpoint into)
+        # keeps the state's keys those of the closure route. Through the protocol it would be stale: dropped.
+        keeps_x = exact and not hand_written
+        if keeps_x:
             movable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
             current = [p.detach().clone(memory_format=torch.preserve_format) for p in movable]
+        elif exact:
+            for entry in self.state.values():
+                if isinstance(entry, dict):
+                    entry.pop("previous_param", None)
+        if keeps_x and closure is not None and movable:
             loss = self._look_ahead_by_closure(closure, movable, current)
         else:
-            if exact:
-                for entry in self.state.values():
-                    if isinstance(entry, dict):
-                        entry.pop("previous_param", None)
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -499,12 +518,12 @@ class MARS(torch.optim.Optimizer):
             parts += group_parts
             stepped_exact |= not group["is_approx"] and any(part.last_grads is not None for part in group_parts)
         mars(parts)
-        if by_closure:
+        if keeps_x:
             for p, x in zip(movable, current):
                 if p.grad is not None or self.state.get(p):
                     self.state[p]["previous_param"] = x
-        if stepped_exact and not by_closure:  # the next step needs update_last_grad() first
-            protocol["last_grad_pending"] = True
+        # Unless a closure gave this step its g_{t-1}, the next one needs update_last_grad() or a closure.
+        protocol["last_grad_pending"] = stepped_exact and not (keeps_x and closure is not None and movable)
         return loss
 
 

@@ -993,6 +993,66 @@ def test_an_entry_of_the_state_that_is_no_parameters_state_is_carried(is_approx)
     run_mars(x0s, grads[1:], lookaheads[1:], lrs=LRS[1:], params=params, opt=opt)
 
 
+def test_exact_mars_through_a_closure_resumes_through_a_torch_distributed_checkpoint(tmp_path):
+    """The route docs/mars.md gives for FSDP2 (get_state_dict -> dcp.save; a fresh model and optimizer ->
+    get_state_dict -> dcp.load -> set_state_dict), here in one process: torch creates the fresh optimizer's state
+    with a step(closure=None), and dcp.load fills only the keys that state has. x_{t-1} (previous_param), which
+    step(closure) needs, was not among them, so the first step after the resume was approximate; now it is, and
+    the run continues bit for bit (test_mars_sharded.py: the same on two FSDP2 ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    data = torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(1))
+
+    def train(module, opt, batches):
+        for x in batches:
+
+            def closure(x=x):
+                opt.zero_grad()
+                loss = module(x).square().sum()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+
+    opt = MARS(model.parameters(), lr=1e-2, gamma=0.5, is_approx=False)
+    train(model, opt, data[:3])
+    model_state, optimizer_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp_path))
+    resumed = copy.deepcopy(model)
+    train(model, opt, data[3:])
+    torch.manual_seed(5)
+    for p in resumed.parameters():  # other values: the load must bring the saved ones back
+        torch.nn.init.normal_(p)
+    resumed_opt = MARS(resumed.parameters(), lr=1e-2, gamma=0.5, is_approx=False)
+    model_state, optimizer_state = get_state_dict(resumed, resumed_opt)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    assert all("previous_param" in resumed_opt.state[p] for p in resumed.parameters())
+    train(resumed, resumed_opt, data[3:])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+def test_a_hand_written_protocol_checkpoint_carries_no_x_previous_into_the_loaded_state():
+    """In exact mode a state dict holds 'previous_param' for every tensor, whichever protocol ran, so that every
+    checkpoint has the keys of a fresh optimizer's state; where the hand-written protocol kept none, the parameter
+    stands in and 'previous_param_kept' says so: the loaded state holds no copy of the parameters (memory the
+    protocol does not spend)."""
+    x0s, grads, lookaheads = make_problem(torch.float32, steps=2)
+    _, opt = run_mars(x0s, grads, lookaheads, is_approx=False)
+    assert all("previous_param" not in state for state in opt.state.values())
+    saved = opt.state_dict()
+    assert all("previous_param" in state and not state["previous_param_kept"] for state in saved["state"].values())
+    restored = MARS([torch.nn.Parameter(x.clone()) for x in x0s], is_approx=False)
+    restored.load_state_dict(saved)
+    assert restored.state and all(
+        state.keys().isdisjoint({"previous_param", "previous_param_kept"}) for state in restored.state.values()
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # State.
 
