@@ -116,45 +116,16 @@ class MARS(torch.optim.Optimizer):
     """
 
     def __init__(
-        self,
-        params,
-        lr=3e-3,
-        betas=(0.95, 0.99),
-        eps=1e-8,
-        weight_decay=0.0,
-        amsgrad=False,
-        gamma=0.025,
-        is_approx=True,
-        mars_type="mars-adamw",
-        optimize_1d=False,
-        routing="2d",
-        lr_1d=3e-3,
-        betas_1d=(0.9, 0.95),
-        weight_decay_1d=0.1,
-        eps_1d_uncorrected=False,
-        last_grad_dtype=None,
-        foreach=None,
-        fused=None,
-    ):
+        self, params, lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, amsgrad=False, gamma=0.025,
+        is_approx=True, mars_type="mars-adamw", optimize_1d=False, routing="2d", lr_1d=3e-3, betas_1d=(0.9, 0.95),
+        weight_decay_1d=0.1, eps_1d_uncorrected=False, last_grad_dtype=None, foreach=None, fused=None,
+    ):  # fmt: skip
         defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            gamma=gamma,
-            is_approx=is_approx,
-            mars_type=mars_type,
-            optimize_1d=optimize_1d,
-            routing=routing,
-            lr_1d=lr_1d,
-            betas_1d=betas_1d,
-            weight_decay_1d=weight_decay_1d,
-            eps_1d_uncorrected=eps_1d_uncorrected,
-            last_grad_dtype=last_grad_dtype,
-            foreach=foreach,
-            fused=fused,
-        )
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, gamma=gamma, is_approx=is_approx,
+            mars_type=mars_type, optimize_1d=optimize_1d, routing=routing, lr_1d=lr_1d, betas_1d=betas_1d,
+            weight_decay_1d=weight_decay_1d, eps_1d_uncorrected=eps_1d_uncorrected, last_grad_dtype=last_grad_dtype,
+            foreach=foreach, fused=fused,
+        )  # fmt: skip
         _validate(defaults)
         self._protocol = _new_protocol()
         self._lr_1d_seen = []  # per group: the lr_1d and lr_1d_factor the last step left there (_live_lr_1d)
@@ -625,53 +596,50 @@ def _validate(hp, at_step=False):
 
     at_step: the check step() makes of a live group, which reads no tensor's value (no host sync): a tensor lr,
     lr_1d or lr_1d_factor is checked for its size and dtype only."""
-    for name in ("lr", "lr_1d", "lr_1d_factor", "eps", "weight_decay", "weight_decay_1d", "gamma"):
-        if name not in hp:  # lr_1d_factor, before add_param_group computes it
-            continue
-        value = hp[name]
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if name == "eps":
-            if not (is_number and math.isfinite(value) and value > 0):
-                raise ValueError(
-                    f"invalid eps: {value!r} (must be a finite number > 0: it keeps the AdamW and Newton-Schulz "
-                    "divisions finite)"
-                )
-            continue
+
+    def invalid(name, why):
+        return ValueError(f"invalid {name}: {hp[name]!r} ({why})")
+
+    def is_number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not (is_number(hp["eps"]) and math.isfinite(hp["eps"]) and hp["eps"] > 0):
+        raise invalid("eps", "must be a finite number > 0: it keeps the AdamW and Newton-Schulz divisions finite")
+    for name in ("lr", "lr_1d", "lr_1d_factor", "weight_decay", "weight_decay_1d", "gamma"):
+        value = hp.get(name, 0.0)  # no lr_1d_factor before add_param_group computes it
         if name in ("lr", "lr_1d", "lr_1d_factor") and torch.is_tensor(value):
             if value.numel() != 1 or not value.is_floating_point():
-                raise ValueError(f"invalid {name}: {value!r} (a Tensor lr must be 1-element and floating point)")
+                raise invalid(name, "a Tensor lr must be 1-element and floating point")
             if at_step:
                 continue
-        elif not is_number:
-            raise ValueError(f"invalid {name}: {value!r} (must be a finite number >= 0)")
+        elif not is_number(value):
+            raise invalid(name, "must be a finite number >= 0")
         if not 0.0 <= float(value) < math.inf:
-            raise ValueError(f"invalid {name}: {value!r} (must be a finite number >= 0)")
+            raise invalid(name, "must be a finite number >= 0")
     for name in ("amsgrad", "is_approx", "optimize_1d", "eps_1d_uncorrected"):
         if not isinstance(hp[name], bool):
-            raise ValueError(f"invalid {name}: {hp[name]!r} (must be True or False)")
+            raise invalid(name, "must be True or False")
     for name in ("betas", "betas_1d"):
         betas = hp[name]
-        if (
-            not isinstance(betas, (tuple, list))
-            or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+        if not (
+            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)
         ):
-            raise ValueError(f"invalid {name}: {betas!r} (must be two numbers in [0, 1))")
+            raise invalid(name, "must be two numbers in [0, 1)")
     mars_type = hp["mars_type"]
     if mars_type not in MARS_TYPES:
-        message = f"invalid mars_type: {mars_type!r} (allowed: {', '.join(MARS_TYPES)})"
+        why = f"allowed: {', '.join(MARS_TYPES)}"
         if isinstance(mars_type, str) and mars_type in _OTHER_LIBRARIES_TYPES:
-            message += (
-                f"; {mars_type!r} is timm's and pytorch_optimizer's name. {_OTHER_LIBRARIES_TYPES[mars_type]!r} "
-                "is the same rule, but their MARS's defaults are not this one's (betas, betas_1d, the 1-D lr and "
-                "weight decay, which tensors take MARS): docs/mars.md, 'Coming from timm or pytorch_optimizer', "
-                "gives the settings that reproduce theirs"
+            why += (
+                f"; {mars_type!r} is timm's and pytorch_optimizer's name. {_OTHER_LIBRARIES_TYPES[mars_type]!r} is the "
+                "same rule, but their MARS's defaults are not this one's (betas, betas_1d, the 1-D lr and weight "
+                "decay, which tensors take MARS): docs/mars.md, 'Coming from timm or pytorch_optimizer', gives the "
+                "settings that reproduce theirs"
             )
-        raise ValueError(message)
+        raise invalid("mars_type", why)
     if at_step:  # what only the constructor's choice decides (routing, paths) is not rewritten by schedules
         return
     if hp["routing"] not in ROUTINGS:
-        raise ValueError(f"invalid routing: {hp['routing']!r} (allowed: {', '.join(ROUTINGS)})")
+        raise invalid("routing", f"allowed: {', '.join(ROUTINGS)}")
     if hp["routing"] == "none" and hp["optimize_1d"]:
         raise ValueError(
             'invalid routing="none" with optimize_1d=True: optimize_1d gives every tensor the MARS rule, '
@@ -679,10 +647,10 @@ def _validate(hp, at_step=False):
         )
     dtype = hp["last_grad_dtype"]
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"invalid last_grad_dtype: {dtype!r} (must be None or a floating torch.dtype)")
+        raise invalid("last_grad_dtype", "must be None or a floating torch.dtype")
     for name in ("foreach", "fused"):
         if not (hp[name] is None or isinstance(hp[name], bool)):
-            raise ValueError(f"invalid {name}: {hp[name]!r} (must be None, True or False)")
+            raise invalid(name, "must be None, True or False")
     if hp["fused"] and hp["foreach"]:
         raise ValueError("invalid fused=True with foreach=True: `fused` and `foreach` cannot be `True` together")
 
