@@ -1,62 +1,51 @@
 """MARS: Make vAriance Reduction Shine (Yuan et al. 2024, arXiv:2411.10438) as a torch optimizer, with the
 authors' matrix-level instance MARS-M (Liu et al. 2025, arXiv:2510.21800).
 
-Self-contained: imports nothing from this repository (torch only), so the file can be copied into any
-project, or installed on its own (``pip install <this repository>``: the distribution mars-optimizer).
+One file that imports only torch: copy it into a project, or install it alone (``pip install <this repository>``,
+the distribution mars-optimizer). docs/mars.md is its manual.
 
     from mars import MARS
     optimizer = MARS(model.parameters(), lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1)
 
-The class owns parameter groups, state and dispatch; the update rule lives in functional kernels:
+Laid out as torch/optim/adam.py: the class owns the parameter groups, the state and exact MARS's protocols, and
+hands each group's tensors, as parallel lists, to the functional ``mars()``, the one place that picks the path:
 
-- ``_mars_tensor_step`` / ``_adamw_tensor_step``: the readable single-tensor reference (``foreach=False``).
-- ``_multi_tensor_mars`` / ``_multi_tensor_adamw`` (the default): ``torch._foreach_*`` ops per device and
-  dtype; the AdamW part of the rule runs in torch's fused AdamW kernel wherever every tensor's layout
-  allows it, and Newton-Schulz is batched over matrices of the same shape.
-- ``fused=True``: ``_fused_mars_tensor_step`` (the reference step as the compiler takes it best) compiled by
-  torch.compile (inductor: C++ loops on CPU, Triton kernels on CUDA) into one reduction and one elementwise
-  pass per tensor, for the AdamW and Lion rules; Newton-Schulz and the AdamW-rule tensors as in the
-  multi-tensor path. Not train.py's default: which path is faster on a GPU is for scripts/gpu_check.sh's
-  optimizer row to say (docs/gpu.md).
-- DTensor parameters (FSDP2's ``fully_shard``, HSDP), last in this file: ``_sharded_mars`` /
-  ``_sharded_adamw``, the multi-tensor rule on each rank's shards (whatever ``foreach`` says; ``fused=True``
-  is refused). Only two things in the rule look at a whole tensor: c_t's clip, whose Frobenius norm comes from
-  the shards' sums of squares in one all-reduce per step, and Newton-Schulz, which runs on the whole matrix at
-  one owner rank per matrix (all-to-all there and back). Nothing here imports torch.distributed until a
-  DTensor parameter steps.
-
-Tests hold every path equal to the reference and the reference to a float64 transcription of the rule.
+- ``_single_tensor_mars`` (``foreach=False``, or a step traced by torch.compile): the rule tensor by tensor, the
+  reference the other paths are tested against (and it against a float64 transcription of the rule);
+- ``_multi_tensor_mars`` (the default): ``torch._foreach_*`` ops per device and dtype, the AdamW rule in torch's
+  fused AdamW kernel, Newton-Schulz batched over matrices of one shape;
+- ``_fused_mars`` (``fused=True``): the reference step compiled per tensor, for the AdamW and Lion rules;
+- ``_sharded_mars`` (DTensor parameters: FSDP2, HSDP): the multi-tensor rule on each rank's shards, with c_t's
+  norm and Newton-Schulz taken on whole tensors (the last section of this file).
 """
 
 import functools
 import math
 import sys
 import warnings
+from typing import NamedTuple
 
 import torch
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo", "mars-m")
 # Which tensors take the MARS rule when optimize_1d=False: "2d" exactly the 2-D ones (the paper's code;
 # convolution kernels and other N-D tensors get the AdamW rule), "nd" every tensor with 2 or more dims,
 # "none" no tensor (a group of embeddings and head that trains with the AdamW part, as MARS-M's code does).
 ROUTINGS = ("2d", "nd", "none")
-# The rules whose direction is Newton-Schulz of m: mars-shampoo's and mars-m's (_orthogonal_direction).
-_NEWTON_SCHULZ_RULES = ("newton-schulz", "newton-schulz-rms")
+# The update rules whose direction is Newton-Schulz of m: mars-shampoo's and mars-m's (_orthogonal_direction).
+NEWTON_SCHULZ_RULES = ("newton-schulz", "newton-schulz-rms")
 
 # Quintic Newton-Schulz coefficients (a, b, c) of the paper's MARS-Shampoo (the same as Muon's).
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
 def newton_schulz_dtype(device, dtype=torch.float32):
-    """The dtype Newton-Schulz runs in by default on `device` for matrices of `dtype`.
-
-    On CUDA the paper's code uses bfloat16, a tensor-core format there since compute capability 8 (A100). Older
-    GPUs emulate bfloat16 at a fraction of their float16 speed, so they take float16, which also lands closer
-    to the exact iteration: relative to a float64 Newton-Schulz of a GPT-2-sized momentum, float16 is 0.3% off
-    and bfloat16 2.7% (docs/mars.md). CPUs without native bfloat16 matmuls run them several times
-    slower than float32, so CPUs take float32 (float64 for float64 matrices)."""
+    """The dtype Newton-Schulz runs in by default on `device` for matrices of `dtype`: bfloat16 on GPUs of compute
+    capability 8 and later, as the paper's code; float16 on older GPUs, which emulate bfloat16 slowly (and float16
+    lands nearer the exact iteration); float32 on CPUs (float64 for float64 matrices). docs/mars.md has the
+    measurements."""
     device = torch.device(device)
     if device.type != "cuda":
         return torch.promote_types(dtype, torch.float32)
@@ -68,15 +57,11 @@ def newton_schulz_dtype(device, dtype=torch.float32):
 def newton_schulz(G, steps=5, eps=1e-7, dtype=None):
     """Approximate the orthogonal factor U Vᵀ of each matrix G = U S Vᵀ in G's last two dimensions.
 
-    Each matrix is cast to `dtype` and divided by (its Frobenius norm + eps), so every singular value
-    starts in [0, 1]; then `steps` quintic iterations X ← aX + b(XXᵀ)X + c(XXᵀ)²X push the singular values
-    into roughly [0.7, 1.2]. The iteration runs on the wide orientation (Xᵀ when rows > cols) so XXᵀ is the
-    smaller Gram matrix. Leading dimensions are a batch: a stack of same-shape matrices takes one batched
-    matmul per product instead of one matmul per matrix. Returns G's dtype.
-
-    dtype=None is newton_schulz_dtype(G.device, G.dtype): bfloat16 on GPUs that run it natively, as the paper's
-    code; float16 on older GPUs (V100, T4), which only emulate bfloat16; float32 elsewhere (float64 for float64
-    matrices).
+    Each matrix is cast to `dtype` (None: newton_schulz_dtype's) and divided by (its Frobenius norm + eps), so
+    every singular value starts in [0, 1]; then `steps` quintic iterations X ← aX + b(XXᵀ)X + c(XXᵀ)²X push them
+    into roughly [0.7, 1.2], on the wide orientation (Xᵀ when rows > cols: XXᵀ is the smaller Gram matrix).
+    Leading dimensions are a batch: one batched matmul per product for a stack of same-shape matrices. Returns
+    G's dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs matrices (ndim >= 2), got shape {tuple(G.shape)}")
@@ -99,214 +84,54 @@ def newton_schulz(G, steps=5, eps=1e-7, dtype=None):
 
 class MARSWeightDecayWarning(UserWarning):
     """A parameter group set weight_decay but not weight_decay_1d, and that changes what its AdamW-rule tensors
-    (biases, norm weights) decay at compared with the paper's code (see MARS's docstring, "Weight decay")."""
+    (biases, norm weights) decay at compared with the paper's code (docs/mars.md, "Parameter groups")."""
 
 
 class MARS(torch.optim.Optimizer):
     r"""MARS (Algorithm 1 of arXiv:2411.10438) with the AdamW, Lion and Shampoo instances, and MARS-M.
 
-    For a parameter tensor x with gradient g_t at step t (from 1) and the group's current lr η_t:
-
-    Tensors MARS handles (2-D ones -- with ``routing="nd"`` every tensor with ndim >= 2 -- or every tensor
-    when ``optimize_1d=True``):
+    For a tensor x that MARS handles (the 2-D ones by default: ``routing``, ``optimize_1d``), with gradient g_t at
+    step t (from 1) and the group's lr η_t:
 
     .. math::
-        c_t &= g_t + \gamma \tfrac{\beta_1}{1-\beta_1} (g_t - g_{t-1}) \qquad (c_1 = g_1) \\
-        \tilde c_t &= c_t / \max(1, \lVert c_t \rVert_F) \\
-        m_t &= \beta_1 m_{t-1} + (1-\beta_1) \tilde c_t \\
-        \text{mars-adamw:}\; v_t &= \beta_2 v_{t-1} + (1-\beta_2) \tilde c_t^2, \quad
-            u_t = \frac{m_t / (1-\beta_1^t)}{\sqrt{v_t / (1-\beta_2^t)} + \epsilon}
-            \quad (\text{amsgrad: } \max_{s \le t} v_s \text{ in place of } v_t) \\
-        \text{mars-lion:}\; u_t &= \operatorname{sign}(m_t) \\
-        \text{mars-shampoo (2-D):}\; u_t &= \mathrm{NS}\big(m_t / (1-\beta_1)\big)
-            \sqrt{\max(1, \text{rows}/\text{cols})} \quad (\text{other tensors: the mars-adamw } u_t) \\
-        \text{mars-m (2-D):}\; u_t &= 0.2 \sqrt{\max(\text{rows}, \text{cols})}\; \mathrm{NS}(m_t)
-            \quad (\text{other tensors: the mars-adamw } u_t) \\
+        c_t &= g_t + \gamma \tfrac{\beta_1}{1-\beta_1} (g_t - g_{t-1}) \quad (c_1 = g_1), \qquad
+            \tilde c_t = c_t / \max(1, \lVert c_t \rVert_F), \qquad
+            m_t = \beta_1 m_{t-1} + (1-\beta_1) \tilde c_t \\
+        u_t &= \hat m_t / (\sqrt{\hat v_t} + \epsilon),\ v_t = \beta_2 v_{t-1} + (1-\beta_2) \tilde c_t^2
+            \ \text{(mars-adamw)}, \qquad \operatorname{sign}(m_t) \ \text{(mars-lion)} \\
+        u_t &= \mathrm{NS}\big(m_t / (1-\beta_1)\big) \sqrt{\max(1, r/c)} \ \text{(mars-shampoo)}, \qquad
+            0.2 \sqrt{\max(r, c)}\, \mathrm{NS}(m_t) \ \text{(mars-m; both on } r \times c \text{ matrices)} \\
         x &\leftarrow x - \eta_t (u_t + \lambda x)
 
-    Other tensors (with ``optimize_1d=False``): AdamW on the raw gradient with ``betas_1d``, ``eps``, weight
-    decay ``weight_decay_1d`` and the 1-D lr η_t · ``lr_1d_factor`` (see "Live hyperparameters").
-    ``amsgrad`` applies to these tensors too, as in the paper's code. Their AdamW adds eps to the
-    bias-corrected sqrt(v̂), as torch.optim.AdamW; ``eps_1d_uncorrected=True`` adds it to sqrt(v) before
-    the correction, as MARS-M's reference code: m̂ / (sqrt(v̂) + eps / sqrt(1-β2^t)).
+    The other tensors take AdamW on g_t with ``betas_1d``, ``weight_decay_1d`` and the lr η_t · lr_1d / lr.
+    g_{t-1} is the previous step's gradient (``is_approx=True``, the paper's default) or, for exact MARS
+    (``is_approx=False``), ∇f(x_{t-1}, ξ_t), the current batch's gradient at the previous parameters: pass step() a
+    closure (MARS evaluates it at x_{t-1}, then at x_t), or call :meth:`update_previous_grad` after a backward pass
+    on the next batch and :meth:`update_last_grad` after step(). Every number of a group is read at each step, so
+    a scheduler may write lr (the 1-D lr follows it), betas, weight decays or gamma.
 
-    MARS-M (``mars_type="mars-m"``), as its reference code (MARS_M/optimizers/mars_m.py): Newton-Schulz
-    normalises m itself (any factor of m cancels, so m is not bias-corrected) with its own normaliser 1e-7,
-    and the factor 0.2 sqrt(max(rows, cols)) gives the update the RMS of an AdamW update (Liu et al. 2025,
-    "Muon is Scalable for LLM Training"), so lr and weight decay are on AdamW's scale. Its reference trains
-    the embeddings, the head and every 1-D tensor with the AdamW part at the same lr and weight decay:
-    put those in a group with ``routing="none"``, lr_1d=lr and weight_decay_1d=weight_decay.
-
-    Live hyperparameters. Every number in a group -- lr, lr_1d, lr_1d_factor, betas, betas_1d, eps,
-    weight_decay, weight_decay_1d, gamma -- is read at each step: what a scheduler or a user writes there
-    takes effect at the next step (checked then, before anything changes). The 1-D lr is a ratio of lr, as
-    in the paper's code: ``group["lr_1d_factor"]`` (lr_1d / lr at construction) times ``group["lr"]``, so
-    a schedule that writes only lr moves the 1-D lr along the same curve. Each step writes the 1-D lr it
-    used into ``group["lr_1d"]``, which therefore reads the 1-D tensors' real lr. Writing into the group:
-
-    - ``lr_1d_factor``: the ratio from the next step on.
-    - ``lr_1d``: the 1-D lr of the next step; the ratio becomes lr_1d / lr, which later lr changes then
-      scale as before. (lr must not be 0 then: write lr_1d_factor instead.) A written lr_1d equal to
-      lr_1d_factor × ``initial_lr`` -- the peak pair a trainer writes back when it restores its settings,
-      initial_lr being the peak lr torch's schedulers and this repository's trainer keep in the group --
-      restates the ratio and changes nothing.
-    - both, disagreeing at the current lr: ValueError.
-
-    torch's OneCycleLR with ``cycle_momentum=True`` (its default) writes β1 into ``betas`` every step
-    (0.85 to 0.95), which also scales the correction γβ1/(1-β1) by up to 3.3×; it does not know
-    ``betas_1d``, which keeps its value unless you write it.
-
-    Weight decay. ``weight_decay`` (λ above) is the MARS tensors' and ``weight_decay_1d`` the AdamW-rule
-    tensors'. A parameter group that sets ``weight_decay`` but not ``weight_decay_1d`` -- nanoGPT's and
-    Hugging Face's no-decay group of biases and norm weights, {"params": ..., "weight_decay": 0.0} -- gets
-    its own weight_decay for those tensors too (group["weight_decay_1d"] says so), where the paper's code
-    decays them at the constructor's weight_decay_1d (default 0.1) whatever the group says. Where the two
-    readings differ (the values differ and the group has tensors that take the AdamW part) the constructor
-    warns once per group (MARSWeightDecayWarning); setting weight_decay_1d in the group, as this
-    repository's trainer does in every group, chooses explicitly and is taken as it is. The constructor's own
-    weight_decay keyword does not change weight_decay_1d's default.
-
-    Exact MARS (``is_approx=False``). g_{t-1} is ∇f(x_{t-1}, ξ_t): the current batch's gradient at the
-    parameters before the previous step (approximate MARS, the default, takes the previous step's gradient
-    ∇f(x_{t-1}, ξ_{t-1})). Two ways to supply it:
-
-    - ``step(closure)``, where closure() zeroes the gradients (``optimizer.zero_grad()``), runs the forward
-      pass on the current batch and calls backward, as torch's closures and Lightning's automatic
-      optimization do. MARS calls it twice: first with every parameter of the optimizer set back to x_{t-1}
-      (kept from the previous step in the state as 'previous_param'), which gives g_{t-1}, then at x_t, the
-      call whose loss step() returns and whose gradient the step uses. The first step has no x_0 and calls
-      it once (c_1 = g_1). The result equals the hand-written protocol below on the same batches (tests
-      hold them bit for bit), for twice the forward and backward passes, as that protocol costs too; the
-      closure's side effects (hooks, logging, dropout draws, batch-norm statistics) happen twice. The closure
-      must compute the step's whole gradient: one that adds to gradients accumulated before step() (Lightning
-      with accumulate_grad_batches > 1, where the stepping micro-batch's closure does not zero them) cannot
-      be re-evaluated at x_{t-1}, and step() raises instead of mixing the two. Every parameter the loss
-      depends on and that moves must be in this optimizer (not ZeRO-1-sharded: each rank would set back only
-      the parameters it steps; FSDP2's DTensor parameters are all in it, each rank setting back its shards),
-      and a GradScaler cannot be used (torch refuses closures under one).
-    - the hand-written protocol: after a backward pass on the NEXT batch at the current parameters call
-      :meth:`update_previous_grad`, then backward on the current batch, :meth:`step`, and
-      :meth:`update_last_grad`. With update_previous_grad() called, a closure given to step() is called once,
-      as by any optimizer (Lightning's manual optimization passes one that computes nothing; a closure that
-      computes no gradient is refused in the closure route above). A step() without update_last_grad() after
-      the previous one, or an update_last_grad() without a stored look-ahead gradient, raises instead of
-      correcting with a stale gradient. Under a GradScaler pass ``inverse_scale=1 / scaler.get_scale()`` to
-      update_previous_grad: it sees the gradient before scaler.step() unscales it (and a non-finite one is
-      not kept). A tensor with a gradient in step() but none in the look-ahead pass takes its own gradient as
-      g_{t-1}.
-
-    A second step() with neither a closure nor the protocol's calls raises, saying so: there is no second
-    gradient (the first step needs none, c_1 = g_1). That is what a framework that calls step() alone
-    (Hugging Face's Trainer, through accelerate) gets: use is_approx=True there.
-
-    Difference from the paper's reference code (MARS's and MARS-M's): there ``last_grad`` starts at zero, so
-    its first step uses c_1 = (1 + γβ1/(1-β1)) g_1. Here the correction is zero at t = 1 (c_1 = g_1), as
-    x_1 = x_0 in Algorithm 1 (MARS) and Algorithm 2 (MARS-M) implies. Once ‖g_1‖ >= 1 the clip makes the
-    two identical.
-
-    Sharded parameters (DTensors: FSDP2's ``fully_shard``, HSDP) take the same rule on each rank's shards,
-    with each tensor's clip norm and Newton-Schulz computed on the whole tensor (the section at the end of
-    this file); every rule, exact MARS both ways, last_grad_dtype and torch.distributed.checkpoint's
-    resharding work there, and ``fused=True`` is refused.
-
-    Other libraries' MARS: timm's ``Mars`` and pytorch_optimizer's ``MARS`` name their types "adamw",
-    "lion" (and "shampoo"); those names are refused here, because their defaults differ from these (betas,
-    betas_1d, the 1-D weight decay and lr, which tensors take MARS): docs/mars.md has the settings that
-    reproduce each.
-
-    State per tensor: 'step' (a float32 0-d tensor on the parameter's device, advanced on the device, so
-    no step reads a number back from it), 'exp_avg' (m), 'exp_avg_sq' (v, where the rule uses it),
-    'max_exp_avg_sq' (amsgrad), 'last_grad' (g_{t-1}, the optimizer's own copy, never an alias of .grad;
-    MARS-handled tensors only) and, in exact mode, 'previous_grad' (hand-written protocol) or
-    'previous_param' (x_{t-1}, through a closure; every stepped tensor). m and v have the parameter's dtype,
-    except for float16 parameters, where they are float32: (1-β2)·c̃² of a unit-norm c̃ underflows float16
-    (each entry of c̃ is about 1/sqrt(numel)), and so do many entries of (1-β1)·c̃. A step skipped by
-    torch.amp.GradScaler (inf/nan gradients) never reaches step(), so it changes no state. state_dict()
-    writes last_grad_dtype by name ("bfloat16": torch.distributed.checkpoint's full-state gather takes no
-    torch.dtype; load_state_dict takes either) and leaves out a 'previous_grad' no step is waiting for.
-
-    Args:
-        params: iterable of parameters or of dicts defining parameter groups; every hyperparameter below
-            may be overridden per group.
-        lr: learning rate η of MARS-handled tensors (default 3e-3); a number or a 0-d tensor (a schedule
-            may write either into group['lr']; a tensor stays on the device).
-        betas: (β1, β2) for m and v (default (0.95, 0.99)).
-        eps: added to the AdamW denominator; also mars-shampoo's Newton-Schulz normaliser (mars-m's is 1e-7,
-            its reference's); must be > 0 (default 1e-8).
-        weight_decay: decoupled weight decay λ of MARS-handled tensors (default 0).
-        amsgrad: use the running maximum of v in the denominator (default False).
-        gamma: γ, the strength of the variance-reduction correction (default 0.025).
-        is_approx: True uses the previous step's gradient as g_{t-1}; False: exact MARS, through a closure
-            or the hand-written protocol (see above).
-        mars_type: "mars-adamw", "mars-lion", "mars-shampoo" or "mars-m".
-        optimize_1d: apply MARS to every tensor (default False: only those `routing` names; the rest AdamW).
-        routing: "2d" (default, as the paper's code): exactly the 2-D tensors take MARS, so a convolution's
-            4-D kernel gets AdamW; "nd": every tensor with 2 or more dimensions takes MARS; "none": every
-            tensor of the group takes the AdamW part (with optimize_1d=False).
-        lr_1d: AdamW lr of the other tensors at the constructed lr (default 3e-3); the group keeps the ratio
-            as lr_1d_factor and lr_1d as the 1-D lr of the last step (see "Live hyperparameters").
-        betas_1d: AdamW betas of the other tensors (default (0.9, 0.95)).
-        weight_decay_1d: AdamW weight decay of the other tensors (default 0.1); a group that sets
-            weight_decay but not weight_decay_1d takes its weight_decay (see "Weight decay").
-        eps_1d_uncorrected: the other tensors' AdamW adds eps to sqrt(v) before the bias correction, as
-            MARS-M's reference code and pytorch_optimizer's MARS (default False: to sqrt(v̂), as
-            torch.optim.AdamW and its fused kernel).
-        last_grad_dtype: dtype of the stored previous gradient g_{t-1} (None: the parameter's). bfloat16
-            halves its memory; the update itself still computes in the parameter's precision.
-        foreach: None or True use the multi-tensor path; False the single-tensor reference.
-        fused: True compiles the per-tensor update with torch.compile (needs a C++ compiler on CPU, Triton
-            on CUDA; the first step compiles for seconds, later steps and lr changes do not recompile).
-            None or False: not compiled. Refused for DTensor parameters, which take the sharded step.
+    The defaults are the paper's code's. docs/mars.md describes every argument, the state, the paths (``foreach``,
+    ``fused``), exact MARS's two protocols, sharded (FSDP2) parameters, and where this departs from the reference
+    code (c_1 = g_1; the previous gradient is the optimizer's own copy).
     """
 
     def __init__(
-        self,
-        params,
-        lr=3e-3,
-        betas=(0.95, 0.99),
-        eps=1e-8,
-        weight_decay=0.0,
-        amsgrad=False,
-        gamma=0.025,
-        is_approx=True,
-        mars_type="mars-adamw",
-        optimize_1d=False,
-        routing="2d",
-        lr_1d=3e-3,
-        betas_1d=(0.9, 0.95),
-        weight_decay_1d=0.1,
-        eps_1d_uncorrected=False,
-        last_grad_dtype=None,
-        foreach=None,
-        fused=None,
-    ):
+        self, params, lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, amsgrad=False, gamma=0.025,
+        is_approx=True, mars_type="mars-adamw", optimize_1d=False, routing="2d", lr_1d=3e-3, betas_1d=(0.9, 0.95),
+        weight_decay_1d=0.1, eps_1d_uncorrected=False, last_grad_dtype=None, foreach=None, fused=None,
+    ):  # fmt: skip
         defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            gamma=gamma,
-            is_approx=is_approx,
-            mars_type=mars_type,
-            optimize_1d=optimize_1d,
-            routing=routing,
-            lr_1d=lr_1d,
-            betas_1d=betas_1d,
-            weight_decay_1d=weight_decay_1d,
-            eps_1d_uncorrected=eps_1d_uncorrected,
-            last_grad_dtype=last_grad_dtype,
-            foreach=foreach,
-            fused=fused,
-        )
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, gamma=gamma, is_approx=is_approx,
+            mars_type=mars_type, optimize_1d=optimize_1d, routing=routing, lr_1d=lr_1d, betas_1d=betas_1d,
+            weight_decay_1d=weight_decay_1d, eps_1d_uncorrected=eps_1d_uncorrected, last_grad_dtype=last_grad_dtype,
+            foreach=foreach, fused=fused,
+        )  # fmt: skip
         _validate(defaults)
         self._protocol = _new_protocol()
         self._lr_1d_seen = []  # per group: the lr_1d and lr_1d_factor the last step left there (_live_lr_1d)
         super().__init__(params, defaults)
 
-    # Exact MARS's protocol and the record of lr_1d travel with copies and pickles: Optimizer's own
-    # __getstate__ keeps only defaults, state and param_groups.
-    def __getstate__(self):
+    def __getstate__(self):  # exact MARS's protocol and the lr_1d record travel with copies and pickles
         return {**super().__getstate__(), "_protocol": self._protocol, "_lr_1d_seen": self._lr_1d_seen}
 
     def __setstate__(self, state):
@@ -324,7 +149,9 @@ class MARS(torch.optim.Optimizer):
         elif not isinstance(params, set):  # Optimizer refuses sets (their order changes between runs)
             params = list(params)
         param_group = {**param_group, "params": params}
-        for p in params:
+        # Named parameters (model.named_parameters()) come as (name, tensor) pairs.
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params if torch.is_tensor(p) or isinstance(p, tuple)]
+        for p in tensors:
             if torch.is_tensor(p) and p.is_complex():
                 raise ValueError(
                     f"MARS does not support complex parameters (got one of shape {tuple(p.shape)}, {p.dtype}); "
@@ -340,7 +167,7 @@ class MARS(torch.optim.Optimizer):
             inherited = param_group["weight_decay"]
             param_group["weight_decay_1d"] = group["weight_decay_1d"] = inherited
             paper = self.defaults["weight_decay_1d"]
-            affected = [p for p in params if torch.is_tensor(p) and not self._is_mars_tensor(p, group)]
+            affected = [p for p in tensors if torch.is_tensor(p) and not _takes_mars(p, group)]
             if inherited != paper and affected:
                 warnings.warn(
                     f"MARS: parameter group {len(self.param_groups)} sets weight_decay={inherited} but not "
@@ -358,61 +185,67 @@ class MARS(torch.optim.Optimizer):
                     "undefined; construct with the peak lr (a schedule may start at 0)"
                 )
             # The ratio: a schedule changes group['lr'] and the 1-D lr follows its shape (_live_lr_1d).
-            param_group = {**param_group, "lr_1d_factor": lr_1d_factor(lr, group["lr_1d"])}
+            param_group = {**param_group, "lr_1d_factor": lr_1d_factor(lr, float(group["lr_1d"]))}
         super().add_param_group(param_group)
         self._lr_1d_seen.append(_seen(self.param_groups[-1]))
 
     def state_dict(self):
-        # last_grad_dtype travels by name ("bfloat16"): torch.distributed.checkpoint's full-state gather
-        # (get_optimizer_state_dict with full_state_dict or cpu_offload) takes only tensors, numbers, strings,
-        # lists and dicts. load_state_dict takes the name or the dtype (checkpoints written before).
         state = super().state_dict()
         for group in state["param_groups"]:
+            # By name ("bfloat16"): torch.distributed.checkpoint's full-state gather takes only tensors, numbers,
+            # strings, lists and dicts. load_state_dict takes the name or the dtype (checkpoints written before).
             if isinstance(group["last_grad_dtype"], torch.dtype):
                 group["last_grad_dtype"] = str(group["last_grad_dtype"]).removeprefix("torch.")
-        # Exact MARS's 'previous_grad' is left out: the next update_previous_grad() writes it whole before any
-        # use, and the protocol between the calls is not part of a state_dict (load_state_dict restarts it).
-        # Left out, a checkpoint is a gradient per matrix smaller, and a full-state load on FSDP2 cannot leave
-        # it behind as a whole unsharded tensor on every rank (torch's set_optimizer_state_dict shards only the
-        # keys its zero-lr initial step() created).
+        # Exact MARS's 'previous_grad' is left out (the next update_previous_grad() writes it whole before any use);
+        # an entry that is no parameter's state (a state-dict hook may write one) passes as it is.
         state["state"] = {
-            i: {key: value for key, value in tensor_state.items() if key != "previous_grad"}
-            for i, tensor_state in state["state"].items()
+            i: {k: v for k, v in entry.items() if k != "previous_grad"} if isinstance(entry, dict) else entry
+            for i, entry in state["state"].items()
         }
+        if any(not group["is_approx"] for group in self.param_groups):
+            self._write_previous_params(state)
         return state
 
+    def _write_previous_params(self, state):
+        """Exact MARS: 'previous_param' (x_{t-1}) in every tensor's state whichever protocol ran, so that any
+        checkpoint has the keys of a fresh optimizer's state (torch.distributed.checkpoint loads into that
+        template; torch creates it with a step(closure=None), which keeps x). Where no x_{t-1} was kept, the
+        parameter stands in, and 'previous_param_kept' says so: load_state_dict drops it again."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, entry in state["state"].items():
+            if isinstance(i, int) and isinstance(entry, dict) and entry:
+                entry["previous_param_kept"] = "previous_param" in entry
+                entry.setdefault("previous_param", params[i].detach())
+
     def load_state_dict(self, state_dict):
-        # Which path runs (foreach, fused) is this process's choice, not the checkpoint's: Optimizer's
-        # load_state_dict would take the saved groups' values, so a fused=True optimizer restored from a
-        # foreach run would silently stop compiling.
+        # A setting a group was saved without (an older mars.py, or stripped) is this optimizer's; so are foreach
+        # and fused, how this process computes the step, whatever the checkpoint says.
         paths = [{key: group[key] for key in ("foreach", "fused")} for group in self.param_groups]
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            missing = sorted(group.keys() - saved.keys())
-            if missing:
-                raise ValueError(
-                    f"this state dict's parameter groups lack {', '.join(missing)}: it was not written by this MARS "
-                    f"(mars.py {__version__}); load it with the version that wrote it"
-                )
-        super().load_state_dict(state_dict)
-        # Exact MARS's protocol restarts with the loaded state: a step() pending from before (torch's
-        # set_optimizer_state_dict takes a zero-lr step() on an optimizer without state) would refuse the
-        # next step.
+        current = [
+            {k: v for k, v in group.items() if k not in ("params", "param_names")} for group in self.param_groups
+        ]
+        saved_groups = [{**mine, **saved} for mine, saved in zip(current, state_dict["param_groups"])]
+        super().load_state_dict({**state_dict, "param_groups": saved_groups})
+        # Exact MARS's protocol restarts (torch's set_state_dict first takes a zero-lr step() to create the state).
         self._protocol.update(_new_protocol(), zero_grad_calls=self._protocol["zero_grad_calls"])
         for group, path in zip(self.param_groups, paths):
             group.update(path)
             group["last_grad_dtype"] = _dtype_by_name(group["last_grad_dtype"])
-        # The groups are the checkpoint's now: what they hold is what the last step left there.
-        self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]
-        # Optimizer.load_state_dict casts every floating-point state tensor to its parameter's dtype and
-        # leaves 'step' where it was saved; MARS keeps some tensors in another dtype (float32 v of float16
-        # parameters, last_grad_dtype) and every step on its parameter's device.
+            for p in group["params"]:
+                if not self.state.get(p, {}).pop("previous_param_kept", True):  # the parameter stood in: none kept
+                    self.state[p].pop("previous_param")
+        self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]  # the groups are the checkpoint's now
+        # Optimizer.load_state_dict casts every state tensor to its parameter's dtype and leaves 'step' where it
+        # was saved; MARS keeps some in another dtype (float16 parameters' m and v, last_grad_dtype) and every step
+        # count on its parameter's device.
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(saved_ids, params):
-            for key, value in state_dict["state"].get(i, {}).items():
+            saved = state_dict["state"].get(i)
+            for key, value in saved.items() if isinstance(saved, dict) else ():
                 if key == "step":
                     self.state[p][key] = torch.as_tensor(value, dtype=torch.float32, device=p.device)
-                elif torch.is_tensor(value) and value.dtype != p.dtype:
+                elif torch.is_tensor(value) and value.dtype != p.dtype and key in self.state[p]:
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
     def zero_grad(self, set_to_none=True):
@@ -421,10 +254,11 @@ class MARS(torch.optim.Optimizer):
         self._protocol["zero_grad_calls"] += 1
         super().zero_grad(set_to_none=set_to_none)
 
-    @staticmethod
-    def _is_mars_tensor(p, group):
-        routing = group["routing"]
-        return group["optimize_1d"] or (routing != "none" and (p.ndim == 2 or (routing == "nd" and p.ndim > 2)))
+    # ---------------------------------------------------------------------------------------------------
+    # Exact MARS. The step is approximate MARS's (it reads g_{t-1} from 'last_grad' and leaves g_t there); exact
+    # MARS differs only in what 'last_grad' holds when the next step starts: ∇f(x_{t-1}, ξ_t), put there either by
+    # the hand-written protocol (update_previous_grad stores it one step ahead, update_last_grad installs it) or by
+    # step(closure) (_look_ahead_by_closure evaluates the closure at x_{t-1}, kept as 'previous_param').
 
     @torch.no_grad()
     def update_previous_grad(self, inverse_scale=None):
@@ -441,7 +275,7 @@ class MARS(torch.optim.Optimizer):
             if group["is_approx"]:
                 continue
             for p in group["params"]:
-                if p.grad is None or not self._is_mars_tensor(p, group):
+                if p.grad is None or not _takes_mars(p, group):
                     continue
                 _check_dense(p.grad)
                 state = self.state[p]
@@ -459,16 +293,14 @@ class MARS(torch.optim.Optimizer):
 
     def _keep_finite_look_ahead(self, params):
         """Where any stored look-ahead gradient on a device is not finite, every one on that device (as a
-        GradScaler skips a whole step) falls back to the one stored before it; before the first, to zero,
-        which gives the next step the reference's first-step correction c = (1 + γβ1/(1-β1)) g."""
+        GradScaler skips a whole step) falls back to the one stored before it (before the first, to zero)."""
         by_device = {}
         for p in params:
             by_device.setdefault(p.device, []).append(p)
         for same_device in by_device.values():
             states = [self.state[p] for p in same_device]
             buffers = [_local(state["previous_grad"]) for state in states]
-            # The max-norm is finite exactly when every entry is (and, unlike the 2-norm, cannot overflow). It
-            # has no value for an empty tensor (a rank's empty shard), which has nothing to check.
+            # The max-norm is finite exactly when every entry is (and cannot overflow); an empty shard has none.
             nonempty = [buffer for buffer in buffers if buffer.numel()]
             finite = torch.ones((), dtype=torch.bool, device=buffers[0].device)
             if nonempty:
@@ -478,15 +310,14 @@ class MARS(torch.optim.Optimizer):
                 fallback = state.get("last_grad")
                 if fallback is None:
                     fallback = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
-                fallback = _local(fallback)
-                torch.where(finite, buffer, fallback, out=buffer)
+                torch.where(finite, buffer, _local(fallback), out=buffer)
 
     @torch.no_grad()
     def update_last_grad(self):
-        """Exact MARS: after step(), make the stored look-ahead gradient the g_{t-1} of the next step."""
+        """Exact MARS: after step(), make the stored look-ahead gradient the g_{t-1} of the next step. A tensor
+        without one keeps its own gradient of the step, which the step left in 'last_grad' (as approximate MARS)."""
         protocol = self._protocol
-        exact_groups = [group for group in self.param_groups if not group["is_approx"]]
-        if not exact_groups:
+        if not any(not group["is_approx"] for group in self.param_groups):
             return
         if not protocol["look_ahead"]:
             protocol["look_ahead_called"] = False
@@ -496,83 +327,24 @@ class MARS(torch.optim.Optimizer):
                 "exact MARS (is_approx=False): update_last_grad() found no look-ahead gradient; call "
                 "update_previous_grad() after the backward pass on the next batch, before step()"
             )
-        for group in exact_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if p not in protocol["look_ahead"]:
-                    if protocol["last_grad_pending"] and "last_grad" in state and p.grad is not None:
-                        # It stepped, but had no gradient in the look-ahead pass (unused there): its own
-                        # gradient, as approximate MARS, rather than a look-ahead gradient from steps ago. (A
-                        # step a GradScaler skipped never ran: its gradients may be inf, and nothing moved.)
-                        _local(state["last_grad"]).copy_(_local(p.grad))
-                    continue
-                if "last_grad" in state:  # swap the buffers: the old g_{t-1} is overwritten next time
-                    state["last_grad"], state["previous_grad"] = state["previous_grad"], state["last_grad"]
-                else:
-                    state["last_grad"] = state.pop("previous_grad")
+        for p in protocol["look_ahead"]:
+            state = self.state[p]
+            if "last_grad" in state:  # swap the buffers: the old g_{t-1} is overwritten next time
+                state["last_grad"], state["previous_grad"] = state["previous_grad"], state["last_grad"]
+            else:
+                state["last_grad"] = state.pop("previous_grad")
         protocol["look_ahead"].clear()
         protocol["look_ahead_called"] = False
         protocol["last_grad_pending"] = False
 
-    def _state_for(self, p, group):
-        """p's state, allocated on its first step (device follows p; dtypes as the class docstring says)."""
-        state = self.state[p]
-        if "step" in state:
-            return state
-        is_mars = self._is_mars_tensor(p, group)
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        moment_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
-        state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
-        if not is_mars or _rule(p, group["mars_type"]) == "adamw":
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
-        if is_mars and "last_grad" not in state:
-            # No previous gradient at t = 1: g_0 := g_1 makes the correction zero (c_1 = g_1).
-            state["last_grad"] = p.grad.to(_last_grad_dtype(group, p), copy=True)
-        return state
-
-    def _live_lr_1d(self, index, group):
-        """The 1-D lr of this step, group['lr'] × group['lr_1d_factor'], after taking in what was written into
-        lr_1d or lr_1d_factor since the last step (class docstring, "Live hyperparameters"); written back into
-        the group, so lr_1d reads the lr the AdamW-rule tensors train at."""
-        seen = self._lr_1d_seen[index]
-        lr, lr_1d, factor = group["lr"], group["lr_1d"], group["lr_1d_factor"]
-        factor_written = not _same(factor, seen["lr_1d_factor"])
-        lr_1d_written = not _same(lr_1d, seen["lr_1d"]) and not _restates_peak(group)
-        if lr_1d_written and factor_written:
-            if not _agree(lr_1d, lr * factor):
-                raise ValueError(
-                    f"parameter group {index}: lr_1d={lr_1d!r} and lr_1d_factor={factor!r} were both written and "
-                    f"disagree at lr={lr!r} (the 1-D lr is lr × lr_1d_factor); write one of them"
-                )
-        elif lr_1d_written:
-            if not torch.is_tensor(lr) and lr == 0:
-                raise ValueError(
-                    f"parameter group {index}: lr_1d={lr_1d!r} was written while lr is 0, so the ratio lr_1d / lr "
-                    "the 1-D lr follows is undefined; write lr_1d_factor (the 1-D lr is lr × lr_1d_factor)"
-                )
-            factor = lr_1d / lr
-        live = lr * factor
-        group["lr_1d"], group["lr_1d_factor"] = live, factor
-        seen["lr_1d"], seen["lr_1d_factor"] = live, factor
-        return live
-
-    @torch.no_grad()
-    def _evaluate_twice(self, closure):
-        """Exact MARS through a closure: g_{t-1} = ∇f(x_{t-1}, ξ_t) from closure() with every parameter set back
-        to x_{t-1}, into 'last_grad'; then closure() at x_t, whose loss is returned. x_t is kept as the next
-        step's 'previous_param'. Nothing changes (parameters, gradients, state) if the closure raises or turns
-        out to add to gradients accumulated before step(). DTensor parameters are set back shard by shard, each
-        rank its own (the closure's forward gathers them as usual)."""
-        protocol = self._protocol
-        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]  # others never move
-        states = self.state
-        earlier = [p for p in params if p in states and "previous_param" in states[p]]
+    def _look_ahead_by_closure(self, closure, params, current):
+        """Exact MARS through a closure: g_{t-1} = ∇f(x_{t-1}, ξ_t) from closure() with every parameter set back to
+        its 'previous_param' (DTensors shard by shard), into 'last_grad'; then closure() at x_t (`current`), whose
+        loss is returned. Nothing changes if the closure raises or adds to gradients accumulated before step()."""
+        protocol, states = self._protocol, self.state
+        earlier = [p for p in params if "previous_param" in states.get(p, {})]
+        earlier_current = [x for p, x in zip(params, current) if "previous_param" in states.get(p, {})]
         held = [p.grad for p in params]  # restored if the closure turns out to accumulate into them
-        current = [p.detach().clone(memory_format=torch.preserve_format) for p in params]  # x_t
-        earlier_set = set(earlier)
-        earlier_current = [x for p, x in zip(params, current) if p in earlier_set]
 
         def give_back_the_gradients():
             for p, g in zip(params, held):
@@ -604,100 +376,125 @@ class MARS(torch.optim.Optimizer):
         if earlier:
             call(at_previous=True)
             for group in self.param_groups:
-                if group["is_approx"]:
-                    continue
-                for p in group["params"]:
-                    state = states.get(p)
-                    if p.grad is None or not state or "last_grad" not in state or not self._is_mars_tensor(p, group):
-                        continue
-                    _check_dense(p.grad)
-                    _local(state["last_grad"]).copy_(_local(p.grad))
-        loss = call(at_previous=False)
-        for p, x in zip(params, current):
-            if p.grad is not None or states.get(p):
-                states[p]["previous_param"] = x
-        return loss
+                for p in group["params"] if not group["is_approx"] else ():
+                    if p.grad is not None and "last_grad" in states.get(p, {}) and _takes_mars(p, group):
+                        _check_dense(p.grad)
+                        _local(states[p]["last_grad"]).copy_(_local(p.grad))
+        return call(at_previous=False)
+
+    # ---------------------------------------------------------------------------------------------------
+    # The step.
+
+    def _parts_of(self, group, lr_1d):
+        """The group's tensors with a gradient as the parts mars() steps: those MARS handles, and the AdamW part.
+        State is allocated at a tensor's first step (m and v in float32 for float16 parameters: docs/mars.md)."""
+        handled, rest = [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            _check_dense(p.grad)
+            is_mars = _takes_mars(p, group)
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                moment_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
+                state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+                if not is_mars or _rule(p, group["mars_type"]) == "adamw":
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(
+                            p, dtype=moment_dtype, memory_format=torch.preserve_format
+                        )
+                if is_mars and "last_grad" not in state:
+                    # No previous gradient at t = 1: g_0 := g_1 makes the correction zero (c_1 = g_1).
+                    state["last_grad"] = p.grad.to(_last_grad_dtype(group, p), copy=True)
+            (handled if is_mars else rest).append(p)
+        if handled or rest:  # advanced on the device: the kernels read the step counts from there
+            torch._foreach_add_([self.state[p]["step"] for p in handled + rest], 1)
+        flags = dict(foreach=group["foreach"], fused=group["fused"])
+        mars_numbers = dict(lr=_scalar(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"])
+        mars_numbers.update(weight_decay=group["weight_decay"], gamma=group["gamma"], eps_uncorrected=False)
+        adamw_numbers = dict(lr=lr_1d, beta1=group["betas_1d"][0], beta2=group["betas_1d"][1], eps=group["eps"])
+        adamw_numbers.update(
+            weight_decay=group["weight_decay_1d"], gamma=0.0, eps_uncorrected=group["eps_1d_uncorrected"]
+        )
+        return [
+            _Part.of(self.state, params, rules, numbers, **flags)
+            for params, rules, numbers in (
+                (handled, [_rule(p, group["mars_type"]) for p in handled], mars_numbers),
+                (rest, None, adamw_numbers),
+            )
+            if params
+        ]
+
+    def _live_lr_1d(self, index, group):
+        """The 1-D lr of this step, group['lr'] × group['lr_1d_factor'], after taking in what was written into
+        lr_1d or lr_1d_factor since the last step (docs/mars.md, "Parameter groups"); written back into the group."""
+        seen = self._lr_1d_seen[index]
+        factor_written = not _same(group["lr_1d_factor"], seen["lr_1d_factor"])
+        lr_1d_written = not _same(group["lr_1d"], seen["lr_1d"]) and not _restates_peak(group)
+        lr, lr_1d, factor = _scalar(group["lr"]), _scalar(group["lr_1d"]), _scalar(group["lr_1d_factor"])
+        if lr_1d_written and factor_written:
+            if not _agree(lr_1d, lr * factor):
+                raise ValueError(
+                    f"parameter group {index}: lr_1d={lr_1d!r} and lr_1d_factor={factor!r} were both written and "
+                    f"disagree at lr={lr!r} (the 1-D lr is lr × lr_1d_factor); write one of them"
+                )
+        elif lr_1d_written:
+            if not torch.is_tensor(lr) and lr == 0:
+                raise ValueError(
+                    f"parameter group {index}: lr_1d={lr_1d!r} was written while lr is 0, so the ratio lr_1d / lr "
+                    "the 1-D lr follows is undefined; write lr_1d_factor (the 1-D lr is lr × lr_1d_factor)"
+                )
+            factor = lr_1d / lr
+        live = lr * factor
+        group["lr_1d"], group["lr_1d_factor"] = live, factor
+        self._lr_1d_seen[index] = {"lr_1d": live, "lr_1d_factor": factor}
+        return live
 
     @torch.no_grad()
     def step(self, closure=None):
         """One MARS step; returns closure()'s loss when a closure is given (exact MARS: see the class docstring)."""
         protocol = self._protocol
-        if protocol["last_grad_pending"]:
-            if not protocol["look_ahead_called"]:  # no second gradient at all: step() is all the loop calls
-                raise RuntimeError(_NO_SECOND_GRADIENT)
-            raise RuntimeError(
-                "exact MARS (is_approx=False): step() was called again without update_last_grad() after "
-                "the previous step(), so the correction would use a stale gradient; call "
-                "update_last_grad() after every step() (or pass step() a closure instead of the hand-written "
-                "protocol)"
-            )
+        exact = any(not group["is_approx"] for group in self.param_groups)
+        hand_written = protocol["look_ahead_called"]  # update_previous_grad() supplies g_{t-1}
+        if protocol["last_grad_pending"] and (hand_written or closure is None):
+            raise RuntimeError(_STALE_LOOK_AHEAD if hand_written else _NO_SECOND_GRADIENT)
         if len(self._lr_1d_seen) != len(self.param_groups):  # groups installed without add_param_group
             self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]
         for group in self.param_groups:  # everything a scheduler or a user may have written, before any change
             _validate(group, at_step=True)
         lrs_1d = [self._live_lr_1d(index, group) for index, group in enumerate(self.param_groups)]
-        exact_groups = [group for group in self.param_groups if not group["is_approx"]]
-        # With update_previous_grad() called, the hand-written protocol supplies g_{t-1}: the closure is called
-        # once, as by any optimizer (Lightning's manual optimization passes one that computes nothing).
-        by_closure = bool(exact_groups) and closure is not None and not protocol["look_ahead_called"]
-        if by_closure:
-            loss = self._evaluate_twice(closure)
+        # x_t is kept as the next step's x_{t-1} unless the hand-written protocol runs: the closure route needs it,
+        # and a first step with neither (torch's zero-lr step that creates the state to load a checkpoint into)
+        # keeps the state's keys those of the closure route. Through the protocol it would be stale: dropped.
+        keeps_x = exact and not hand_written
+        if keeps_x:
+            movable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+            current = [p.detach().clone(memory_format=torch.preserve_format) for p in movable]
+        elif exact:
+            for entry in self.state.values():
+                if isinstance(entry, dict):
+                    entry.pop("previous_param", None)
+        if keeps_x and closure is not None and movable:
+            loss = self._look_ahead_by_closure(closure, movable, current)
         else:
-            if exact_groups:  # x_{t-1} is kept only from one step(closure) to the next: stale after this step
-                for state in self.state.values():
-                    state.pop("previous_param", None)
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-        sharded = []  # every group's MARS tensors when they are DTensors: stepped together after the loop
+        parts, stepped_exact = [], False
         for group, lr_1d in zip(self.param_groups, lrs_1d):
-            mars, adamw = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                _check_dense(p.grad)
-                entry = (p, self._state_for(p, group))
-                (mars if self._is_mars_tensor(p, group) else adamw).append(entry)
-            if not mars and not adamw:
-                continue
-            rules = [_rule(p, group["mars_type"]) for p, _ in mars]  # checked before anything changes
-            # Advanced on the device: the fused kernels read their step counts from there.
-            torch._foreach_add_([state["step"] for _, state in mars + adamw], 1)
-            if mars:
-                hyper = dict(
-                    lr=group["lr"],
-                    beta1=group["betas"][0],
-                    beta2=group["betas"][1],
-                    weight_decay=group["weight_decay"],
-                    gamma=group["gamma"],
-                    # through a closure, exact MARS filled last_grad itself and keeps g_t there as the fallback
-                    # of a tensor the next step's first evaluation leaves without a gradient
-                    is_approx=group["is_approx"] or by_closure,
-                    eps=group["eps"],
-                )
-                if _has_dtensor(mars):
-                    sharded.append((mars, rules, hyper))
-                else:
-                    _kernel_mars(group)(mars, rules, **hyper)
-                if not group["is_approx"] and not by_closure:
-                    protocol["last_grad_pending"] = True
-            if adamw:
-                if _has_dtensor(adamw):
-                    kernel = _sharded_adamw
-                else:
-                    kernel = _single_tensor_adamw if _reference_path(group) else _multi_tensor_adamw
-                kernel(
-                    adamw,
-                    lr=lr_1d,
-                    beta1=group["betas_1d"][0],
-                    beta2=group["betas_1d"][1],
-                    weight_decay=group["weight_decay_1d"],
-                    eps=group["eps"],
-                    eps_uncorrected=group["eps_1d_uncorrected"],
-                )
-        if sharded:
-            _sharded_mars(sharded)
+            group_parts = self._parts_of(group, lr_1d)
+            parts += group_parts
+            stepped_exact |= not group["is_approx"] and any(part.last_grads is not None for part in group_parts)
+        mars(parts)
+        if keeps_x:
+            for p, x in zip(movable, current):
+                if p.grad is not None or self.state.get(p):
+                    self.state[p]["previous_param"] = x
+        # Unless a closure gave this step its g_{t-1}, the next one needs update_last_grad() or a closure.
+        protocol["last_grad_pending"] = stepped_exact and not (keeps_x and closure is not None and movable)
         return loss
 
 
@@ -709,6 +506,12 @@ _NO_SECOND_GRADIENT = (
     "batch before step() and update_last_grad() after it, or use is_approx=True -- the one choice where a "
     "framework calls step() alone (Hugging Face's Trainer, through accelerate's AcceleratedOptimizer, which does "
     "not forward update_previous_grad either)"
+)
+
+_STALE_LOOK_AHEAD = (
+    "exact MARS (is_approx=False): step() was called again without update_last_grad() after the previous step(), "
+    "so the correction would use a stale gradient; call update_last_grad() after every step() (or pass step() a "
+    "closure instead of the hand-written protocol)"
 )
 
 _CLOSURE_WITHOUT_GRADIENT = (
@@ -740,12 +543,14 @@ def _callers_level():
 
 
 def _new_protocol():
-    """Exact MARS's bookkeeping between calls, one dict mutated in place (never rebound, so a wrapper that
-    forwards attribute reads to the optimizer shares it): look_ahead, the parameters whose look-ahead gradient
-    update_previous_grad() stored since the last update_last_grad(); look_ahead_called, whether it was called
-    since then; last_grad_pending, whether a step() is waiting for update_last_grad(); zero_grad_calls, a count
-    of zero_grad() calls (step(closure) checks that the closure zeroes the gradients)."""
+    """Exact MARS's bookkeeping, one dict mutated in place (a wrapper that forwards attribute reads shares it):
+    look_ahead, the parameters update_previous_grad() stored a gradient for since update_last_grad(); whether it
+    was called since (look_ahead_called); whether the last step() left the next one no g_{t-1} (last_grad_pending);
+    and a count of zero_grad() calls (step(closure) checks that the closure zeroes the gradients)."""
     return {"look_ahead": set(), "look_ahead_called": False, "last_grad_pending": False, "zero_grad_calls": 0}
+
+
+# The live 1-D lr (MARS._live_lr_1d): what a write into the group looks like.
 
 
 def _seen(group):
@@ -778,7 +583,11 @@ def lr_1d_factor(lr, lr_1d):
     return lr_1d / lr if lr else 1.0
 
 
-# timm's and pytorch_optimizer's names for their MARS types, refused here (the class docstring says why).
+# ---------------------------------------------------------------------------------------------------
+# Settings.
+
+# timm's and pytorch_optimizer's names for their MARS types, refused here: the same rules, other defaults
+# (docs/mars.md, "Coming from timm or pytorch_optimizer").
 _OTHER_LIBRARIES_TYPES = {"adamw": "mars-adamw", "lion": "mars-lion", "shampoo": "mars-shampoo"}
 
 
@@ -786,52 +595,51 @@ def _validate(hp, at_step=False):
     """ValueError naming the first invalid hyperparameter of hp (a group, or the constructor's defaults).
 
     at_step: the check step() makes of a live group, which reads no tensor's value (no host sync): a tensor lr,
-    lr_1d or lr_1d_factor is checked for its shape and dtype only."""
-    for name in ("lr", "lr_1d", "lr_1d_factor", "eps", "weight_decay", "weight_decay_1d", "gamma"):
-        if name not in hp:  # lr_1d_factor, before add_param_group computes it
-            continue
-        value = hp[name]
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        may_be_tensor = name in ("lr", "lr_1d", "lr_1d_factor")
-        is_scalar_tensor = may_be_tensor and torch.is_tensor(value) and value.ndim == 0 and value.is_floating_point()
-        if name == "eps":
-            if not (is_number and math.isfinite(value) and value > 0):
-                raise ValueError(
-                    f"invalid eps: {value!r} (must be a finite number > 0: it keeps the AdamW and Newton-Schulz "
-                    "divisions finite)"
-                )
-            continue
-        if is_scalar_tensor and at_step:
-            continue
-        if not (is_number or is_scalar_tensor) or not 0.0 <= float(value) < math.inf:
-            allowed = "a finite number >= 0" + (" or a 0-d floating tensor" if may_be_tensor else "")
-            raise ValueError(f"invalid {name}: {value!r} (must be {allowed})")
+    lr_1d or lr_1d_factor is checked for its size and dtype only."""
+
+    def invalid(name, why):
+        return ValueError(f"invalid {name}: {hp[name]!r} ({why})")
+
+    def is_number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not (is_number(hp["eps"]) and math.isfinite(hp["eps"]) and hp["eps"] > 0):
+        raise invalid("eps", "must be a finite number > 0: it keeps the AdamW and Newton-Schulz divisions finite")
+    for name in ("lr", "lr_1d", "lr_1d_factor", "weight_decay", "weight_decay_1d", "gamma"):
+        value = hp.get(name, 0.0)  # no lr_1d_factor before add_param_group computes it
+        if name in ("lr", "lr_1d", "lr_1d_factor") and torch.is_tensor(value):
+            if value.numel() != 1 or not value.is_floating_point():
+                raise invalid(name, "a Tensor lr must be 1-element and floating point")
+            if at_step:
+                continue
+        elif not is_number(value):
+            raise invalid(name, "must be a finite number >= 0")
+        if not 0.0 <= float(value) < math.inf:
+            raise invalid(name, "must be a finite number >= 0")
     for name in ("amsgrad", "is_approx", "optimize_1d", "eps_1d_uncorrected"):
         if not isinstance(hp[name], bool):
-            raise ValueError(f"invalid {name}: {hp[name]!r} (must be True or False)")
+            raise invalid(name, "must be True or False")
     for name in ("betas", "betas_1d"):
         betas = hp[name]
-        if (
-            not isinstance(betas, (tuple, list))
-            or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+        if not (
+            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)
         ):
-            raise ValueError(f"invalid {name}: {betas!r} (must be two numbers in [0, 1))")
+            raise invalid(name, "must be two numbers in [0, 1)")
     mars_type = hp["mars_type"]
     if mars_type not in MARS_TYPES:
-        message = f"invalid mars_type: {mars_type!r} (allowed: {', '.join(MARS_TYPES)})"
+        why = f"allowed: {', '.join(MARS_TYPES)}"
         if isinstance(mars_type, str) and mars_type in _OTHER_LIBRARIES_TYPES:
-            message += (
-                f"; {mars_type!r} is timm's and pytorch_optimizer's name. {_OTHER_LIBRARIES_TYPES[mars_type]!r} "
-                "is the same rule, but their MARS's defaults are not this one's (betas, betas_1d, the 1-D lr and "
-                "weight decay, which tensors take MARS): docs/mars.md, 'Coming from timm or pytorch_optimizer', "
-                "gives the settings that reproduce theirs"
+            why += (
+                f"; {mars_type!r} is timm's and pytorch_optimizer's name. {_OTHER_LIBRARIES_TYPES[mars_type]!r} is the "
+                "same rule, but their MARS's defaults are not this one's (betas, betas_1d, the 1-D lr and weight "
+                "decay, which tensors take MARS): docs/mars.md, 'Coming from timm or pytorch_optimizer', gives the "
+                "settings that reproduce theirs"
             )
-        raise ValueError(message)
+        raise invalid("mars_type", why)
     if at_step:  # what only the constructor's choice decides (routing, paths) is not rewritten by schedules
         return
     if hp["routing"] not in ROUTINGS:
-        raise ValueError(f"invalid routing: {hp['routing']!r} (allowed: {', '.join(ROUTINGS)})")
+        raise invalid("routing", f"allowed: {', '.join(ROUTINGS)}")
     if hp["routing"] == "none" and hp["optimize_1d"]:
         raise ValueError(
             'invalid routing="none" with optimize_1d=True: optimize_1d gives every tensor the MARS rule, '
@@ -839,12 +647,12 @@ def _validate(hp, at_step=False):
         )
     dtype = hp["last_grad_dtype"]
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"invalid last_grad_dtype: {dtype!r} (must be None or a floating torch.dtype)")
+        raise invalid("last_grad_dtype", "must be None or a floating torch.dtype")
     for name in ("foreach", "fused"):
         if not (hp[name] is None or isinstance(hp[name], bool)):
-            raise ValueError(f"invalid {name}: {hp[name]!r} (must be None, True or False)")
-    if hp["fused"] and hp["foreach"] is False:
-        raise ValueError("invalid fused=True with foreach=False: the fused path is a multi-tensor path")
+            raise invalid(name, "must be None, True or False")
+    if hp["fused"] and hp["foreach"]:
+        raise ValueError("invalid fused=True with foreach=True: `fused` and `foreach` cannot be `True` together")
 
 
 def _check_dense(grad):
@@ -854,31 +662,31 @@ def _check_dense(grad):
         )
 
 
+def _takes_mars(p, group):
+    """Whether p takes the MARS rule in this group (else the AdamW part): docs/mars.md, "Routing"."""
+    routing = group["routing"]
+    return group["optimize_1d"] or (routing != "none" and (p.ndim == 2 or (routing == "nd" and p.ndim > 2)))
+
+
 def _rule(p, mars_type):
-    """The update direction a MARS-handled tensor takes: "adamw", "lion", "newton-schulz" (mars-shampoo's)
-    or "newton-schulz-rms" (mars-m's)."""
+    """The update direction a MARS-handled tensor takes: "adamw", "lion", or one of NEWTON_SCHULZ_RULES
+    (mars-shampoo's "newton-schulz", mars-m's "newton-schulz-rms")."""
     if mars_type == "mars-lion":
         return "lion"
-    if mars_type == "mars-shampoo":
-        return "newton-schulz" if p.ndim == 2 else "adamw"  # the tensors Newton-Schulz cannot take: AdamW's
-    if mars_type == "mars-m":
-        return "newton-schulz-rms" if p.ndim == 2 else "adamw"
-    if mars_type == "mars-adamw":
-        return "adamw"
-    # A group's value written after construction (the constructor validates it).
-    raise ValueError(f"invalid mars_type: {mars_type!r} (allowed: {', '.join(MARS_TYPES)})")
+    if mars_type in ("mars-shampoo", "mars-m") and p.ndim == 2:
+        return NEWTON_SCHULZ_RULES[mars_type == "mars-m"]
+    return "adamw"  # mars-adamw's, and the other tensors of mars-shampoo and mars-m: Newton-Schulz cannot take them
 
 
-def _reference_path(group):
-    """foreach=False, or a step traced by torch.compile (torch.compile(optimizer.step)): the reference's plain
-    ops compile into fused kernels, where torch's fused AdamW kernel and the compiled step cannot be traced."""
-    return group["foreach"] is False or torch.compiler.is_compiling()
+def update_rule(p, group):
+    """How MARS updates p in this parameter group: None for the AdamW part (the tensors MARS does not handle),
+    else its rule: "adamw", "lion", or one of NEWTON_SCHULZ_RULES."""
+    return _rule(p, group["mars_type"]) if _takes_mars(p, group) else None
 
 
-def _kernel_mars(group):
-    if _reference_path(group):
-        return _single_tensor_mars
-    return _fused_mars if group["fused"] else _multi_tensor_mars
+def _scalar(value):
+    """A 1-element tensor lr as a 0-d tensor (a view: no host read); numbers as they are."""
+    return value.reshape(()) if torch.is_tensor(value) and value.ndim else value
 
 
 def _opmath(dtype):
@@ -905,100 +713,134 @@ def _lr_on(lr, device):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The functional step: mars() picks the path; the kernels take parallel lists of tensors.
+
+
+class _Part(NamedTuple):
+    """Tensors of one group that step alike, as parallel lists (one entry per tensor), with the numbers of their
+    rule and the group's path flags: what mars() dispatches. last_grads and rules are None for the AdamW part
+    (AdamW on the raw gradient); exp_avg_sqs and max_exp_avg_sqs hold None where a tensor keeps no such state
+    (the Lion and Newton-Schulz rules; amsgrad off)."""
+
+    params: list
+    grads: list
+    last_grads: list | None
+    exp_avgs: list
+    exp_avg_sqs: list
+    max_exp_avg_sqs: list
+    steps: list
+    rules: list | None
+    numbers: dict  # lr, beta1, beta2, eps, weight_decay, gamma, eps_uncorrected
+    foreach: bool | None
+    fused: bool | None
+
+    @classmethod
+    def of(cls, states, params, rules, numbers, foreach, fused):
+        state = [states[p] for p in params]
+        last_grads = None if rules is None else [s["last_grad"] for s in state]
+        moments = [[s.get(key) for s in state] for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
+        steps = [s["step"] for s in state]
+        return cls(params, [p.grad for p in params], last_grads, *moments, steps, rules, numbers, foreach, fused)
+
+    @property
+    def tensors(self):
+        """The kernels' positional arguments: params, grads, last_grads, the moments, steps, rules."""
+        return self[:8]
+
+    def subset(self, indices):
+        return self._replace(
+            **{f: None if v is None else [v[i] for i in indices] for f, v in zip(self._fields, self.tensors)}
+        )
+
+
+# The rules the compiled path takes: elementwise after ‖c‖, so one reduction and one pass per tensor.
+_ELEMENTWISE_RULES = ("adamw", "lion")
+
+
+def mars(parts):
+    """One MARS step of `parts` (every group's _Part: its MARS tensors and its AdamW part), each on its path:
+
+    - DTensor parameters (FSDP2, HSDP): _sharded_mars, all such parts together (one norm all-reduce a step);
+    - fused=True: _fused_mars for the MARS tensors of an elementwise rule whose tensors share one dense layout; the
+      rest of the part as foreach says;
+    - foreach=False, or a step traced by torch.compile (whose fused kernels cannot be traced; inductor fuses the
+      reference's plain ops): _single_tensor_mars, the reference;
+    - otherwise: _multi_tensor_mars.
+    """
+    sharded, local = [], []
+    for part in parts:
+        (sharded if any(map(_is_dtensor, part.params)) else local).append(part)
+    if sharded:
+        _sharded_mars(sharded)
+    for part in local:
+        if part.fused and part.last_grads is not None and not torch.compiler.is_compiling():
+            compiled = [i for i in range(len(part.params)) if _compiles(part, i)]
+            if compiled:
+                _fused_mars(*part.subset(compiled).tensors, **part.numbers)
+            if len(compiled) == len(part.params):
+                continue
+            part = part.subset(sorted(set(range(len(part.params))) - set(compiled)))
+        reference = part.foreach is False or torch.compiler.is_compiling()
+        (_single_tensor_mars if reference else _multi_tensor_mars)(*part.tensors, **part.numbers)
+
+
+def _compiles(part, i):
+    """Whether the compiled step takes tensor i: an elementwise rule, tensors in one dense layout, and more than
+    one element (a graph compiled for one element would serve no other size)."""
+    tensors = [part.params[i], part.grads[i], part.last_grads[i], part.exp_avgs[i]]
+    tensors += [part.exp_avg_sqs[i], part.max_exp_avg_sqs[i]]
+    return part.rules[i] in _ELEMENTWISE_RULES and part.params[i].numel() > 1 and _one_dense_layout(tensors)
+
+
+def _by_device_and_dtype(params, *lists):
+    """(device, [params, *lists] restricted to the parameters of one device and dtype) for each, in first-seen
+    order; a list that is None stays None."""
+    indices = {}
+    for i, p in enumerate(params):
+        indices.setdefault((p.device, p.dtype), []).append(i)
+    for (device, _), chosen in indices.items():
+        yield device, [None if lst is None else [lst[i] for i in chosen] for lst in (params, *lists)]
+
+
+# ---------------------------------------------------------------------------------------------------
 # Single-tensor reference: the rule of the class docstring, line by line.
 
 
-def _single_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, is_approx):
-    for (p, state), rule in zip(entries, rules):
+def _single_tensor_mars(
+    params, grads, last_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, rules, *, lr, beta1, beta2, eps,
+    weight_decay, gamma, eps_uncorrected,
+):  # fmt: skip
+    for i, p in enumerate(params):
         device_lr = _lr_on(lr, p.device)
-        step_size, bias_correction2_rsqrt = _adam_scalars([state["step"]], device_lr, beta1, beta2, p.dtype)
-        _mars_tensor_step(
-            p,
-            p.grad,
-            state["last_grad"],
-            state["exp_avg"],
-            state.get("exp_avg_sq"),
-            state.get("max_exp_avg_sq"),
-            device_lr,
-            step_size[0],
-            bias_correction2_rsqrt[0],
-            rule=rule,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            gamma=gamma,
-            keep_grad=is_approx,
-        )
-
-
-def _single_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay, eps_uncorrected):
-    for p, state in entries:
-        device_lr = _lr_on(lr, p.device)
-        step_size, bias_correction2_rsqrt = _adam_scalars([state["step"]], device_lr, beta1, beta2, p.dtype)
-        _adamw_tensor_step(
-            p,
-            p.grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            state.get("max_exp_avg_sq"),
-            device_lr,
-            step_size[0],
-            bias_correction2_rsqrt[0],
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            eps_uncorrected=eps_uncorrected,
-        )
+        (step_size,), (bias_correction2_rsqrt,) = _adam_scalars([steps[i]], device_lr, beta1, beta2, p.dtype)
+        moments = exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i]
+        scalars = device_lr, step_size, bias_correction2_rsqrt
+        numbers = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        if last_grads is None:
+            _adamw_tensor_step(p, grads[i], *moments, *scalars, **numbers, eps_uncorrected=eps_uncorrected)
+        else:
+            _mars_tensor_step(p, grads[i], last_grads[i], *moments, *scalars, rule=rules[i], **numbers, gamma=gamma)
 
 
 def _mars_tensor_step(
-    p,
-    g,
-    g_prev,
-    m,
-    v,
-    v_max,
-    lr,
-    step_size,
-    bias_correction2_rsqrt,
-    *,
-    rule,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    gamma,
-    keep_grad,
+    p, g, g_prev, m, v, v_max, lr, step_size, bias_correction2_rsqrt, *, rule, beta1, beta2, eps, weight_decay, gamma
 ):
-    """One MARS step of one tensor; v, v_max are None where the rule keeps none, and step_size,
-    bias_correction2_rsqrt are _adam_scalars' (used by the AdamW rule)."""
+    """One MARS step of one tensor (g_prev ← g at the end); v, v_max are None where the rule keeps none, and
+    step_size, bias_correction2_rsqrt are _adam_scalars' (used by the AdamW rule)."""
     g = g.to(m.dtype)  # float16 parameters: c̃ in float32, as m and v (its small entries underflow float16)
     c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)  # c_t, the variance-reduced gradient
     c = c / torch.linalg.vector_norm(c, dtype=_opmath(c.dtype)).clamp_min(1.0)  # c̃_t: ‖c̃_t‖ <= 1
     _rule_step(p, c, m, v, v_max, lr, step_size, bias_correction2_rsqrt, rule, beta1, beta2, eps, weight_decay)
-    if keep_grad:
-        g_prev.copy_(g)
+    g_prev.copy_(g)
 
 
 def _rule_step(p, c, m, v, v_max, lr, step_size, bias_correction2_rsqrt, rule, beta1, beta2, eps, weight_decay):
     """The preconditioned update of a tensor from its clipped c̃_t: AdamW's, Lion's sign, or Newton-Schulz."""
     if rule == "adamw":
         _adamw_tensor_step(
-            p,
-            c,
-            m,
-            v,
-            v_max,
-            lr,
-            step_size,
-            bias_correction2_rsqrt,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-        )
+            p, c, m, v, v_max, lr, step_size, bias_correction2_rsqrt,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        )  # fmt: skip
     else:
         m.lerp_(c, 1 - beta1)  # m_t = β1 m_{t-1} + (1 - β1) c̃_t
         u = m.sign() if rule == "lion" else _orthogonal_direction(m, rule, beta1=beta1, eps=eps)
@@ -1040,76 +882,58 @@ def _adam_scalars(steps, lr, beta1, beta2, dtype):
 # Scalars that change per step (lr, the step counts) stay on the device, so nothing here waits on it.
 
 
-def _multi_tensor_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, is_approx):
-    for bucket, bucket_rules in _by_device_and_dtype(entries, rules):
-        grads = [p.grad for p, _ in bucket]
-        c = _corrected_gradients(bucket, grads, beta1=beta1, gamma=gamma, is_approx=is_approx)
+def _multi_tensor_mars(
+    params, grads, last_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, rules, *, lr, beta1, beta2, eps,
+    weight_decay, gamma, eps_uncorrected,
+):  # fmt: skip
+    numbers = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    lists = params, grads, last_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, rules
+    for device, (p, g, g_prev, m, v, v_max, step, rule) in _by_device_and_dtype(*lists):
+        device_lr = _lr_on(lr, device)
+        if g_prev is None:  # the AdamW part
+            _foreach_adamw(p, g, m, v, v_max, step, device_lr, **numbers, eps_uncorrected=eps_uncorrected)
+            continue
+        c = _corrected_gradients(g, g_prev, m[0].dtype, beta1=beta1, gamma=gamma)
         norms = torch._foreach_norm(c, dtype=_opmath(c[0].dtype))
-        hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, is_approx=is_approx)
-        _clipped_update(bucket, bucket_rules, grads, c, norms, _lr_on(lr, bucket[0][0].device), **hyper)
+        _clipped_update(p, g, g_prev, m, v, v_max, step, rule, c, norms, device_lr, **numbers)
 
 
-def _corrected_gradients(bucket, grads, *, beta1, gamma, is_approx):
-    """c_t = g + γβ1/(1-β1) (g - g_prev) of each (p, state) of one device and dtype, in m's dtype."""
+def _corrected_gradients(grads, last_grads, dtype, *, beta1, gamma):
+    """c_t = g + γβ1/(1-β1) (g - g_prev) of each tensor (one device and dtype), in `dtype` (m's)."""
     k = gamma * beta1 / (1 - beta1)
-    last_grads = [state["last_grad"] for _, state in bucket]
-    dtype = bucket[0][1]["exp_avg"].dtype  # c̃'s, as m's: float32 for float16 parameters
-    if is_approx and last_grads[0].dtype == dtype:
-        # g_prev is replaced by g at the end of the step, so its buffer holds c meanwhile: the
-        # step's one gradient-sized buffer, and no allocation.
-        c = last_grads
-    else:
-        # Exact MARS (g_prev belongs to update_last_grad), or g_prev stored in another dtype.
-        c = [g_prev.to(dtype, copy=True) for g_prev in last_grads]
+    # g_prev is replaced by g at the end of the step, so its buffer can hold c meanwhile: the step's one
+    # gradient-sized buffer, and no allocation -- unless g_prev is stored in another dtype than c's.
+    c = last_grads if last_grads[0].dtype == dtype else [g_prev.to(dtype, copy=True) for g_prev in last_grads]
     torch._foreach_lerp_(c, [g.to(dtype) for g in grads], 1 + k)  # g + k (g - g_prev)
     return c
 
 
 def _clipped_update(
-    bucket, rules, grads, c, norms, lr, *, beta1, beta2, eps, weight_decay, is_approx, newton_schulz=None
-):
-    """The rest of the step from c_t and its norms: clip, each rule, and (approximate MARS) g_prev ← g.
-    newton_schulz(entries, lr, rule, ...) updates the Newton-Schulz rules' tensors once m is updated."""
+    params, grads, last_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, rules, c, norms, lr, *, beta1, beta2,
+    eps, weight_decay, newton_schulz=None,
+):  # fmt: skip
+    """The rest of the step from c_t and its norms: clip, each rule, and g_prev ← g. newton_schulz(params,
+    momenta, lr, rule, ...) updates the Newton-Schulz rules' tensors once m is updated."""
     torch._foreach_clamp_min_(norms, 1.0)
     torch._foreach_div_(c, norms)  # clip to Frobenius norm <= 1
-    for rule in ("lion", *_NEWTON_SCHULZ_RULES, "adamw"):
+    for rule in ("lion", *NEWTON_SCHULZ_RULES, "adamw"):
         picked = [i for i, r in enumerate(rules) if r == rule]
         if not picked:
             continue
-        sub = [bucket[i] for i in picked]
-        sub_c = [c[i] for i in picked]
+        p, x, m, v, v_max, step = (
+            [lst[i] for i in picked] for lst in (params, c, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        )
         if rule == "adamw":
-            _foreach_adamw(sub, sub_c, lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+            _foreach_adamw(p, x, m, v, v_max, step, lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
             continue
-        momenta = [state["exp_avg"] for _, state in sub]
-        torch._foreach_lerp_(momenta, sub_c, 1 - beta1)
+        torch._foreach_lerp_(m, x, 1 - beta1)  # m_t = β1 m_{t-1} + (1 - β1) c̃_t
         if rule == "lion":
-            torch._foreach_copy_(sub_c, momenta)
-            torch._foreach_sign_(sub_c)
-            _foreach_apply_update([p for p, _ in sub], sub_c, lr, weight_decay)
+            torch._foreach_copy_(x, m)
+            torch._foreach_sign_(x)
+            _foreach_apply_update(p, x, lr, weight_decay)
         else:
-            (newton_schulz or _newton_schulz_update)(sub, lr, rule, beta1=beta1, eps=eps, weight_decay=weight_decay)
-    if is_approx:
-        torch._foreach_copy_([state["last_grad"] for _, state in bucket], grads)
-
-
-def _multi_tensor_adamw(entries, *, lr, beta1, beta2, eps, weight_decay, eps_uncorrected):
-    for bucket, _ in _by_device_and_dtype(entries):
-        grads = [p.grad for p, _ in bucket]
-        device_lr = _lr_on(lr, bucket[0][0].device)
-        hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, eps_uncorrected=eps_uncorrected)
-        _foreach_adamw(bucket, grads, device_lr, **hyper)
-
-
-def _by_device_and_dtype(entries, rules=None):
-    """(entries, rules) per (device, dtype) of the parameters, in first-seen order."""
-    rules = rules if rules is not None else [None] * len(entries)
-    buckets = {}
-    for entry, rule in zip(entries, rules):
-        bucket = buckets.setdefault((entry[0].device, entry[0].dtype), ([], []))
-        bucket[0].append(entry)
-        bucket[1].append(rule)
-    return buckets.values()
+            (newton_schulz or _newton_schulz_update)(p, m, lr, rule, beta1=beta1, eps=eps, weight_decay=weight_decay)
+    torch._foreach_copy_(last_grads, grads)
 
 
 def _foreach_apply_update(params, updates, lr, weight_decay):
@@ -1126,15 +950,14 @@ def _foreach_apply_update(params, updates, lr, weight_decay):
         torch._foreach_add_(params, updates, alpha=-lr)
 
 
-def _newton_schulz_update(entries, lr, rule, *, beta1, eps, weight_decay):
+def _newton_schulz_update(params, momenta, lr, rule, *, beta1, eps, weight_decay):
     """A Newton-Schulz rule on 2-D tensors (m already updated), one batched Newton-Schulz per shape."""
     by_shape = {}
-    for entry in entries:
-        by_shape.setdefault(tuple(entry[0].shape), []).append(entry)
-    for same_shape in by_shape.values():
-        momenta = torch.stack([state["exp_avg"] for _, state in same_shape])
-        u = _orthogonal_direction(momenta, rule, beta1=beta1, eps=eps)
-        _foreach_apply_update([p for p, _ in same_shape], list(u.unbind(0)), lr, weight_decay)
+    for p, m in zip(params, momenta):
+        by_shape.setdefault(tuple(p.shape), []).append((p, m))
+    for pairs in by_shape.values():
+        u = _orthogonal_direction(torch.stack([m for _, m in pairs]), rule, beta1=beta1, eps=eps)
+        _foreach_apply_update([p for p, _ in pairs], list(u.unbind(0)), lr, weight_decay)
 
 
 def _orthogonal_direction(m, rule, *, beta1, eps):
@@ -1154,18 +977,41 @@ def _orthogonal_direction(m, rule, *, beta1, eps):
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
 
 
-def _fused_adamw_can_take(p, x, state):
-    """Whether torch's fused AdamW kernel computes the reference's result on these tensors.
-
-    The kernel walks each tensor's memory linearly: every tensor must share p's dtype and strides, and p
-    must fill its memory without gaps (the gaps of a strided view would be written).
-    """
-    tensors = [x] + [state[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
-    return (
-        p.device.type in _FUSED_ADAMW_DEVICES
-        and _is_dense(p)
-        and all(t.dtype == p.dtype and t.stride() == p.stride() for t in tensors)
-    )
+def _foreach_adamw(
+    params, xs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, *, beta1, beta2, eps, weight_decay,
+    eps_uncorrected=False,
+):  # fmt: skip
+    """AdamW on inputs xs: torch's fused kernel on the tensors it computes the reference's result on -- it walks
+    each tensor's memory linearly, so every tensor must share p's dtype and strides and p fill its memory without
+    gaps -- and the reference on the rest (all of them with eps_uncorrected, which the kernel cannot compute)."""
+    takes = [
+        not eps_uncorrected
+        and params[i].device.type in _FUSED_ADAMW_DEVICES
+        and _is_dense(params[i])
+        and all(t.dtype == params[i].dtype and t.stride() == params[i].stride() for t in tensors if t is not None)
+        for i, tensors in enumerate(zip(xs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
+    ]
+    fused = [i for i, ok in enumerate(takes) if ok]
+    if fused:
+        p, x, m, v, v_max, step = (
+            [lst[i] for i in fused] for lst in (params, xs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        )
+        amsgrad = v_max[0] is not None
+        torch._fused_adamw_(
+            p, x, m, v, v_max if amsgrad else [], step,
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False,
+        )  # fmt: skip
+    rest = [i for i, ok in enumerate(takes) if not ok]
+    if rest:
+        step_sizes, bias_correction2_rsqrts = _adam_scalars(
+            [steps[i] for i in rest], lr, beta1, beta2, params[rest[0]].dtype
+        )
+        for i, step_size, bias_correction2_rsqrt in zip(rest, step_sizes, bias_correction2_rsqrts):
+            _adamw_tensor_step(
+                params[i], xs[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], lr, step_size,
+                bias_correction2_rsqrt, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                eps_uncorrected=eps_uncorrected,
+            )  # fmt: skip
 
 
 def _is_dense(t):
@@ -1176,67 +1022,45 @@ def _is_dense(t):
     return t.permute(order).is_contiguous()
 
 
-def _foreach_adamw(entries, xs, lr, *, beta1, beta2, eps, weight_decay, eps_uncorrected=False):
-    """AdamW on inputs xs: torch's fused kernel on the tensors it can take, the reference on the rest (all of
-    them with eps_uncorrected, which the kernel cannot compute)."""
-    takes = [not eps_uncorrected and _fused_adamw_can_take(p, x, state) for (p, state), x in zip(entries, xs)]
-    fused = [(entry, x) for entry, x, ok in zip(entries, xs, takes) if ok]
-    if fused:
-        states = [state for (_, state), _ in fused]
-        torch._fused_adamw_(
-            [p for (p, _), _ in fused],
-            [x for _, x in fused],
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states if "max_exp_avg_sq" in s],
-            [s["step"] for s in states],
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay,
-            eps=eps,
-            amsgrad="max_exp_avg_sq" in states[0],
-            maximize=False,
-        )
-    rest = [(entry, x) for entry, x, ok in zip(entries, xs, takes) if not ok]
-    if rest:
-        steps = [state["step"] for (_, state), _ in rest]
-        step_sizes, bias_correction2_rsqrts = _adam_scalars(steps, lr, beta1, beta2, rest[0][0][0].dtype)
-        for ((p, state), x), step_size, bias_correction2_rsqrt in zip(rest, step_sizes, bias_correction2_rsqrts):
-            _adamw_tensor_step(
-                p,
-                x,
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                state.get("max_exp_avg_sq"),
-                lr,
-                step_size,
-                bias_correction2_rsqrt,
-                beta1=beta1,
-                beta2=beta2,
-                eps=eps,
-                weight_decay=weight_decay,
-                eps_uncorrected=eps_uncorrected,
-            )
-
-
 # ---------------------------------------------------------------------------------------------------
 # fused=True: _fused_mars_tensor_step, the reference step written for the compiler, compiled. The tensors go in
-# as 1-D views in memory order, so one compiled graph (per dtype and rule) serves every shape. Every number
-# (lr, β1, β2, eps, λ, γ) goes in as a 0-d tensor on the device, so no value is compiled in: a schedule may
-# change lr or the betas every step (OneCycleLR cycles β1) and groups may differ in every number without a
-# recompilation. Tensors whose layouts differ (a transposed parameter with a contiguous gradient) take the eager
-# reference, with the numbers as they are. docs/mars.md ("Paths") has the measurements behind the choices below.
+# as 1-D views in memory order, so one compiled graph (per dtype and rule) serves every shape; mars() sends here
+# only tensors that share one dense layout. Every number (lr, β1, β2, eps, λ, γ) goes in as a 0-d tensor on the
+# device, so no value is compiled in: a schedule may change lr or the betas every step (OneCycleLR cycles β1) and
+# groups may differ in every number without a recompilation. docs/mars.md ("Paths") has the measurements behind
+# the choices below.
 #
-# The graphs a process can need (dtypes x rules x amsgrad x exact/approximate) exceed dynamo's default limit
-# of 8 per function only in unusual mixes; the limit is raised for this function, and reaching it raises
-# instead of silently running uncompiled.
+# The graphs a process can need (dtypes x rules x amsgrad) exceed dynamo's default limit of 8 per function only in
+# unusual mixes; the limit is raised for this function, and reaching it raises instead of silently running
+# uncompiled.
 _RECOMPILE_LIMIT = 64
 
 
-def _fused_mars_tensor_step(p, g, g_prev, m, v, v_max, lr, step_size, bias_correction2_rsqrt, *, rule, keep_grad, **hp):
-    """_mars_tensor_step as inductor compiles it fastest; the same rule, within a rounding."""
-    beta1, gamma = hp["beta1"], hp["gamma"]
+def _fused_mars(
+    params, grads, last_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, rules, *, lr, beta1, beta2, eps,
+    weight_decay, gamma, eps_uncorrected,
+):  # fmt: skip
+    numbers = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, gamma=gamma)
+    lists = params, grads, last_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, rules
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        for device, (p, g, g_prev, m, v, v_max, step, rule) in _by_device_and_dtype(*lists):
+            opmath = _opmath(p[0].dtype)
+            device_lr = torch.as_tensor(_lr_on(lr, device), dtype=opmath, device=device)
+            device_numbers = {
+                name: torch.full((), value, dtype=opmath, device=device) for name, value in numbers.items()
+            }
+            for i in range(len(p)):
+                flat = _flat_views([p[i], g[i], g_prev[i], m[i], v[i], v_max[i]])
+                compiled = _compiled_mars_tensor_step(_simdlen(p[i], g_prev[i]))
+                compiled(*flat, device_lr, step[i], rule=rule[i], **device_numbers)
+
+
+def _fused_mars_tensor_step(p, g, g_prev, m, v, v_max, lr, step, *, rule, beta1, beta2, eps, weight_decay, gamma):
+    """_mars_tensor_step as inductor compiles it fastest; the same rule, within a rounding. _adam_scalars's two
+    numbers are computed in the graph, from the tensor's own step count (a view of a stack of them would make the
+    graph depend on how many tensors stepped together)."""
+    t = step.to(_opmath(p.dtype))
+    step_size, bias_correction2_rsqrt = lr / (1 - beta1**t), (1 - beta2**t).rsqrt()
     g = g.to(m.dtype)
     c = g + gamma * beta1 / (1 - beta1) * (g - g_prev)
     # On CPU inductor's float32 sum is a slow cascade when g_prev is in c's dtype, where a float64 sum is faster;
@@ -1246,10 +1070,8 @@ def _fused_mars_tensor_step(p, g, g_prev, m, v, v_max, lr, step_size, bias_corre
     # Inductor divides element by element; times the reciprocal (one rounding more) leaves the divider to the
     # AdamW rule's own division.
     c = c * norm.reciprocal().to(c.dtype)
-    rule_numbers = (hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"])
-    _rule_step(p, c, m, v, v_max, lr, step_size, bias_correction2_rsqrt, rule, *rule_numbers)
-    if keep_grad:
-        g_prev.copy_(g)
+    _rule_step(p, c, m, v, v_max, lr, step_size, bias_correction2_rsqrt, rule, beta1, beta2, eps, weight_decay)
+    g_prev.copy_(g)
 
 
 @functools.cache
@@ -1271,61 +1093,20 @@ def _simdlen(p, g_prev):
     return None
 
 
-def _fused_mars(entries, rules, *, lr, beta1, beta2, eps, weight_decay, gamma, is_approx):
-    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, gamma=gamma)
-    newton_schulz = [(entry, rule) for entry, rule in zip(entries, rules) if rule in _NEWTON_SCHULZ_RULES]
-    if newton_schulz:  # not compiled: the multi-tensor path batches Newton-Schulz
-        _multi_tensor_mars(*map(list, zip(*newton_schulz)), lr=lr, is_approx=is_approx, **hyper)
-    compiled = [(entry, rule) for entry, rule in zip(entries, rules) if rule not in _NEWTON_SCHULZ_RULES]
-    if not compiled:
-        return
-    limits = dict(recompile_limit=_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
-    with torch._dynamo.config.patch(**limits):
-        for bucket, bucket_rules in _by_device_and_dtype(*zip(*compiled)):
-            p0 = bucket[0][0]
-            opmath = _opmath(p0.dtype)
-            device_lr = (
-                _lr_on(lr, p0.device) if torch.is_tensor(lr) else torch.full((), lr, dtype=opmath, device=p0.device)
-            )
-            device_hyper = {
-                name: torch.full((), value, dtype=opmath, device=p0.device) for name, value in hyper.items()
-            }
-            steps = [state["step"] for _, state in bucket]
-            scalars = zip(*_adam_scalars(steps, device_lr, beta1, beta2, p0.dtype))
-            for (p, state), rule, (step_size, bias_correction2_rsqrt) in zip(bucket, bucket_rules, scalars):
-                tensors = [
-                    p,
-                    p.grad,
-                    state["last_grad"],
-                    state["exp_avg"],
-                    state.get("exp_avg_sq"),
-                    state.get("max_exp_avg_sq"),
-                ]
-                flat = _flat_views(tensors)
-                if flat is None:  # layouts differ: the eager reference, which takes the numbers as they are
-                    step_fn, args, numbers = _mars_tensor_step, tensors, hyper
-                else:
-                    step_fn, args, numbers = _compiled_mars_tensor_step(_simdlen(p, tensors[2])), flat, device_hyper
-                step_fn(
-                    *args,
-                    device_lr,
-                    step_size,
-                    bias_correction2_rsqrt,
-                    rule=rule,
-                    keep_grad=is_approx,
-                    **numbers,
-                )
+def _one_dense_layout(tensors):
+    """Whether the tensors (None aside) fill their memory in one dense layout: what _flat_views needs."""
+    present = [t for t in tensors if t is not None]
+    if all(t.is_contiguous() for t in present):  # the common case, checked cheaply: this runs per tensor
+        return True
+    return _is_dense(present[0]) and all(t.stride() == present[0].stride() for t in present)
 
 
 def _flat_views(tensors):
-    """1-D views of the tensors (None stays None) in memory order, or None unless they share one dense layout.
-    The views are detached, as the compiled graph updates them in place correctly only then (docs/mars.md)."""
-    present = [t for t in tensors if t is not None]
-    if all(t.is_contiguous() for t in present):  # the common case, checked cheaply: this runs per tensor
+    """1-D views of the tensors (None stays None) in memory order, which _one_dense_layout says they share. The
+    views are detached, as the compiled graph updates them in place correctly only then (docs/mars.md)."""
+    first = tensors[0]
+    if first.is_contiguous():
         return [None if t is None else t.detach().view(-1) for t in tensors]
-    first = present[0]
-    if not _is_dense(first) or any(t.stride() != first.stride() for t in present):
-        return None
     order = sorted(range(first.ndim), key=first.stride, reverse=True)
     return [None if t is None else t.detach().permute(order).view(-1) for t in tensors]
 
@@ -1360,17 +1141,9 @@ def _is_dtensor(t):
     return cls is not None and isinstance(t, cls)
 
 
-def _has_dtensor(entries):
-    return any(_is_dtensor(p) for p, _ in entries)
-
-
 def _local(t):
-    """t's shard on this rank (the DTensor's local tensor, a view of it), or t itself."""
+    """t's shard on this rank (the DTensor's local tensor, a view of it), or t itself (also None, or a rule)."""
     return t.to_local() if _is_dtensor(t) else t
-
-
-def _local_entry(p, state):
-    return _local(p), {key: _local(value) for key, value in state.items()}
 
 
 def _copy_shards(targets, sources):
@@ -1419,41 +1192,36 @@ def _split_of(p):
     return split
 
 
-def _sharded_adamw(entries, *, lr, beta1, beta2, eps, weight_decay, eps_uncorrected):
-    """The AdamW part on shards: elementwise, so nothing to communicate."""
-    local = [_local_entry(p, state) for p, state in entries]
-    grads = [_local(p.grad) for p, _ in entries]
-    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, eps_uncorrected=eps_uncorrected)
-    for bucket, bucket_grads in _by_device_and_dtype(local, grads):  # each entry with its gradient
-        _foreach_adamw(bucket, bucket_grads, _lr_on(lr, bucket[0][0].device), **hyper)
-
-
-def _sharded_mars(work):
-    """One step of every group's MARS tensors, work = [(entries, rules, hyper)] per group: _multi_tensor_mars on
-    the shards, with c_t's norms from _whole_norms and Newton-Schulz through _owner_newton_schulz."""
-    buckets = []
-    for entries, rules, hyper in work:
-        for bucket, bucket_rules in _by_device_and_dtype(entries, rules):
-            local = [_local_entry(p, state) for p, state in bucket]
-            grads = [_local(p.grad) for p, _ in bucket]
-            splits = [_split_of(p) for p, _ in bucket]
+def _sharded_mars(parts):
+    """Every part whose parameters are DTensors: the multi-tensor rule on the shards, with c_t's norms from
+    _whole_norms (one all-reduce for all the parts) and Newton-Schulz through _owner_newton_schulz."""
+    buckets = []  # the MARS tensors' (local lists, c, splits, lr, numbers) per part, device and dtype
+    for part in parts:
+        numbers = part.numbers
+        for device, lists in _by_device_and_dtype(*part.tensors):
+            local = [None if lst is None else [_local(t) for t in lst] for lst in lists]
+            lr = _lr_on(numbers["lr"], device)
+            params, grads, last_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, _ = local
+            if last_grads is None:  # the AdamW part: elementwise, so nothing to communicate
+                hyper = {k: numbers[k] for k in ("beta1", "beta2", "eps", "weight_decay", "eps_uncorrected")}
+                _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, **hyper)
+                continue
             c = _corrected_gradients(
-                local, grads, beta1=hyper["beta1"], gamma=hyper["gamma"], is_approx=hyper["is_approx"]
+                grads, last_grads, exp_avgs[0].dtype, beta1=numbers["beta1"], gamma=numbers["gamma"]
             )
-            buckets.append((local, bucket_rules, grads, c, splits, hyper))
-    all_norms = _whole_norms([(c, splits) for _, _, _, c, splits, _ in buckets])
-    split_of = {id(p): split for local, _, _, _, splits, _ in buckets for (p, _), split in zip(local, splits)}
-    newton_schulz = []  # (entries, lr, rule, hyper) of each group's Newton-Schulz tensors, for one exchange
+            buckets.append((local, c, [_split_of(p) for p in lists[0]], lr, numbers))
+    all_norms = _whole_norms([(c, splits) for _, c, splits, _, _ in buckets])
+    split_of = {id(p): split for local, _, splits, _, _ in buckets for p, split in zip(local[0], splits)}
+    jobs = []  # (params, momenta, lr, rule, numbers) of every Newton-Schulz rule's tensors, for one exchange
 
-    def later(entries, lr, rule, **hyper):
-        newton_schulz.append((entries, lr, rule, hyper))
+    def later(params, momenta, lr, rule, **numbers):
+        jobs.append((params, momenta, lr, rule, numbers))
 
-    for (local, rules, grads, c, _, hyper), norms in zip(buckets, all_norms):
-        lr = _lr_on(hyper["lr"], local[0][0].device)
-        rest = {k: v for k, v in hyper.items() if k not in ("lr", "gamma")}
-        _clipped_update(local, rules, grads, c, norms, lr, **rest, newton_schulz=later)
-    if newton_schulz:
-        _owner_newton_schulz(newton_schulz, split_of)
+    for (local, c, _, lr, numbers), norms in zip(buckets, all_norms):
+        hyper = {k: numbers[k] for k in ("beta1", "beta2", "eps", "weight_decay")}
+        _clipped_update(*local, c, norms, lr, **hyper, newton_schulz=later)
+    if jobs:
+        _owner_newton_schulz(jobs, split_of)
 
 
 def _whole_norms(buckets):
@@ -1490,13 +1258,13 @@ def _on_every_shard(flag, params):
     return flag.bool()
 
 
-def _newton_schulz_cost(shape):
+def newton_schulz_cost(shape):
     """Multiply-adds of Newton-Schulz on a matrix (each iteration: three n x n x N products, n <= N)."""
     n, big = sorted(shape[-2:])
     return n * n * big
 
 
-def _balanced_owners(costs, world):
+def balanced_owners(costs, world):
     """An owner rank for each job: the costliest first, each to the least loaded rank (the lowest on ties).
     Deterministic, so every rank computes the same assignment without communicating."""
     load, owners = [0] * world, [0] * len(costs)
@@ -1507,46 +1275,45 @@ def _balanced_owners(costs, world):
 
 
 def _owner_newton_schulz(jobs, split_of):
-    """The Newton-Schulz rules' updates, jobs = [(entries, lr, rule, hyper)] with m already updated: whole
-    tensors as _newton_schulz_update; sharded ones at their owners, one exchange per process group and dtype."""
+    """The Newton-Schulz rules' updates, jobs = [(params, momenta, lr, rule, numbers)] of shards with m already
+    updated: whole tensors as _newton_schulz_update; sharded ones at their owners, one exchange per process group
+    and dtype."""
     exchanges = {}
-    for entries, lr, rule, hyper in jobs:
-        whole = [entry for entry in entries if split_of[id(entry[0])] is None]
+    for params, momenta, lr, rule, numbers in jobs:
+        whole = [i for i, p in enumerate(params) if split_of[id(p)] is None]
         if whole:
-            _newton_schulz_update(whole, lr, rule, **hyper)
-        for entry in entries:
-            split = split_of[id(entry[0])]
+            _newton_schulz_update([params[i] for i in whole], [momenta[i] for i in whole], lr, rule, **numbers)
+        for p, m in zip(params, momenta):
+            split = split_of[id(p)]
             if split is not None:
-                key = (split.group, entry[1]["exp_avg"].dtype, entry[0].device)
-                exchanges.setdefault(key, []).append((entry, split, lr, rule, hyper))
+                exchanges.setdefault((split.group, m.dtype, p.device), []).append((p, m, split, lr, rule, numbers))
     for (group, _, _), items in exchanges.items():
         updates = _exchange_newton_schulz(group, items)
         by_job = {}  # (lr, weight decay) -> parameters and their updates, as _newton_schulz_update applies them
-        for (entry, _, lr, _, hyper), u in zip(items, updates):
-            job = by_job.setdefault((id(lr), hyper["weight_decay"]), (lr, [], []))
-            job[1].append(entry[0])
+        for (p, _, _, lr, _, numbers), u in zip(items, updates):
+            job = by_job.setdefault((id(lr), numbers["weight_decay"]), (lr, [], []))
+            job[1].append(p)
             job[2].append(u)
         for (_, weight_decay), (lr, params, us) in by_job.items():
             _foreach_apply_update(params, us, lr, weight_decay)
 
 
 def _exchange_newton_schulz(group, items):
-    """Each item's rows of its update u = NS direction of its whole m, items = [(entry, split, lr, rule, hyper)]
+    """Each item's rows of its update u = NS direction of its whole m, items = [(p, m, split, lr, rule, numbers)]
     on one process group (_at_owners), each owner's Newton-Schulz batched by shape and rule."""
 
     def directions(wholes):  # {item: its whole m} of the matrices this rank owns
         batches = {}
         for i in wholes:
-            _, split, _, rule, hyper = items[i]
-            batches.setdefault((split.shape, rule, hyper["beta1"], hyper["eps"]), []).append(i)
+            _, _, split, _, rule, numbers = items[i]
+            batches.setdefault((split.shape, rule, numbers["beta1"], numbers["eps"]), []).append(i)
         result = {}
         for (_, rule, beta1, eps), batch in batches.items():
             stacked = torch.stack([wholes[i] for i in batch])
             result.update(zip(batch, _orthogonal_direction(stacked, rule, beta1=beta1, eps=eps).unbind(0)))
         return result
 
-    momenta = [entry[1]["exp_avg"] for entry, _, _, _, _ in items]
-    return _at_owners(group, momenta, [split for _, split, _, _, _ in items], directions)
+    return _at_owners(group, [m for _, m, *_ in items], [split for _, _, split, *_ in items], directions)
 
 
 def _at_owners(group, shards, splits, compute, result_dtype=None):
@@ -1558,7 +1325,7 @@ def _at_owners(group, shards, splits, compute, result_dtype=None):
     first = splits[0]
     rank, world = first.rank, first.world
     result_dtype = result_dtype or shards[0].dtype
-    owners = _balanced_owners([_newton_schulz_cost(split.shape) for split in splits], world)
+    owners = balanced_owners([newton_schulz_cost(split.shape) for split in splits], world)
     owned = [[i for i, owner in enumerate(owners) if owner == r] for r in range(world)]
     row_numel = [math.prod(split.shape) // max(1, split.shape[split.dim]) for split in splits]
 

@@ -256,10 +256,12 @@ def run(quick=False, n_embd=768):
     state_kinds = [("mars-adamw", None), ("mars-lion", None), ("mars-shampoo", None), ("mars-m", None)]
     state_kinds.append(("mars-adamw", torch.bfloat16))
     for mars_type, last_grad_dtype in state_kinds:
-        opt = MARS(params, mars_type=mars_type, last_grad_dtype=last_grad_dtype, **hyper)
-        for group in opt.param_groups:
-            for p in group["params"]:
-                opt._state_for(p, group)
+        # One step on the meta device allocates the state a real step does, without the arithmetic.
+        meta = [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in params]
+        for p in meta:
+            p.grad = torch.empty_like(p)
+        opt = MARS(meta, mars_type=mars_type, last_grad_dtype=last_grad_dtype, **hyper)
+        opt.step()
         suffix = ", last_grad_dtype=bfloat16" if last_grad_dtype else ""
         rows.append(
             row(

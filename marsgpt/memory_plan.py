@@ -80,10 +80,10 @@ def optimizer_layout(cfg, model_args):
 
     def entry(opt, group, p, state):
         tensors = [v for v in state.values() if torch.is_tensor(v)]
-        # MARS computes c_t in last_grad's buffer when it can; exact mode, or a last_grad stored in another
-        # dtype than the parameter's, gives c_t a buffer of its own during the step (mars._multi_tensor_mars)
+        # MARS computes c_t in last_grad's buffer; a last_grad stored in another dtype than the parameter's gives
+        # c_t a buffer of its own during the step (mars._corrected_gradients)
         last_grad = state.get("last_grad")
-        own_buffer = last_grad is not None and ("previous_grad" in state or last_grad.dtype != p.dtype)
+        own_buffer = last_grad is not None and last_grad.dtype != p.dtype
         step_buffer = p.numel() * p.element_size() if own_buffer else 0
         sizes = [t.numel() * t.element_size() for t in tensors]
         rows = p.shape[0] if p.ndim else 1
@@ -103,11 +103,7 @@ def newton_schulz(opt, group, p):
 
     if isinstance(opt, torch.optim.Muon):
         return tuple(p.shape)
-    if (
-        isinstance(opt, mars.MARS)
-        and opt._is_mars_tensor(p, group)
-        and mars._rule(p, group["mars_type"]).startswith("newton")
-    ):
+    if isinstance(opt, mars.MARS) and mars.update_rule(p, group) in mars.NEWTON_SCHULZ_RULES:
         return tuple(p.shape)
     return None
 
@@ -606,7 +602,7 @@ class FSDP2:
         matrices = [e for e in parameters if e.newton_schulz is not None]
         if not matrices:
             return 0
-        owners = mars._balanced_owners([mars._newton_schulz_cost(e.newton_schulz) for e in matrices], self.shards)
+        owners = mars.balanced_owners([mars.newton_schulz_cost(e.newton_schulz) for e in matrices], self.shards)
         fullest = 0
         for rank in range(self.shards):
             owned = [e.newton_schulz for e, owner in zip(matrices, owners) if owner == rank]

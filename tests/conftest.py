@@ -16,6 +16,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def backend_flags_settable():
+    """torch's test utilities, which tests/test_mars_as_torch_optimizer.py imports, freeze torch.backends' flags as
+    they are imported (for torch's own suite); collecting that module would then fail every later test of a setting
+    the trainer makes (runtime.set_deterministic), so the session lets them be set, as a training run can."""
+    with getattr(torch.backends, "__allow_nonbracketed_mutation")():
+        yield
+
+
 @pytest.fixture
 def one_thread():
     """Torch on one thread for the test: tiny models run faster single-threaded on shared cores."""

@@ -254,7 +254,11 @@ def test_the_trainers_numbers_are_bit_identical_to_the_previous_mars(monkeypatch
     for p_new, p_old in zip(new_model.parameters(), old_model.parameters()):
         assert new_opt.state[p_new].keys() == old_opt.state[p_old].keys()
         for key, value in new_opt.state[p_new].items():
-            assert torch.equal(value, old_opt.state[p_old][key]), key
+            # Exact MARS's previous_grad is scratch between update_last_grad() and the next update_previous_grad(),
+            # which writes it whole (a state_dict leaves it out): the step now leaves g_t in last_grad's buffer,
+            # which update_last_grad() swaps there, where the previous mars.py left the look-ahead gradient before.
+            if key != "previous_grad":
+                assert torch.equal(value, old_opt.state[p_old][key]), key
     for g_new, g_old in zip(new_opt.param_groups, old_opt.param_groups):
         # The 1-D lr read back: what the last step used, where the previous mars.py kept the peak lr_1d.
         assert g_new["lr_1d"] == g_new["lr"] * g_new["lr_1d_factor"]

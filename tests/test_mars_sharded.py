@@ -300,22 +300,30 @@ def scaler_fallback(rank, world, model, mars_type):
 
 
 # Checkpoints: train SAVE_AT steps, save, train to TOTAL; resumed runs load the save and train to TOTAL.
-CHECKPOINT_CASES = {
-    "mars-adamw bfloat16 last_grad": dict(mars_type="mars-adamw", is_approx=True, last_grad_dtype=torch.bfloat16),
-    "mars-m exact": dict(mars_type="mars-m", is_approx=False),
+CHECKPOINT_CASES = {  # MARS's settings, and how exact MARS gets its second gradient (None: approximate)
+    "mars-adamw bfloat16 last_grad": dict(mars_type="mars-adamw", exact=None, last_grad_dtype=torch.bfloat16),
+    "mars-m exact": dict(mars_type="mars-m", exact="protocol"),
     "mars-shampoo exact bfloat16 last_grad": dict(
-        mars_type="mars-shampoo", is_approx=False, last_grad_dtype=torch.bfloat16
+        mars_type="mars-shampoo", exact="protocol", last_grad_dtype=torch.bfloat16
     ),
+    # x_{t-1}, which step(closure) keeps, must come back through torch.distributed.checkpoint's template too (the
+    # fresh optimizer's state, which torch creates with a closure-less step)
+    "mars-adamw exact through a closure": dict(mars_type="mars-adamw", exact="closure"),
 }
 SAVE_AT, TOTAL = 2, 4
 
 
-def train_range(net, opt, data, steps, is_approx, rank=0, world=1):
+def case_mars(net, options):
+    settings = {key: value for key, value in options.items() if key != "exact"}
+    return make_mars(net, **settings, is_approx=options["exact"] is None)
+
+
+def train_range(net, opt, data, steps, exact, rank=0, world=1):
     for t in steps:
         batch, next_batch = data[t], data[t + 1]
         if world > 1:
             batch, next_batch = rank_slice(batch, rank, world), rank_slice(next_batch, rank, world)
-        train_step(net, opt, batch, next_batch, None if is_approx else "protocol")
+        train_step(net, opt, batch, next_batch, exact)
 
 
 def dcp_save(net, opt, path):
@@ -343,8 +351,8 @@ def one_process_checkpoints(root):
     data = global_batches(TOTAL, 2)
     for name, options in CHECKPOINT_CASES.items():
         net = gpt()
-        opt = make_mars(net, **options)
-        train_range(net, opt, data, range(SAVE_AT), options["is_approx"])
+        opt = case_mars(net, options)
+        train_range(net, opt, data, range(SAVE_AT), options["exact"])
         dcp_save(net, opt, os.path.join(root, f"{name} 1 process"))
 
 
@@ -359,8 +367,8 @@ def sharded_checkpoints(rank, world, root):
     for name, options in CHECKPOINT_CASES.items():
         runs = results[name] = {}
         net = shard(gpt())
-        opt = make_mars(net, **options)
-        train_range(net, opt, data, range(SAVE_AT), options["is_approx"], rank, world)
+        opt = case_mars(net, options)
+        train_range(net, opt, data, range(SAVE_AT), options["exact"], rank, world)
         dcp_save(net, opt, os.path.join(root, f"{name} 2 ranks"))
         # one file, as a trainer writes ckpt.pt: every shard gathered to rank 0's host (torch refuses a group
         # value that is not a tensor, number, string, list or dict: last_grad_dtype goes by name)
@@ -368,13 +376,13 @@ def sharded_checkpoints(rank, world, root):
         model_state, optimizer_state = get_state_dict(net, opt, options=gathered)
         if rank == 0:
             torch.save({"model": model_state, "optimizer": optimizer_state}, os.path.join(root, f"{name}.pt"))
-        train_range(net, opt, data, range(SAVE_AT, TOTAL), options["is_approx"], rank, world)
+        train_range(net, opt, data, range(SAVE_AT, TOTAL), options["exact"], rank, world)
         runs["uninterrupted"] = full_params(net)
         for source in ("1 process", "2 ranks"):
             net = shard(gpt(seed=99))  # other weights: the load must replace them
-            opt = make_mars(net, **options)
+            opt = case_mars(net, options)
             dcp_load(net, opt, os.path.join(root, f"{name} {source}"))
-            train_range(net, opt, data, range(SAVE_AT, TOTAL), options["is_approx"], rank, world)
+            train_range(net, opt, data, range(SAVE_AT, TOTAL), options["exact"], rank, world)
             runs[f"{source.split()[0]} -> 2"] = full_params(net)
     return results
 
@@ -388,16 +396,16 @@ def one_process_resumes(root):
     results = {}
     for name, options in CHECKPOINT_CASES.items():
         net = gpt(seed=99)
-        opt = make_mars(net, **options)
+        opt = case_mars(net, options)
         dcp_load(net, opt, os.path.join(root, f"{name} 2 ranks"))
-        train_range(net, opt, data, range(SAVE_AT, TOTAL), options["is_approx"])
+        train_range(net, opt, data, range(SAVE_AT, TOTAL), options["exact"])
         results[(name, "2 -> 1")] = full_params(net)
         net = gpt(seed=99)
-        opt = make_mars(net, **options)
+        opt = case_mars(net, options)
         state = torch.load(os.path.join(root, f"{name}.pt"), weights_only=True)
         whole = StateDictOptions(full_state_dict=True)
         set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=whole)
-        train_range(net, opt, data, range(SAVE_AT, TOTAL), options["is_approx"])
+        train_range(net, opt, data, range(SAVE_AT, TOTAL), options["exact"])
         results[(name, "2 -> 1, full-state file")] = full_params(net)
     return results
 
