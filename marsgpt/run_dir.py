@@ -864,7 +864,10 @@ class RunDir:
         return None if self.latest is None else f"{self.latest[0]} (iter {self.latest[1]:,})"
 
     def resume_advice(self):
-        """Where a stopped run continues: the newest intact checkpoint and its iteration, or starting over."""
+        """Where a stopped run continues: the newest intact checkpoint and its iteration, or starting over. The
+        checkpoint in flight reaches the disk first: the writer's thread records it, and until then the advice
+        would name an older one, or none, depending on how fast the disk is."""
+        self.wait_for_writes()
         if self.latest is not None:
             return f"resume from {self.newest()} with --init_from=resume (or auto)"
         if not self.dist.is_master and os.path.isfile(self.ckpt_path):  # rank 0 keeps count of the saves

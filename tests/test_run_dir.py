@@ -454,9 +454,20 @@ def test_a_resume_counts_bad_steps_anew(data_path, tmp_path, capsys):
     assert "iter 3: non-finite loss or gradient norm nan; step skipped (1 in a row" in printed
 
 
-def test_float16_s_skipped_first_steps_hold_a_checkpoint_back_only_until_a_step_succeeds(data_path, tmp_path, capsys):
+def test_float16_s_skipped_first_steps_hold_a_checkpoint_back_only_until_a_step_succeeds(
+    data_path, tmp_path, capsys, monkeypatch
+):
     """The GradScaler starts at a loss scale that overflows here (grad_multiplier=1000) and skips the first steps
-    as it lowers the scale: the checkpoints due meanwhile are held back, then written as training goes on."""
+    as it lowers the scale: the checkpoints due meanwhile are held back, then written as training goes on. The
+    line names the checkpoint a resume reads however slow the disk: here every write takes half a second, so
+    iter 0's is still in flight when iter 1's is held back (on a fast machine the line once named none)."""
+    save = checkpoint.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.5)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", slow_save)
     out = str(tmp_path / "out")
     args = tiny_args(data_path, out, dtype="float16", grad_multiplier=1000, max_iters=12, eval_interval=4)
     status, printed, err = run(args + ["--checkpoint_interval=1"], capsys)
