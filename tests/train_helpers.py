@@ -14,7 +14,8 @@ so train.py and marsgpt/checkpoint.py carry no test code:
     TEST_UNREADABLE=RANK:PATH  on rank RANK the file PATH does not exist (a node without the shared
                            file system): os.path.isfile says False and open raises FileNotFoundError
     TEST_COMPILE_BACKEND=B torch.compile with backend B (aot_eager: dynamo's graphs without inductor's build)
-    TEST_MKLDNN=0          torch.backends.mkldnn off (as in the tests' own process: conftest.py)
+    TEST_MKLDNN=0          torch.backends.mkldnn off (as in the tests' own process: conftest.py; with
+                           ATEN_CPU_CAPABILITY, choose_kernels also holds oneDNN and inductor's cache to it)
     TEST_PAUSE=RANK:ITERS:PATH  on rank RANK, just before each step of ITERS (comma-separated), waits for
                            the checkpoint in flight, prints 'paused before step ITER (pid P)' and waits
                            until the file PATH.ITER exists or a stop signal has arrived: meanwhile the test
@@ -223,10 +224,32 @@ def diverging_from(forward_backward, first_step):
     return diverging
 
 
+# ATEN_CPU_CAPABILITY's instruction sets as oneDNN names them (ONEDNN_MAX_CPU_ISA)
+ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE"}
+
+
 def choose_kernels():
     """TEST_MKLDNN=0: oneDNN's matmul and convolution kernels off, another arithmetic path. With
     ATEN_CPU_CAPABILITY=default (torch's baseline kernels) and MKL_CBWR=COMPATIBLE (MKL's processor-independent
-    path) it shows which tests hold two code paths bit-equal only by the luck of one processor's kernels."""
+    path) it shows which tests hold two code paths bit-equal only by the luck of one processor's kernels.
+
+    ATEN_CPU_CAPABILITY limits torch's own kernels only; oneDNN asks the processor. On this repository's machine
+    (AMX) torch then asks oneDNN whether to pack bfloat16 blocks for AMX, oneDNN says yes, and torch's packing
+    kernel for the capability it was given raises ("pack_vnni2 is only supported when avx512 is supported", in
+    the CPU's flash attention): a processor with AMX and no AVX, which does not exist. So oneDNN is held to the
+    same instruction set (ONEDNN_MAX_CPU_ISA, unless set), and the two make one processor that does. And
+    inductor's on-disk cache does not key a graph by the instruction set its C++ was written for: a graph
+    cached by a run with AVX-512 comes back to a baseline run, whose compiler flags lack it, and does not
+    compile ("'at::vec' has not been declared"), so the capability gets a cache of its own
+    (TORCHINDUCTOR_CACHE_DIR, unless set). Both are set in os.environ,
+    where oneDNN and inductor read them when first used, and the subprocesses a test launches inherit them."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability in ONEDNN_ISA:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[capability])
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{capability}"
     if os.environ.get("TEST_MKLDNN") == "0":
         import torch
 
