@@ -1,8 +1,9 @@
 """MARS: Make vAriance Reduction Shine (Yuan et al. 2024, arXiv:2411.10438) as a torch optimizer, with the
 authors' matrix-level instance MARS-M (Liu et al. 2025, arXiv:2510.21800).
 
-One file that imports only torch: copy it into a project, or install it alone (``pip install <this repository>``,
-the distribution mars-optimizer). docs/mars.md is its manual.
+One file that imports only torch (and Triton, which torch's CUDA builds bring, the first time a ``fused=True``
+optimizer is built): copy it into a project, or install it alone (``pip install <this repository>``, the
+distribution mars-optimizer). docs/mars.md is its manual.
 
     from mars import MARS
     optimizer = MARS(model.parameters(), lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1)
@@ -1200,9 +1201,10 @@ def _kernel_constants(dtype, last_grad_dtype, rows):
 
 
 def _check_kernel_device(device, dtype):
-    """RuntimeError unless the kernel runs on `device`: CUDA (and ROCm), or CPU tensors in Triton's interpreter
-    (TRITON_INTERPRET=1, as the tests run it). Checked at each step before the state is touched, as torch's fused
-    optimizers check: the parameters may be built on the meta device and moved before the first step."""
+    """RuntimeError unless the kernel runs on `device`: CUDA (ROCm's GPUs too, as torch names them; untested there),
+    or CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, as the tests run it). Checked at each step before
+    the state is touched, as torch's fused optimizers check: the parameters may be built on the meta device and
+    moved before the first step."""
     if device.type == "cuda" or (device.type == "cpu" and _kernels_interpreted()):
         return
     raise RuntimeError(

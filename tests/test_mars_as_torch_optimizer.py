@@ -633,11 +633,22 @@ def test_non_empty_state(info):
 @INFOS
 def test_fused_error_on_params_on_meta(info):
     """As torch's fused optimizers: parameters on the meta device are refused at the step, in torch's words (the
-    kernel runs on CUDA, and on CPU tensors in Triton's interpreter), before any state is made. (The trainer's memory
-    plan steps its optimizer on the meta device with fused off.)"""
+    kernel runs on CUDA, and on CPU tensors in Triton's interpreter), before any state is made; moved to a device
+    the kernel runs on, the model's new parameters step. (The trainer's memory plan steps its optimizer on the meta
+    device with fused off.)"""
     with torch.device("meta"):
-        model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1), torch.nn.Sigmoid()
+        )
     optimizer = info.optim_cls(model.parameters(), fused=True)
+    with torch.device("meta"):
+        for p in model.parameters():
+            p.grad = torch.rand_like(p)
     with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point Tensors"):
-        optimizer.step(random_grads(optimizer, list(model.parameters())))
+        optimizer.step()
     assert not optimizer.state
+    optimizer.zero_grad(set_to_none=True)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        p.grad = torch.rand_like(p)
+    optimizer.step()  # torch's sequence: the optimizer holds the meta parameters, now without gradients
