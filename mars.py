@@ -1081,13 +1081,20 @@ def _fused_mars(parts):
 
 def _kernel_row(part, i):
     """Tensor i's row of the table without its hyperparameter row and chunk sums (_TENSOR_FIELDS), or None where
-    the kernel cannot take it: a parameter of another dtype, or whose gradient has another dtype, or whose memory
-    has gaps, or whose gradient and state do not share its strides; a step count not a float32 on its device."""
+    the kernel cannot take it: a parameter of another dtype, or whose gradient, moments (float32 for float16
+    parameters) or g_prev have other dtypes than the kernel reads them in, or whose memory has gaps, or whose
+    gradient and state do not share its strides; a step count not a float32 on its device."""
     p, g, step = part.params[i], part.grads[i], part.steps[i]
     if p.dtype not in _KERNEL_DTYPES or g.dtype != p.dtype or step.dtype != torch.float32 or step.device != p.device:
         return None
-    tensors = (p, g, part.last_grads[i] if part.rules else None, part.exp_avgs[i])
-    tensors += (part.exp_avg_sqs[i], part.max_exp_avg_sqs[i])
+    g_prev = part.last_grads[i] if part.rules else None
+    moments = (part.exp_avgs[i], part.exp_avg_sqs[i], part.max_exp_avg_sqs[i])
+    moment_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
+    if any(m is not None and m.dtype != moment_dtype for m in moments):
+        return None
+    if g_prev is not None and g_prev.dtype not in _KERNEL_DTYPES:
+        return None
+    tensors = (p, g, g_prev, *moments)
     contiguous = p.is_contiguous()  # the common case, checked cheaply: this runs per tensor per step
     if not contiguous and not _is_dense(p):
         return None

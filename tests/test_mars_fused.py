@@ -171,6 +171,28 @@ def test_each_dtype_is_two_launches_and_a_tensor_whose_state_differs_in_layout_s
     assert_equal_to_reference(params[3:], expected[3:], halves, torch.bfloat16)
 
 
+def test_state_in_dtypes_the_kernel_does_not_read_steps_on_the_default_path(launches):
+    """Moments in bfloat16 for a float32 parameter (torch's Adam tests pre-populate such state; a checkpoint may hold
+    it) would be read as float32 by the kernel: that tensor steps on the default path (as it does alone there, bit
+    for bit), its neighbour on the kernel (as on the reference path)."""
+    x0s, grads = problem([(8, 16), (16, 8)], torch.float32, steps=2)
+
+    def run(indices, **flags):
+        params, optimizer = build(x0s, [(indices, {})], lr=1e-2, **flags)
+        if 0 in indices:
+            state = optimizer.state[params[0]]
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"], state["exp_avg_sq"] = (torch.zeros_like(x0s[0], dtype=torch.bfloat16) for _ in "mv")
+            state["last_grad"] = grads[0][0].clone()
+        step(params, optimizer, grads)
+        return params
+
+    fused, reference, alone = run([0, 1], fused=True), run([0, 1], foreach=False), run([0])
+    assert launches.left == [fused[0]] * 2 and fused[1].data_ptr() in launches.taken()
+    assert torch.equal(fused[0], alone[0])
+    assert_equal_to_reference(fused[1:], reference[1:], x0s[1:], torch.float32)
+
+
 def test_one_compiled_variant_serves_every_lr_shape_number_and_count_of_tensors(launches):
     """A schedule writes lr and the betas every step, groups differ in every number, optimizers differ in their
     shapes and number of tensors: the kernels take them all in the table, so Triton compiles one variant of each
