@@ -1031,7 +1031,7 @@ def _is_dense(t):
 # lists every tensor's addresses, rule and hyperparameter row (_upload), so one compiled kernel serves any number
 # of tensors, groups, shapes and settings: Triton compiles a variant per dtype combination and alignment
 # (_kernel_constants), never per shape or number. A tensor is walked in memory order, so every tensor its rule
-# touches must share the parameter's strides and fill its memory (_kernel_takes); the others step on the path
+# touches must share the parameter's strides and fill its memory (_kernel_row); the others step on the path
 # `foreach` says. Newton-Schulz rules take the elementwise part here (c̃_t, m, g_prev), then the multi-tensor
 # path's batched Newton-Schulz.
 #
@@ -1046,12 +1046,13 @@ _BLOCK = 1024  # elements a program loads at once (4 warps of 32 threads, 8 floa
 # sums of c² in the first launch's output. Per part (float64): lr, β1, β2, eps, λ, k = γβ1/(1-β1), log2 β1,
 # log2 β2 (the bias corrections are 1 - 2^(t log2 β)), and eps_uncorrected (1 or 0).
 _TENSOR_FIELDS = 12
+_NUMEL, _RULE = 7, 8  # the fields of a tensor row the host reads again (the kernels read every field by number)
 _HYPER_FIELDS = 9
 # The rule of a tensor row: 0 the AdamW part (AdamW on g); then the MARS rules on c̃_t: AdamW's, Lion's, and
 # Newton-Schulz's (m and g_prev here, the rest after the kernel).
 _KERNEL_RULES = {None: 0, "adamw": 1, "lion": 2, "newton-schulz": 3, "newton-schulz-rms": 3}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FUSED_DEVICES = "`fused=True` requires all the params to be floating point Tensors of supported devices"
+_FUSED_DEVICE_ERROR = "`fused=True` requires all the params to be floating point Tensors of supported devices"
 
 
 def _fused_mars(parts):
@@ -1128,10 +1129,10 @@ def _launch_kernels(device, dtype, last_grad_dtype, members):
         by_rule = {}
         for i, row in taken:
             rows.append(row + [hyper])
-            if row[8] == _KERNEL_RULES["newton-schulz"]:
+            if row[_RULE] == _KERNEL_RULES["newton-schulz"]:
                 by_rule.setdefault(part.rules[i], []).append(i)
         newton_schulz += [(part, rule, picked, lr) for rule, picked in by_rule.items()]
-    first_programs, second_programs, sums = _programs(tuple((row[7], row[8] != 0) for row in rows))
+    first_programs, second_programs, sums = _programs(tuple((row[_NUMEL], row[_RULE] != 0) for row in rows))
     for row, where in zip(rows, sums):
         row += where
     table, hyper_rows, first, second = _upload(rows, hypers, first_programs, second_programs, device)
@@ -1165,7 +1166,7 @@ def _programs(layout):
         sums.append((len(first) // 2, len(own) if is_mars else 0))
         first += [x for start in own for x in (tensor, start)]
         second += [x for start in starts for x in (tensor, start)]
-    return torch.tensor(first, dtype=torch.int64), torch.tensor(second, dtype=torch.int64), sums
+    return torch.tensor(first, dtype=torch.int64), torch.tensor(second, dtype=torch.int64), tuple(sums)
 
 
 def _upload(rows, hypers, first_programs, second_programs, device):
@@ -1198,9 +1199,9 @@ def _kernel_constants(dtype, last_grad_dtype, rows):
     names = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     names[torch.float64] = tl.float64
     moments = torch.float32 if dtype == torch.float16 else dtype
-    bits = 0  # the addresses and sizes OR-ed: a multiple of 16 where every one is
+    bits = 0  # the data addresses (fields 0-5) and sizes OR-ed: a multiple of 16 where every one is
     for row in rows:
-        bits |= row[0] | row[1] | row[2] | row[3] | row[4] | row[5] | row[7]
+        bits |= row[0] | row[1] | row[2] | row[3] | row[4] | row[5] | row[_NUMEL]
     return dict(
         P=names[dtype], M=names[moments], L=names[last_grad_dtype], C=names[_opmath(dtype)],
         CHUNK=_CHUNK, BLOCK=_BLOCK, ALIGNED=bits % 16 == 0,
@@ -1215,7 +1216,7 @@ def _check_kernel_device(device, dtype):
     if device.type == "cuda" or (device.type == "cpu" and _kernels_interpreted()):
         return
     raise RuntimeError(
-        f"{_FUSED_DEVICES} (MARS's fused step is a Triton kernel, which runs on CUDA tensors), but got {dtype} "
+        f"{_FUSED_DEVICE_ERROR} (MARS's fused step is a Triton kernel, which runs on CUDA tensors), but got {dtype} "
         f"and {device.type}: construct MARS with fused=None for these parameters (the default path), or set "
         "TRITON_INTERPRET=1 before the first step to run the kernel in Triton's interpreter on CPU tensors (slow: "
         "for tests)"
