@@ -129,9 +129,10 @@ BASELINE = "AdamW(fused=True)"
 # The MARS rules timed on both paths, the default (foreach) and fused=True (the Triton kernel, CUDA only), with
 # issue 35's target for the kernel's step against the baseline.
 RULES = (("mars-adamw", "MARS-AdamW", "<= 1.2"), ("mars-lion", "MARS-Lion", "<= 1.2"))
-# The kernel's contenders beyond RULES' (their settings), and how far from the default path its parameters may
-# end up: both round in float32 in their own order, about 1e-6 of an update apart; a wrong rule is ~1 apart.
+# The kernel's contenders beyond RULES' fused=True ones, with their settings.
 KERNEL_VARIANTS = {"MARS-AdamW (fused=True, bfloat16 last_grad)": dict(last_grad_dtype=torch.bfloat16)}
+# How far from the default path's the kernel's parameters may end up, per unit of update: both round in float32
+# in their own order (about 1e-6 of an update apart on the CPU, in Triton's interpreter); a wrong rule is ~1 apart.
 EQUALITY_TARGET = "<= 1e-4"
 
 
@@ -348,8 +349,8 @@ def call_overhead_rows(device, quick=True):
     """The host's cost of a step: GPT-2 small's 75 tensors at width 8, where the arithmetic is negligible, so
     what is left is issuing the work. On CUDA, fused=True's whole step (its table and two launches) against
     AdamW(fused=True)'s; a step whose host time exceeds its GPU time is launch-bound. On a CPU the kernel does not
-    run: the step with its two launches left out, what mars.py adds to Triton's launch cost (about 20 us a
-    launch on a GPU, not measured here). Both against the default path's too, in the note."""
+    run: the step with its two launches left out, what mars.py adds to Triton's own cost of a launch (not
+    measured here). Both against the default path's too, in the note."""
     shapes = gpt2_small_shapes(n_embd=8, vocab_size=8, block_size=8)
     steps = 10 if quick else 40
     cpu = device != "cuda"
