@@ -501,7 +501,7 @@ def _mars_m(groups, cfg, placement, **options):
         is_approx=cfg.is_approx,
         mars_type=cfg.mars_type,
         last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
-        # The memory plan steps on the meta device: the same state either way, and compiling would cost seconds.
+        # The memory plan steps on the meta device, where the kernel does not run: the same state either way.
         fused=cfg.mars_fused and placement.device_type != "meta",
         **options,
     )

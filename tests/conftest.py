@@ -11,6 +11,32 @@ from marsgpt.checkpoint import save_checkpoint
 from model import GPT, GPTConfig
 
 choose_kernels()
+
+
+def interpret_triton_kernels_as_gpus_round():
+    """fused=True runs MARS's Triton kernel; on a CPU, in Triton's interpreter (set before the first kernel is
+    built). The interpreter (Triton 3.7) casts float32 to bfloat16 by dropping bits, where a compiled kernel rounds
+    to nearest even (cvt.rn.bf16.f32), as torch does: its cast here rounds as a GPU's does, through torch."""
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    truncating = interpreter._convert_float
+
+    def convert_float(values, input_dtype, output_dtype, rounding_mode):
+        if (input_dtype, output_dtype, rounding_mode) == (tl.float32, tl.bfloat16, None):
+            rounded = torch.from_numpy(values.view("float32")).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy().view("uint16")
+        return truncating(values, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert_float
+
+
+interpret_triton_kernels_as_gpus_round()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: intra-op threads would only contend (and spin) with the other worker's.
     torch.set_num_threads(1)

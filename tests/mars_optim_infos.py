@@ -52,16 +52,11 @@ CONVENTIONS = {
         "its load-state-dict pre-hook marks that it ran by writing lr=0.003, and the check reads lr == 0.003 as "
         "'it ran'; 3e-3 is MARS's default lr, so the default configuration reads as marked without the hook",
     ),
-    "test_fused_error_on_params_on_meta": (
-        tuple(VARIANTS),
-        "it expects fused=True to refuse parameters on the meta device, as torch's fused kernels do; MARS steps "
-        "there on every path: the trainer's memory plan takes a meta-device step of its optimizer",
-    ),
     "test_fused_does_not_step_if_foundinf": (
         tuple(VARIANTS),
         "it sets GradScaler's found_inf on the optimizer and expects the fused kernel to skip the step; torch's "
-        "fused kernels take the scaler's found_inf and grad_scale (_step_supports_amp_scaling), MARS's compiled "
-        "step does not claim to, so GradScaler unscales and skips a step itself before step() is called",
+        "fused kernels take the scaler's found_inf and grad_scale (_step_supports_amp_scaling), MARS's kernel "
+        "does not claim to, so GradScaler unscales and skips a step itself before step() is called",
     ),
     **dict.fromkeys(
         (

@@ -1,7 +1,10 @@
-"""The byte counts behind bench/bench_mars.py's bandwidth column and read floors."""
+"""The byte counts behind bench/bench_mars.py's bandwidth column and read floors, and its check of the kernel."""
 
+import pytest
 import torch
 
+import mars
+from bench import bench_mars
 from bench.bench_mars import traffic
 
 
@@ -14,3 +17,16 @@ def test_traffic_counts_each_rule_s_passes_and_gives_1d_tensors_adamw_s():
     # A bfloat16 g_prev halves its 3 passes (2 of them reads): 11 -> 9.5 passes moved, 7 -> 6 read.
     moved, read = traffic(params, "mars-adamw", last_grad_bytes=2)
     assert (moved, read) == (100 * (8 * 4 + 3 * 2) + 10 * 7 * 4, 100 * (5 * 4 + 2 * 2) + 10 * 4 * 4)
+
+
+def test_the_kernel_check_is_rounding_for_the_kernel_and_large_for_a_wrong_rule(monkeypatch):
+    """bench_mars's first rows on CUDA, here on CPU tensors in Triton's interpreter: each fused=True contender's
+    parameters against the default path's, per unit of update, within the target; a kernel taking Lion's rule
+    for MARS-AdamW's tensors is far outside it (the check can fail)."""
+    pytest.importorskip("triton", reason="fused=True runs a Triton kernel: pip install -r requirements-test.txt")
+    shapes, hyper = [(32, 16), (16,)], dict(lr=6e-3, weight_decay=0.1)
+    rows = bench_mars.equality_rows("cpu", shapes, hyper)
+    assert [r["benchmark"] for r in rows] == [bench_mars.equality_row_name(n) for n in bench_mars.kernel_settings()]
+    assert all(0 <= r["ours"] <= 1e-4 and r["target"] == bench_mars.EQUALITY_TARGET for r in rows)
+    monkeypatch.setitem(mars._KERNEL_RULES, "adamw", mars._KERNEL_RULES["lion"])
+    assert bench_mars.equality_rows("cpu", shapes, hyper)[0]["ours"] > 0.1

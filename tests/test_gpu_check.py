@@ -441,66 +441,96 @@ def bench_row(benchmark, ours, reference=None, ratio=None, unit="ms", target="",
     return dict(benchmark=benchmark, ours=ours, reference=reference, unit=unit, ratio=ratio, target=target, note=note)
 
 
-def cuda_bench_rows(monkeypatch, ratio=1.2, sync_free=True):
-    """The timing and host-sync rows bench_mars.run gives on CUDA, named by bench_mars's own code (its
-    contenders built on tiny CPU tensors, its CUDA-only sync rows with the sync check mocked), each step
-    `ratio` x the baseline's 1.42 ms."""
+def cuda_bench_rows(monkeypatch, ratio=1.2, sync_free=True, difference=2e-6):
+    """The rows bench_mars.run gives on CUDA, named by bench_mars's own code (its contenders built on tiny CPU
+    tensors, its CUDA-only sync rows with the sync check mocked): each kernel contender `difference` from the
+    default path per unit of update, each step `ratio` x the baseline's 1.42 ms."""
     from bench import bench_mars
 
     params = bench_mars.make_params("cpu", [(4, 4), (4,)])
     contenders = bench_mars.make_contenders(params, dict(lr=1e-3, weight_decay=0.1))
     monkeypatch.setattr(bench_mars, "_sync_free", lambda optimizer: sync_free)
     rows = [
+        bench_row(bench_mars.equality_row_name(name), difference, unit="rel", target=bench_mars.EQUALITY_TARGET)
+        for name in bench_mars.kernel_settings()
+    ]
+    rows += [
         bench_row(bench_mars.step_row_name(name), 1.42 * ratio, 1.42, ratio, target=c[2])
         for name, c in contenders.items()
     ]
     rows += [
-        bench_row(bench_mars.compile_row_name(name), 9.5, unit="s")
+        bench_row(bench_mars.compile_row_name(name), 1.5, unit="s")
         for name, (opt, _, _) in contenders.items()
-        if bench_mars.compiled(opt)
+        if bench_mars.fused(opt)
     ]
     rows += bench_mars.sync_rows(contenders)
-    rows.append(bench_row(bench_mars.OVERHEAD_ROW, 40.0, 10.0, 4.0, unit="us"))
+    rows.append(bench_row(bench_mars.OVERHEAD_ROW, 90.0, 60.0, 1.5, unit="us"))
     rows.append(bench_row(bench_mars.SHAMPOO_ROW, 14.0, 3.7, 3.8, target="<= 4 (issue: 15 ms vs 3.7 ms on H200)"))
     rows.append(bench_row("mars-adamw state", 1400.0, 475.0, 2.95, unit="MiB"))
     return rows
 
 
+KERNEL_CHECKS = [
+    "MARS-AdamW (fused=True) against the default path: difference per unit of update",
+    "MARS-Lion (fused=True) against the default path: difference per unit of update",
+    "MARS-AdamW (fused=True, bfloat16 last_grad) against the default path: difference per unit of update",
+]
+STEP_ROWS = [
+    "MARS-AdamW step vs AdamW(fused=True): fused=True (the kernel) and the default path",
+    "MARS-Lion step vs AdamW(fused=True): fused=True (the kernel) and the default path",
+]
+
+
 def test_optimizer_rows_fail_nothing_measured_and_within_target_among_bench_mars_s_cuda_rows(monkeypatch):
     rows = gpu_check.optimizer_rows(cuda_bench_rows(monkeypatch), "bench")
     assert [r.status for r in rows] == [PASS] * len(rows), [(r.what, r.result) for r in rows if r.status != PASS]
-    assert [r.what for r in rows] == [
-        "MARS-AdamW step vs AdamW(fused=True): default path vs fused=True",
-        "MARS-Lion step vs AdamW(fused=True): default path vs fused=True",
+    assert [r.what for r in rows] == KERNEL_CHECKS + STEP_ROWS + [
         "AdamW(foreach=True) step vs AdamW(fused=True)",
         "MARS-AdamW (fused=True, bfloat16 last_grad) step vs AdamW(fused=True)",
         "MARS-AdamW (fused=True, bfloat16 last_grad) first step (compiles)",
-        "MARS-AdamW (fused=True) host time per matrix at width 8 (the calls alone)",
+        "MARS-AdamW (fused=True) host time per step at width 8 (the calls alone)",
         "mars-shampoo step vs its Newton-Schulz FLOPs at the matmul rate",
         "MARS steps under set_sync_debug_mode('error')",
     ]
+    assert rows[0].result.startswith("2e-06 (target <= 0.0001; ")
     assert rows[-1].result == "no host sync in any of 5 steps"
 
 
-def test_the_step_path_row_puts_the_default_path_beside_fused_true_and_names_the_faster(monkeypatch):
+def test_the_kernel_is_checked_against_the_default_path_first_on_cuda(monkeypatch):
+    """The rows that say whether fused=True computes on the GPU what the default path computes there: pass
+    within the bench's target, fail above it or where the bench gave no row; none on a CPU (no kernel runs)."""
+    from bench import bench_mars
+
+    far = gpu_check.optimizer_rows(cuda_bench_rows(monkeypatch, difference=0.3), "bench")
+    assert [(r.what, r.status) for r in far[:3]] == [(what, FAIL) for what in KERNEL_CHECKS]
+    bench = [r for r in cuda_bench_rows(monkeypatch) if r["benchmark"] != KERNEL_CHECKS[1]]
+    rows = gpu_check.optimizer_rows(bench, "bench")
+    assert (rows[1].what, rows[1].status, rows[1].result) == (KERNEL_CHECKS[1], FAIL, "bench_mars gave no such row")
+    assert [r.status for r in rows[:3]] == [PASS, FAIL, PASS]
+    cpu = [r for r in cuda_bench_rows(monkeypatch) if r["benchmark"] not in KERNEL_CHECKS]
+    assert [r.what for r in gpu_check.optimizer_rows(cpu, "bench", cuda=False)[:2]] == STEP_ROWS
+    assert bench_mars.EQUALITY_TARGET == "<= 1e-4"
+
+
+def test_the_step_path_row_judges_the_kernel_beside_the_default_path(monkeypatch):
     from bench import bench_mars
 
     bench = cuda_bench_rows(monkeypatch)
-    fused = next(r for r in bench if r["benchmark"] == bench_mars.step_row_name("MARS-AdamW (fused=True)"))
-    fused.update(ours=2.13, ratio=1.5)
+    kernel = next(r for r in bench if r["benchmark"] == bench_mars.step_row_name("MARS-AdamW (fused=True)"))
+    kernel.update(ours=1.63, ratio=1.15)
     default = next(r for r in bench if r["benchmark"] == bench_mars.step_row_name("MARS-AdamW (foreach)"))
     default.update(ours=4.33, ratio=3.05)
-    row = gpu_check.optimizer_rows(bench, "bench")[0]
+    row = gpu_check.optimizer_rows(bench, "bench")[3]
     assert row.status == PASS
     assert row.result == (
-        "default (foreach) 4.33 ms = 3.05x, fused=True 2.13 ms = 1.50x (first step 9.5 s: compiling); "
-        "faster: fused=True; target <= 1.7"
+        "fused=True 1.63 ms = 1.15x (first step 1.5 s: compiling), default (foreach) 4.33 ms = 3.05x; target <= 1.2"
     )
-    fused.update(ours=4.4, ratio=3.1)
-    row = gpu_check.optimizer_rows(bench, "bench")[0]
-    assert row.status == FAIL and row.result.endswith("faster: default; target <= 1.7")
-    cpu = gpu_check.optimizer_rows(bench, "bench", cuda=False)
-    assert cpu[0].status == PASS and cpu[0].result.endswith("target <= 1.7 (judged on CUDA only)")
+    kernel.update(ours=2.13, ratio=1.5)  # faster than the default path, and still over the target
+    row = gpu_check.optimizer_rows(bench, "bench")[3]
+    assert row.status == FAIL and row.result.endswith("default (foreach) 4.33 ms = 3.05x; target <= 1.2")
+    on_cpu = [r for r in bench if not r["benchmark"].startswith(tuple(bench_mars.kernel_settings()))]  # no kernel
+    cpu = gpu_check.optimizer_rows(on_cpu, "bench", cuda=False)
+    assert cpu[0].status == PASS and cpu[0].result == "default (foreach) 4.33 ms = 3.05x; fused=True runs on CUDA only"
     assert (cpu[-1].status, cpu[-1].result) == (SKIP, "skipped: a host sync exists only on CUDA")
 
 
@@ -509,16 +539,16 @@ def test_optimizer_rows_fail_on_a_host_sync_a_missing_number_or_missing_rows(mon
 
     rows = gpu_check.optimizer_rows(cuda_bench_rows(monkeypatch, ratio=2.0, sync_free=False), "bench")
     statuses = {r.what: r.status for r in rows}
-    assert statuses["MARS-AdamW step vs AdamW(fused=True): default path vs fused=True"] == FAIL  # 2.0 > 1.7
+    assert statuses[STEP_ROWS[0]] == FAIL  # 2.0 > 1.2
     assert statuses["AdamW(foreach=True) step vs AdamW(fused=True)"] == PASS  # no target
     assert rows[-1].status == FAIL and rows[-1].result.startswith("host sync in: MARS-AdamW (foreach) step without")
     bench = cuda_bench_rows(monkeypatch)
     lion = next(r for r in bench if r["benchmark"] == bench_mars.step_row_name("MARS-Lion (fused=True)"))
     lion.update(ours=None, ratio=None, note="crashed")
-    row = gpu_check.optimizer_rows(bench, "bench")[1]
+    row = next(r for r in gpu_check.optimizer_rows(bench, "bench") if r.what == STEP_ROWS[1])
     assert row.status == FAIL and row.result.startswith("not measured")
     rows = gpu_check.optimizer_rows([bench_row("something else", 1.0, unit="MiB")], "bench")
-    assert [r.status for r in rows] == [FAIL, FAIL, FAIL]
+    assert [r.status for r in rows] == [FAIL] * 6  # three kernel checks, two steps, the host syncs
     assert rows[-1].result == "bench_mars gave no host-sync row"
 
 
@@ -930,13 +960,10 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     assert fsdp["FSDP2 mars-adamw step: bytes sent per rank"]["result"].endswith(": allreduce_ x1")
     assert fsdp["FSDP2 mars-m step: bytes sent per rank"]["result"].endswith(": allreduce_ x1, alltoall_base_ x2")
     assert fsdp["FSDP2 muon-owners step: bytes sent per rank"]["result"].endswith(": alltoall_base_ x2")
-    # MARS's default path against fused=True, measured; a bitwise resume; the compile again; the quickstart
+    # MARS's default path measured (the kernel runs on CUDA only); a bitwise resume; the compile again; the quickstart
     optimizer = [r for r in report["rows"] if r["check"] == "optimizer"]
-    assert [r["what"] for r in optimizer[:2]] == [
-        "MARS-AdamW step vs AdamW(fused=True): default path vs fused=True",
-        "MARS-Lion step vs AdamW(fused=True): default path vs fused=True",
-    ]
-    assert all(r["details"]["first_step"]["ours"] > 0 for r in optimizer[:2])
+    assert [r["what"] for r in optimizer[:2]] == STEP_ROWS
+    assert all(r["details"]["default"]["ours"] > 0 and r["details"]["kernel"] is None for r in optimizer[:2])
     resume = rows["resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)"]["details"]
     assert resume["losses"] > 0 and resume["max_abs_difference"] == 0
     assert 0 <= resume["resumed_from"] < gpu_check.RESUME_RUN["max_iters"]

@@ -28,15 +28,6 @@ from torch.testing._internal.common_optimizers import (  # noqa: E402
 INFOS = pytest.mark.parametrize("info", MARS_OPTIM_DB, ids=lambda info: info.name)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def own_compile_cache():
-    """The fused path compiles a graph per dtype and rule: this module's graphs count against dynamo's limit
-    alone, not with another module's run in the same worker process."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def every_input(info, dtype=torch.float32, skip=()):
     """Each configuration with each path flag (foreach, fused) off and on, as torch's tests take them."""
     return _get_optim_inputs_including_global_cliquey_kwargs("cpu", dtype, info, skip=skip)
@@ -641,10 +632,23 @@ def test_non_empty_state(info):
 
 @INFOS
 def test_fused_error_on_params_on_meta(info):
-    """torch's fused kernels refuse parameters on the meta device; MARS steps there on every path (CONVENTIONS:
-    the trainer's memory plan takes a meta-device step), its state on the meta device too."""
+    """As torch's fused optimizers: parameters on the meta device are refused at the step, in torch's words (the
+    kernel runs on CUDA, and on CPU tensors in Triton's interpreter), before any state is made; moved to a device
+    the kernel runs on, the model's new parameters step. (The trainer's memory plan steps its optimizer on the meta
+    device with fused off.)"""
     with torch.device("meta"):
-        model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1), torch.nn.Sigmoid()
+        )
     optimizer = info.optim_cls(model.parameters(), fused=True)
-    optimizer.step(random_grads(optimizer, list(model.parameters())))
-    assert len(optimizer.state) == 4 and all(t.is_meta for state in optimizer.state.values() for t in state.values())
+    with torch.device("meta"):
+        for p in model.parameters():
+            p.grad = torch.rand_like(p)
+    with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point Tensors"):
+        optimizer.step()
+    assert not optimizer.state
+    optimizer.zero_grad(set_to_none=True)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        p.grad = torch.rand_like(p)
+    optimizer.step()  # torch's sequence: the optimizer holds the meta parameters, now without gradients
