@@ -48,6 +48,7 @@ import pickle
 import random
 import sys
 import threading
+import warnings
 import weakref
 import zipfile
 
@@ -367,13 +368,99 @@ def has_shards(ckpt):
     return SHARDS_KEY in ckpt
 
 
+# ---------------------------------------------------------------------------------------------------
+# A sharded checkpoint's tensors, read back (marsgpt/shards.py writes them): every load verifies each file of its
+# directory against its recorded checksum, as for a one-file checkpoint; read_shards loads the sharded tensors into
+# tensors a caller makes for each -- this rank's DTensor rows when a sharded run resumes (only those rows are read,
+# on any number of ranks), or whole tensors for a tool or an unsharded run. dcp.load runs with no_dist=True: each
+# rank reads on its own, with no collective a failing rank could leave the others waiting in.
+
+
+def walk(value, fn, path=()):
+    """map_tensors with the place of each tensor: fn(path, tensor), path a tuple of the keys and list indices that
+    lead to it."""
+    if isinstance(value, torch.Tensor):
+        return fn(path, value)
+    if isinstance(value, dict):
+        return {k: walk(v, fn, (*path, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(walk(v, fn, (*path, i)) for i, v in enumerate(value))
+    return value
+
+
+def path_name(path):
+    """A tensor's name in the shard files: its path, e.g. 'optimizer/state/3/exp_avg' (no key holds a '/')."""
+    return "/".join(map(str, path))
+
+
+def dcp_failure(error):
+    """(A failed torch.distributed.checkpoint save or load in one line: the first rank's file and OS reason,
+    whether it was a full disk). CheckpointException holds every rank's error."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return os_reason(error), no_space(error)
+    rank, (first, _) = min(failures.items())
+    file = f"{first.filename}: " if getattr(first, "filename", None) else ""
+    return f"rank {rank}: {file}{os_reason(first)}", no_space(first)
+
+
+def verify_shards(ckpt):
+    """Check every file of a sharded checkpoint's directory (ckpt as load_checkpoint returns it, the directory's
+    path made whole) against the size and SHA-256 recorded as it was written; DamagedCheckpoint naming the first
+    that is missing or differs."""
+    record = ckpt[SHARDS_KEY]
+    directory = record["directory"]
+    for file, expected in record["files"].items():
+        path = os.path.join(directory, file)
+        if not os.path.isfile(path):
+            raise DamagedCheckpoint(f"{path} is missing (a file of the sharded checkpoint {directory})")
+        if os.path.getsize(path) != expected["size"] or file_digest(path) != expected["sha256"]:
+            raise DamagedCheckpoint(
+                f"{path} is damaged: its bytes do not match the {DIGEST} recorded when it was written"
+            )
+
+
+def read_shards(ckpt, make):
+    """The checkpoint dict `ckpt` (as load_checkpoint returns it, its directory verified) with each meta tensor
+    replaced by the tensor make(meta) returns, filled from the shard files: a DTensor gets this rank's rows, a
+    plain tensor the whole. Tensors of one name (the tied matrix) are one tensor again."""
+    import torch.distributed.checkpoint as dcp  # here: only sharded checkpoints need it
+
+    record = ckpt[SHARDS_KEY]
+    names, buffers = record["names"], {}
+
+    def fill(path, tensor):
+        if not tensor.is_meta:
+            return tensor
+        name = names.get(path_name(path))
+        if name is None:
+            raise DamagedCheckpoint(f"{record['directory']}: no sharded tensor is recorded for {path_name(path)}")
+        if name not in buffers:
+            buffers[name] = make(tensor)
+        return buffers[name]
+
+    tree = walk({k: v for k, v in ckpt.items() if k != SHARDS_KEY}, fill)
+    try:
+        with warnings.catch_warnings():  # no_dist's note that it reads in one process: what it is asked to do
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(buffers, checkpoint_id=record["directory"], no_dist=True)
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise CheckpointError(f"{record['directory']} cannot be read: {dcp_failure(e)[0]}") from None
+    return tree
+
+
+def read_whole(ckpt):
+    """The checkpoint with every sharded tensor read whole onto the CPU: a one-file checkpoint's dict."""
+    return read_shards(ckpt, lambda meta: torch.empty(meta.shape, dtype=meta.dtype))
+
+
 def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True, whole=True):
     """The checkpoint dict at `path` (a file, or a run directory), checked against its checksum and loaded onto
     the CPU. DamagedCheckpoint names a file whose bytes are not the ones written, or that torch cannot read.
 
     A sharded checkpoint's directory is checked file by file too, and its tensors read whole (whole=False: left
     as placeholders, with the directory's path made absolute, for a sharded run to read its rows of with
-    shards.read).
+    read_shards).
 
     mmap=True maps the file instead of reading it: the tensors are paged in from the page cache as they
     are copied to their device, so the 8 ranks of a node resuming a GPT-2 XL run share one copy of the
@@ -397,15 +484,13 @@ def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_check
     if not isinstance(ckpt, dict) or any(key not in ckpt for key in REQUIRED_KEYS):
         raise CheckpointError(f"{path} is not a training checkpoint (expected the keys {', '.join(REQUIRED_KEYS)})")
     if has_shards(ckpt):
-        from marsgpt import shards  # here: torch.distributed.checkpoint is for sharded checkpoints only
-
         record = ckpt[SHARDS_KEY]
         folder = os.path.dirname(os.path.abspath(path))
         ckpt[SHARDS_KEY] = dict(record, directory=os.path.join(folder, record["directory"]))
         if verify_checksum:
-            shards.verify(ckpt)
+            verify_shards(ckpt)
         if whole:
-            ckpt = shards.whole(ckpt)
+            ckpt = read_whole(ckpt)
     return ckpt
 
 

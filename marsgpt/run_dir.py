@@ -222,7 +222,7 @@ def choose_checkpoint(out_dir, paths):
             trailer = checkpoint.verify(path)
             ckpt = checkpoint.load_checkpoint(path, mmap=True, verify_checksum=False, whole=False)
             if checkpoint.has_shards(ckpt):
-                shards.verify(ckpt)
+                checkpoint.verify_shards(ckpt)
         except DamagedCheckpoint as e:
             passed.append(str(e))
             continue
@@ -655,7 +655,7 @@ class RunDir:
         sharded checkpoint's tensors are read here: this rank's rows of each into a DTensor placed on the run's
         mesh, or whole for an unsharded run (checkpoint.load_checkpoint has read those already)."""
         if checkpoint.has_shards(ckpt):
-            ckpt = shards.read(ckpt, lambda meta: fsdp.empty(meta.shape, meta.dtype, self.mesh))
+            ckpt = checkpoint.read_shards(ckpt, lambda meta: fsdp.empty(meta.shape, meta.dtype, self.mesh))
         for name, part in self.parts.items():
             if name not in skip and (name in ckpt or name not in NEWER_PARTS):
                 part.load_state_dict(ckpt[name])
