@@ -146,7 +146,7 @@ def setup(cfg, dist_info, directory=None):
     hellaswag_examples = launch.setup_hellaswag(cfg, train_data, dist_info)
     model, model_args = agree(dist_info, lambda: launch.build_model(cfg, vocab_size, ckpt), USER_ERRORS)
     if dist_info.is_master:
-        changes = launch.config_changes(ckpt["config"], cfg, OPTIMIZERS.entry(cfg)) if ckpt else []
+        changes = launch.config_changes(ckpt["config"], cfg, OPTIMIZERS) if ckpt else []
         directory.prepare(cfg, start, ckpt, changes)
     set_deterministic(cfg.deterministic, dist_info.device_type)
     model.to(dist_info.device)

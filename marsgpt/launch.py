@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from marsgpt import checkpoint, fsdp, memory_plan, metrics, optimizers, tokens
 from marsgpt.checkpoint import CheckpointError
-from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys
+from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
 from marsgpt.metrics import MetricsError, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS
 from marsgpt.run_dir import CHECKPOINT_PARTS, DATA_FINGERPRINT, METRICS_SIZE, NEWER_PARTS, RunDirError
@@ -120,7 +120,7 @@ def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
             f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
             f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
         )
-    changed = fixed_changes(ckpt["config"], cfg, OPTIMIZERS.entry(cfg))
+    changed = fixed_changes(ckpt["config"], cfg, OPTIMIZERS)
     if changed:
         key, old, new = changed[0]
         raise CheckpointError(
@@ -137,16 +137,17 @@ def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
     return ckpt
 
 
-def fixed_changes(saved, cfg, optimizer_entry):
+def fixed_changes(saved, cfg, registry):
     """(key, saved value, new value) for each key of cfg's class declared fixed=True that cfg changes from the
     checkpoint's configuration `saved`: the resume rule. Every other key may change (config_changes names
-    them), and so may a fixed key the run's optimizer (optimizer_entry) does not read (mars_type in a Muon
-    run)."""
+    them), and so may a fixed key the run's optimizer (in `registry`, an optimizers.Registry) does not read
+    (muon_matrices in a MARS run)."""
+    saved, unused = current_keys(saved, type(cfg)), registry.unused_keys(cfg)
     changes = []
     for key in fixed_keys(type(cfg)):
         new = getattr(cfg, key)
         old = saved_value(saved, key, new)
-        if old != new and key not in optimizer_entry.unused_keys:
+        if old != new and key not in unused:
             changes.append((key, old, new))
     return changes
 
@@ -158,33 +159,17 @@ def saved_value(saved, key, new):
     return tuple(old) if isinstance(new, tuple) else old
 
 
-def config_changes(saved, cfg, optimizer_entry):
+def config_changes(saved, cfg, registry):
     """`resume: key old -> new` for every key the resumed run's configuration changes (a key the run's
-    optimizer, optimizer_entry, does not read says so)."""
+    optimizer, in `registry`, does not read says so)."""
+    saved, unused = current_keys(saved, type(cfg)), registry.unused_keys(cfg)
     lines = []
     for key, new in config_to_dict(cfg).items():
         old = saved_value(saved, key, new)
         if key not in ("init_from", "overwrite", "allow_data_change") and old != new:
-            note = f" (not used by {optimizer_entry.selected_by})" if key in optimizer_entry.unused_keys else ""
+            note = f" (not used by {registry.selected_by(cfg)})" if key in unused else ""
             lines.append(f"resume: {key} {old!r} -> {new!r}{note}")
     return lines
-
-
-def ignored_settings(cfg):
-    """A note naming the keys set away from their defaults that this run's optimizer does not read, or None.
-    A key the optimizer entry calls an alias is exempt where it has the value of the key it stands for (Muon's
-    learning_rate = muon_adamw_lr in the paper configs: the reference's name for the AdamW part's lr)."""
-    entry, defaults = OPTIMIZERS.entry(cfg), TrainConfig()
-    ignored = [
-        f"{key}={getattr(cfg, key)!r}"
-        for key in sorted(entry.unused_keys)
-        if getattr(cfg, key) != getattr(defaults, key)
-        and not (key in entry.aliases and getattr(cfg, key) == getattr(cfg, entry.aliases[key]))
-    ]
-    if not ignored:
-        return None
-    hint = f" ({entry.unused_hint})" if entry.unused_hint else ""
-    return f"note: {entry.selected_by} does not use {', '.join(ignored)}{hint}"
 
 
 def build_model(cfg, vocab_size, ckpt):
@@ -346,7 +331,7 @@ def describe(run, progress):
             f"raise --max_iters to train further"
         )
     print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
-    note = ignored_settings(cfg)
+    note = OPTIMIZERS.ignored_settings(cfg, TrainConfig())
     if note:
         print(note)
     plan = run.memory_plan

@@ -1,12 +1,13 @@
 """The optimizers train.py offers, one registry entry each, and what a training step does with them.
 
-OPTIMIZERS holds an OptimizerEntry per optimizer: MARS-AdamW, MARS-Lion, MARS-Shampoo and MARS-M
-(optimizer_name=mars, the variant by mars_type), AdamW, Muon and Moonlight. An entry is all the other
-modules know of an optimizer: the configuration keys it reads, its named parameter groups (which
-parameters, which settings), its factory, what it adds to a step (exact MARS's look-ahead), the state norms
-of its train line, its one-line description. No other module but mars.py compares optimizer_name or
-mars_type with a name: adding an optimizer is an entry here (and its keys in config.TrainConfig if it reads
-new ones) with its tests.
+OPTIMIZERS holds an OptimizerEntry per optimizer, each selected by one name, the configuration's `optimizer`:
+mars-adamw, mars-lion, mars-shampoo, mars-m, adamw, muon and moonlight. An entry is all the other modules know
+of an optimizer: the configuration keys it reads, its named parameter groups (which parameters, which
+settings), its factory, what it adds to a step (exact MARS's look-ahead), the state norms of its train line, its
+one-line description, and how the paper's reference code names it (optimizer_name=mars with mars_type=mars-m:
+config.py takes those keys too, through Registry.from_reference_keys). No other module compares an optimizer's
+name with anything: adding an optimizer is an entry here (and its keys in config.TrainConfig if it reads new
+ones) with its tests.
 
 Each optimizer is built as the paper's reference code builds it (AGI-Arena/MARS at 4831e28):
 
@@ -288,23 +289,21 @@ def no_check(cfg):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerEntry:
-    """One optimizer a trainer offers. torchtitan's parameter-group rule holds: every trainable parameter
-    is in exactly one group (build checks it).
+    """One optimizer a trainer offers, by its name. torchtitan's parameter-group rule holds: every trainable
+    parameter is in exactly one group (build checks it).
 
-    A configuration names the entry with optimizer_name, and with mars_type as well where one optimizer_name
-    has variants (MARS's update rules). Its parameter groups have names, by which a resume pairs a
-    checkpoint's groups with group_settings(cfg); split(model, cfg) returns each group's parameters in the
-    order of those names, and build(groups, cfg, placement) makes the optimizer over the groups, each torch
-    optimizer inside through placement.make (so ZeRO-1 can shard it).
+    Its parameter groups have names, by which a resume pairs a checkpoint's groups with group_settings(cfg);
+    split(model, cfg) returns each group's parameters in the order of those names, and build(groups, cfg,
+    placement) makes the optimizer over the groups, each torch optimizer inside through placement.make (so ZeRO-1
+    can shard it).
     """
 
-    optimizer_name: str
+    name: str  # the value of its Registry's key that selects it
     description: str  # one line, for --help
     keys: frozenset  # the configuration keys it reads
     group_settings: Callable  # cfg -> {group name: {hyperparameter: value}}, 'lr' the group's peak lr
     split: Callable  # (model, cfg) -> one list of parameters per group
     build: Callable  # (groups, cfg, placement) -> the optimizer
-    mars_type: str | None = None  # which variant of optimizer_name this entry is, where it has several
     label: Callable | None = None  # cfg -> the run's optimizer in a few words (the memory plan's first line)
     # What it adds to a step: None, or the optimizer that takes exact MARS's look-ahead gradient (mars.MARS's
     # protocol: update_previous_grad() after a backward pass on the next batch, update_last_grad() after
@@ -316,50 +315,80 @@ class OptimizerEntry:
     # learning_rate = muon_adamw_lr: the reference calls its AdamW part's lr learning_rate).
     aliases: dict = dataclasses.field(default_factory=dict)
     unused_hint: str = ""  # what the note naming the keys it does not read adds
+    # How the paper's reference code names it, in its own keys: {"optimizer_name": "mars", "mars_type": "mars-m"}.
+    reference_keys: dict = dataclasses.field(default_factory=dict)
     unused_keys: frozenset = frozenset()  # keys other entries of its Registry read and it does not (set there)
-
-    @property
-    def name(self):
-        return self.mars_type or self.optimizer_name
-
-    @property
-    def selected_by(self):
-        """How a configuration names it: 'optimizer_name=muon', 'optimizer_name=mars, mars_type=mars-m'."""
-        variant = f", mars_type={self.mars_type}" if self.mars_type else ""
-        return f"optimizer_name={self.optimizer_name}{variant}"
 
 
 class Registry:
-    """A trainer's optimizers by the keys that name them: torchtitan's name-to-factory table."""
+    """A trainer's optimizers by name: torchtitan's name-to-factory table. `key` is the configuration key whose
+    value names the run's optimizer. What a trainer asks before its optimizer exists -- is the configuration
+    consistent, which keys does the optimizer not read -- it asks here, by the configuration."""
 
-    def __init__(self, *entries):
+    def __init__(self, *entries, key):
         read = frozenset().union(*(entry.keys for entry in entries))
+        self.key = key
         self.entries = tuple(dataclasses.replace(entry, unused_keys=read - entry.keys) for entry in entries)
-        self._by_name = {(entry.optimizer_name, entry.mars_type): entry for entry in self.entries}
+        self._by_name = {entry.name: entry for entry in self.entries}
 
     def entry(self, cfg):
-        """The entry cfg names: optimizer_name's variant mars_type where it has variants."""
-        name = cfg.optimizer_name
-        entry = self._by_name.get((name, cfg.mars_type)) or self._by_name.get((name, None))
-        if entry is None:
-            offered = ", ".join(e.selected_by for e in self.entries)
-            raise ValueError(f"optimizer_name={name!r}, mars_type={cfg.mars_type!r} is none of: {offered}")
-        return entry
+        """The entry cfg names."""
+        name = getattr(cfg, self.key)
+        if name not in self._by_name:
+            raise ValueError(f"{self.key}={name!r} is none of: {', '.join(self._by_name)}")
+        return self._by_name[name]
 
-    def optimizer_names(self):
-        """{optimizer_name: its one-line description}: the key's values and its --help."""
-        names = {}
+    def descriptions(self):
+        """{name: its one-line description}: the key's values and its --help."""
+        return {entry.name: entry.description for entry in self.entries}
+
+    def selected_by(self, cfg):
+        """How cfg names its optimizer: 'optimizer=muon'."""
+        return f"{self.key}={getattr(cfg, self.key)}"
+
+    def check(self, cfg):
+        """None, or why cfg's other keys do not go with the optimizer it names."""
+        return self.entry(cfg).check(cfg)
+
+    def unused_keys(self, cfg):
+        """The keys some optimizer here reads and cfg's does not: a resume may change them, and a note names
+        those set away from their defaults."""
+        return self.entry(cfg).unused_keys
+
+    def ignored_settings(self, cfg, defaults):
+        """A note naming the keys set away from their `defaults` (a configuration) that cfg's optimizer does not
+        read, or None. A key the entry calls an alias is exempt where it has the value of the key it stands for
+        (Muon's learning_rate = muon_adamw_lr in the paper configs: the reference's name for the AdamW part's lr)."""
+        entry = self.entry(cfg)
+        ignored = [
+            f"{key}={getattr(cfg, key)!r}"
+            for key in sorted(entry.unused_keys)
+            if getattr(cfg, key) != getattr(defaults, key)
+            and not (key in entry.aliases and getattr(cfg, key) == getattr(cfg, entry.aliases[key]))
+        ]
+        if not ignored:
+            return None
+        hint = f" ({entry.unused_hint})" if entry.unused_hint else ""
+        return f"note: {self.selected_by(cfg)} does not use {', '.join(ignored)}{hint}"
+
+    def reference_values(self, key):
+        """The values the reference's key `key` takes here, in the entries' order."""
+        return list(dict.fromkeys(e.reference_keys[key] for e in self.entries if key in e.reference_keys))
+
+    def from_reference_keys(self, current, given):
+        """The name of the optimizer the reference's keys `given` ({key: value}) name, where the run so far names
+        `current`: the reference's keys of `current`, updated with `given`, and the first entry whose reference
+        keys they match (a key they leave out matches any value: the reference's default is the first entry's).
+        ValueError naming a given value the reference's key does not take here."""
+        for key, value in given.items():
+            values = self.reference_values(key)
+            if value not in values:
+                raise ValueError(f"{key}={value!r} is not one of: {', '.join(values)}")
+        keys = {**self._by_name[current].reference_keys, **given}
         for entry in self.entries:
-            if entry.mars_type is None:
-                names[entry.optimizer_name] = entry.description
-            elif entry.optimizer_name not in names:
-                variants = [e.mars_type for e in self.entries if e.optimizer_name == entry.optimizer_name]
-                names[entry.optimizer_name] = f"its variants (mars_type): {', '.join(variants)}"
-        return names
-
-    def mars_types(self):
-        """{mars_type: its one-line description}: the key's values and its --help."""
-        return {entry.mars_type: entry.description for entry in self.entries if entry.mars_type}
+            if all(keys.get(key, value) == value for key, value in entry.reference_keys.items()):
+                return entry.name
+        raise ValueError(f"no optimizer here is named {', '.join(f'{k}={v!r}' for k, v in given.items())}")
 
 
 def build(entry, model, cfg, placement):
@@ -494,12 +523,13 @@ def _hidden_matrix_split(model, cfg):
     return hidden_matrix_params(model)
 
 
-def _mars_m(groups, cfg, placement, **options):
+def _mars(groups, cfg, placement, rule, **options):
+    """mars.MARS with the update rule `rule` (its mars_type) over the groups."""
     return placement.make(
         MARS,
         groups,
         is_approx=cfg.is_approx,
-        mars_type=cfg.mars_type,
+        mars_type=rule,
         last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
         # The memory plan steps on the meta device: the same state either way, and compiling would cost seconds.
         fused=cfg.mars_fused and placement.device_type != "meta",
@@ -507,9 +537,9 @@ def _mars_m(groups, cfg, placement, **options):
     )
 
 
-def _mars(groups, cfg, placement):
+def _mars_with_1d_option(groups, cfg, placement, rule):
     """MARS-AdamW, -Lion, -Shampoo: MARS-M's options and optimize_1d, which MARS-M's reference does not have."""
-    return _mars_m(groups, cfg, placement, optimize_1d=cfg.optimize_1d)
+    return _mars(groups, cfg, placement, rule, optimize_1d=cfg.optimize_1d)
 
 
 def _adamw(groups, cfg, placement):
@@ -574,8 +604,9 @@ def _moment_norms(optimizer, sum_over_ranks=None, *, second_moment=False):
     return norms
 
 
-def _mars_label(cfg):
-    return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
+def _mars_label(rule):
+    """The memory plan's words for MARS with update rule `rule`: 'mars-lion (exact)'."""
+    return lambda cfg: f"{rule} ({'approximate' if cfg.is_approx else 'exact'})"
 
 
 def _mars_check(cfg):
@@ -590,7 +621,7 @@ def _mars_check(cfg):
 def _mars_m_check(cfg):
     if cfg.optimize_1d:
         return (
-            "optimize_1d=True does not apply to mars_type=mars-m: it trains the embeddings, head and 1-D tensors "
+            "optimize_1d=True does not apply to optimizer=mars-m: it trains the embeddings, head and 1-D tensors "
             "with AdamW, as its reference; drop optimize_1d"
         )
     return _mars_check(cfg)
@@ -599,23 +630,23 @@ def _mars_m_check(cfg):
 # What every MARS variant reads; MARS-M's AdamW part takes learning_rate and weight_decay where the others'
 # 1-D tensors take lr_1d and weight_decay_1d.
 _MARS_KEYS = frozenset(
-    {"learning_rate", "weight_decay", "beta1", "beta2", "gamma", "is_approx", "mars_type", "betas_1d"}
+    {"learning_rate", "weight_decay", "beta1", "beta2", "gamma", "is_approx", "betas_1d"}
     | {"last_grad_dtype", "mars_fused"}
 )
 _MARS_1D_KEYS = frozenset({"lr_1d", "weight_decay_1d", "optimize_1d"})
 
 
-def _mars_variant(mars_type, description, state_norms=_moment_norms):
-    """MARS-AdamW, -Lion or -Shampoo: the paper's MARS with that update rule (mars.py)."""
+def _mars_variant(rule, description, state_norms=_moment_norms):
+    """MARS-AdamW, -Lion or -Shampoo: the paper's MARS with that update rule (mars.py), named as its rule."""
     return OptimizerEntry(
-        optimizer_name="mars",
-        mars_type=mars_type,
+        name=rule,
         description=description,
         keys=_MARS_KEYS | _MARS_1D_KEYS,
         group_settings=_mars_settings,
         split=_decay_split,
-        build=_mars,
-        label=_mars_label,
+        build=partial(_mars_with_1d_option, rule=rule),
+        label=_mars_label(rule),
+        reference_keys={"optimizer_name": "mars", "mars_type": rule},
         look_ahead=_exact_mars_look_ahead,
         state_norms=state_norms,
         check=_mars_check,
@@ -634,30 +665,31 @@ OPTIMIZERS = Registry(
         "MARS with Shampoo's update (Newton-Schulz of the momentum) on the 2-D tensors, AdamW on the rest",
     ),
     OptimizerEntry(
-        optimizer_name="mars",
-        mars_type="mars-m",
+        name="mars-m",
         description="MARS-M (Liu et al. 2025): Newton-Schulz at AdamW's update RMS on the blocks' matrices, "
         "AdamW (betas_1d, learning_rate, weight_decay) on the embeddings, head and 1-D tensors, as its reference",
         keys=_MARS_KEYS,
         group_settings=_mars_m_settings,
         split=_hidden_matrix_split,
-        build=_mars_m,
-        label=_mars_label,
+        build=partial(_mars, rule="mars-m"),
+        label=_mars_label("mars-m"),
         look_ahead=_exact_mars_look_ahead,
         state_norms=_moment_norms,
         check=_mars_m_check,
+        reference_keys={"optimizer_name": "mars", "mars_type": "mars-m"},
     ),
     OptimizerEntry(
-        optimizer_name="adamw",
+        name="adamw",
         description="torch.optim.AdamW over the reference's decay and no-decay groups, fused on CUDA",
         keys=frozenset({"learning_rate", "weight_decay", "beta1", "beta2"}),
         group_settings=_adamw_settings,
         split=_decay_split,
         build=_adamw,
         label=lambda cfg: "AdamW",
+        reference_keys={"optimizer_name": "adamw"},
     ),
     OptimizerEntry(
-        optimizer_name="muon",
+        name="muon",
         description="torch.optim.Muon (muon_lr, no weight decay) on the matrices muon_matrices names, AdamW "
         "(muon_adamw_lr, beta1, beta2, weight_decay) on the rest",
         keys=frozenset({"weight_decay", "beta1", "beta2", "muon_lr", "muon_adamw_lr", "muon_matrices"}),
@@ -667,9 +699,10 @@ OPTIMIZERS = Registry(
         label=lambda cfg: "Muon + AdamW",
         aliases={"learning_rate": "muon_adamw_lr"},
         unused_hint="Muon's lrs are muon_lr and muon_adamw_lr",
+        reference_keys={"optimizer_name": "muon"},
     ),
     OptimizerEntry(
-        optimizer_name="moonlight",
+        name="moonlight",
         description="MARS-M's baseline: torch.optim.Muon scaled to AdamW's update RMS on the blocks' matrices, "
         "AdamW (betas_1d) on the rest, both at learning_rate and weight_decay",
         keys=frozenset({"learning_rate", "weight_decay", "beta1", "betas_1d"}),
@@ -677,7 +710,9 @@ OPTIMIZERS = Registry(
         split=_hidden_matrix_split,
         build=_moonlight,
         label=lambda cfg: "Moonlight (Muon + AdamW)",
+        reference_keys={"optimizer_name": "moonlight"},
     ),
+    key="optimizer",
 )
 
 

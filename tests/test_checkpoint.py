@@ -130,14 +130,14 @@ def test_a_checkpoint_with_two_copies_of_the_tied_matrix_still_loads_tied(tmp_pa
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
 
 
-@pytest.mark.parametrize("optimizer_name", ["mars", "adamw", "muon"])
-def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer_name):
+@pytest.mark.parametrize("optimizer", ["mars-adamw", "adamw", "muon"])
+def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer):
     """The model's tie is kept; the optimizer's state (which never aliases a parameter) stays apart."""
     from marsgpt.config import TrainConfig
     from marsgpt.optimizers import build_optimizer
 
     model = tied_gpt()
-    cfg = dataclasses.replace(TrainConfig(), optimizer_name=optimizer_name, n_layer=1, n_head=2, n_embd=32)
+    cfg = dataclasses.replace(TrainConfig(), optimizer=optimizer, n_layer=1, n_head=2, n_embd=32)
     optimizer = build_optimizer(model, cfg, "cpu")
     x = torch.randint(0, 1024, (2, 16))
     model(x, x)[1].backward()

@@ -239,7 +239,7 @@ def torch_optimizer_against_one_process(rank, world, name):
     from marsgpt.config import TrainConfig
     from marsgpt.optimizers import build_optimizer
 
-    cfg = TrainConfig(optimizer_name=name, learning_rate=2e-2, muon_adamw_lr=1e-2, weight_decay=0.1)
+    cfg = TrainConfig(optimizer=name, learning_rate=2e-2, muon_adamw_lr=1e-2, weight_decay=0.1)
     net = gpt()
     reference = copy.deepcopy(net)
     sharded = shard(net)

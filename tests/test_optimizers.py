@@ -74,14 +74,12 @@ def gpt2_small():
 
 
 def entry_config(entry, **overrides):
-    return dataclasses.replace(
-        TrainConfig(), optimizer_name=entry.optimizer_name, mars_type=entry.mars_type or "mars-adamw", **overrides
-    )
+    return dataclasses.replace(TrainConfig(), optimizer=entry.name, **overrides)
 
 
 ENTRIES = pytest.mark.parametrize("entry", OPTIMIZERS.entries, ids=lambda entry: entry.name)
 
-# Another valid value for every key some optimizer reads (mars_type: the next variant).
+# Another valid value for every key some optimizer reads.
 OTHER_VALUES = dict(
     learning_rate=1e-2,
     weight_decay=0.3,
@@ -99,7 +97,6 @@ OTHER_VALUES = dict(
     muon_adamw_lr=2e-4,
     muon_matrices="hidden",
 )
-MARS_TYPES = [entry.mars_type for entry in OPTIMIZERS.entries if entry.mars_type]
 
 
 def built(model, cfg):
@@ -122,23 +119,21 @@ def test_an_entry_reads_exactly_the_keys_it_declares(entry):
     declares the key. So the keys it does not read (unused_keys: the resume rule, the ignored-settings note)
     are right."""
     every_key = frozenset().union(*(e.keys for e in OPTIMIZERS.entries))
-    assert every_key == set(OTHER_VALUES) | {"mars_type"}
+    assert every_key == set(OTHER_VALUES)
     assert every_key <= {f.name for f in dataclasses.fields(TrainConfig)}
     assert entry.unused_keys == every_key - entry.keys
     cfg = entry_config(entry)
     model = tiny_model()
     baseline = built(model, cfg)
-    next_variant = MARS_TYPES[(MARS_TYPES.index(cfg.mars_type) + 1) % len(MARS_TYPES)]
-    for key, value in {**OTHER_VALUES, "mars_type": next_variant}.items():
+    for key, value in OTHER_VALUES.items():
         assert value != getattr(cfg, key)
         assert (built(model, dataclasses.replace(cfg, **{key: value})) != baseline) == (key in entry.keys), key
 
 
 @pytest.mark.parametrize(
     "cfg",
-    [entry_config(entry) for entry in OPTIMIZERS.entries]
-    + [TrainConfig(optimizer_name="muon", muon_matrices="hidden")],
-    ids=lambda cfg: f"{cfg.optimizer_name}-{cfg.mars_type}-{cfg.muon_matrices}",
+    [entry_config(entry) for entry in OPTIMIZERS.entries] + [TrainConfig(optimizer="muon", muon_matrices="hidden")],
+    ids=lambda cfg: f"{cfg.optimizer}-{cfg.muon_matrices}",
 )
 def test_every_parameter_is_in_exactly_one_group(cfg):
     for model in (tiny_model(), gpt2_small()):  # the tied embedding and head: one tensor, in one group
@@ -176,10 +171,11 @@ def test_a_split_that_misses_or_repeats_a_parameter_is_refused():
     assert all(p is not wpe for group in frozen_out.param_groups for p in group["params"])
 
 
-def test_every_variant_of_an_optimizer_name_is_a_config_value():
+def test_every_entry_is_a_value_of_the_optimizer_key():
     cfg_types = typing.get_type_hints(TrainConfig)
-    assert typing.get_args(cfg_types["optimizer_name"]) == ("mars", "adamw", "muon", "moonlight")
-    assert typing.get_args(cfg_types["mars_type"]) == tuple(MARS_TYPES) == mars.MARS_TYPES
+    assert typing.get_args(cfg_types["optimizer"]) == tuple(entry.name for entry in OPTIMIZERS.entries)
+    mars_rules = [e.reference_keys["mars_type"] for e in OPTIMIZERS.entries if "mars_type" in e.reference_keys]
+    assert tuple(mars_rules) == mars.MARS_TYPES  # every rule mars.py offers, named as the reference names it
     for entry in OPTIMIZERS.entries:
         assert OPTIMIZERS.entry(entry_config(entry)) is entry
         assert entry.description and entry.label(entry_config(entry))
@@ -189,19 +185,18 @@ def test_help_shows_each_entry_s_description_under_the_key_that_names_it():
     out = io.StringIO()
     print_help(file=out)
     text = out.getvalue()
-    names = text[text.index("  --optimizer_name=") : text.index("  --learning_rate=")]
-    variants = text[text.index("  --mars_type=") : text.index("  --optimize_1d=")]
+    names = text[text.index("  --optimizer=") : text.index("  --learning_rate=")]
     for entry in OPTIMIZERS.entries:
-        assert entry.description in (variants if entry.mars_type else names), entry.name
+        assert entry.description in names, entry.name
 
 
 def test_mars_m_and_moonlight_name_the_keys_they_do_not_read():
     """MARS-M's and Moonlight's AdamW part takes learning_rate and weight_decay (their reference), so the
     1-D settings other than betas_1d are unused; Moonlight reads beta1 as its momentum and no beta2."""
-    mars_m = OPTIMIZERS.entry(TrainConfig(mars_type="mars-m")).unused_keys
+    mars_m = OPTIMIZERS.unused_keys(TrainConfig(optimizer="mars-m"))
     assert {"lr_1d", "weight_decay_1d", "optimize_1d"} <= mars_m and not {"betas_1d", "gamma", "is_approx"} & mars_m
-    moonlight = OPTIMIZERS.entry(TrainConfig(optimizer_name="moonlight")).unused_keys
-    assert {"gamma", "lr_1d", "weight_decay_1d", "mars_type", "beta2", "muon_lr"} <= moonlight
+    moonlight = OPTIMIZERS.unused_keys(TrainConfig(optimizer="moonlight"))
+    assert {"gamma", "lr_1d", "weight_decay_1d", "beta2", "muon_lr"} <= moonlight
     assert not {"betas_1d", "beta1", "learning_rate", "weight_decay"} & moonlight
 
 
@@ -214,26 +209,26 @@ def construction_before_the_registry(model, cfg):
         return dict(params=params, name=name, **settings, initial_lr=settings["lr"])
 
     mars_options = dict(
-        is_approx=cfg.is_approx, mars_type=cfg.mars_type, last_grad_dtype=getattr(torch, cfg.last_grad_dtype)
+        is_approx=cfg.is_approx, mars_type=cfg.optimizer, last_grad_dtype=getattr(torch, cfg.last_grad_dtype)
     )
     decay, no_decay = (g["params"] for g in param_groups(model, cfg.weight_decay))
-    if cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
+    if cfg.optimizer == "mars-m":
         matrices, rest = hidden_matrix_params(model)
         settings = dict(lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay, gamma=cfg.gamma)
         settings.update(lr_1d=cfg.learning_rate, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay)
         groups = [group("matrices", matrices, **settings), group("adamw", rest, **settings, routing="none")]
         return MARS(groups, **mars_options, fused=False)
-    if cfg.optimizer_name == "mars":
+    if cfg.optimizer.startswith("mars-"):
         settings = dict(lr=cfg.learning_rate, betas=betas, gamma=cfg.gamma, lr_1d=cfg.lr_1d)
         settings.update(betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d)
         groups = [group("decay", decay, **settings, weight_decay=cfg.weight_decay)]
         groups.append(group("no_decay", no_decay, **settings, weight_decay=0.0))
         return MARS(groups, **mars_options, optimize_1d=cfg.optimize_1d, fused=False)
-    if cfg.optimizer_name == "adamw":
+    if cfg.optimizer == "adamw":
         settings = dict(lr=cfg.learning_rate, betas=betas)
         groups = [group("decay", decay, **settings, weight_decay=cfg.weight_decay)]
         return torch.optim.AdamW(groups + [group("no_decay", no_decay, **settings, weight_decay=0.0)], fused=False)
-    if cfg.optimizer_name == "muon":
+    if cfg.optimizer == "muon":
         muon, rest = (matrix_params if cfg.muon_matrices == "all" else hidden_matrix_params)(model)
         return ChainedOptimizer(
             torch.optim.Muon(
@@ -568,7 +563,7 @@ def test_mars_m_trains_the_embeddings_with_adamw():
 
 
 def test_mars_m_refuses_optimize_1d():
-    with pytest.raises(ConfigError, match="optimize_1d=True does not apply to mars_type=mars-m"):
+    with pytest.raises(ConfigError, match="optimize_1d=True does not apply to optimizer=mars-m"):
         paper_config("small", "mars_m", "--optimize_1d=True")
 
 

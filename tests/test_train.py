@@ -529,25 +529,25 @@ def test_keys_the_optimizer_does_not_read_are_named_not_silently_ignored(data_pa
     """Muon's AdamW part takes muon_adamw_lr: a --learning_rate given to a Muon run changes nothing, and the
     start says so; a resume names such a change as unused, and does not refuse a MARS-only fixed key."""
     out = str(tmp_path / "out")
-    run_ok(tiny_args(data_path, out, optimizer_name="muon", learning_rate=1.0, gamma=0.5, max_iters=2), capsys)
+    run_ok(tiny_args(data_path, out, optimizer="muon", learning_rate=1.0, gamma=0.5, max_iters=2), capsys)
     printed = capsys.readouterr().out
-    assert "note: optimizer_name=muon does not use gamma=0.5, learning_rate=1.0 (Muon's lrs are" in printed
-    resume = tiny_args(data_path, out, optimizer_name="muon", learning_rate=2.0, mars_type="mars-lion", max_iters=3)
+    assert "note: optimizer=muon does not use gamma=0.5, learning_rate=1.0 (Muon's lrs are" in printed
+    resume = tiny_args(data_path, out, optimizer="muon", learning_rate=2.0, is_approx=False, max_iters=3)
     run_ok(resume + ["--init_from=resume"], capsys)
     printed = capsys.readouterr().out
-    assert "resume: learning_rate 1.0 -> 2.0 (not used by optimizer_name=muon)" in printed
-    assert "resume: mars_type 'mars-adamw' -> 'mars-lion' (not used by optimizer_name=muon)" in printed
+    assert "resume: learning_rate 1.0 -> 2.0 (not used by optimizer=muon)" in printed
+    assert "resume: is_approx True -> False (not used by optimizer=muon)" in printed
 
 
-@pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion"])
-def test_momentum_metrics_compare_the_same_tensors(data_path, tmp_path, mars_type):
+@pytest.mark.parametrize("optimizer", ["mars-adamw", "mars-lion"])
+def test_momentum_metrics_compare_the_same_tensors(data_path, tmp_path, optimizer):
     """momentum_norm_sq (v's norm) and momentum_div exist only where MARS's matrices keep a v: for Lion and
     Shampoo they would be the 1-D AdamW tensors' v against every tensor's m."""
     out = str(tmp_path / "out")
-    run_ok(tiny_args(data_path, out, mars_type=mars_type, max_iters=2))
+    run_ok(tiny_args(data_path, out, optimizer=optimizer, max_iters=2))
     train_records = [r for r in read_metrics(out) if "train/loss" in r]
     assert train_records and all("momentum_norm" in r for r in train_records)
-    assert all(("momentum_div" in r) == (mars_type == "mars-adamw") for r in train_records)
+    assert all(("momentum_div" in r) == (optimizer == "mars-adamw") for r in train_records)
 
 
 def test_overwrite_replaces_the_previous_run(data_path, tmp_path):
@@ -681,10 +681,10 @@ def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one
     "change, message",
     [
         (
-            dict(optimizer_name="adamw"),
-            "was trained with optimizer_name='mars' but the config gives optimizer_name='adamw'",
+            dict(optimizer="adamw"),
+            "was trained with optimizer='mars-adamw' but the config gives optimizer='adamw'",
         ),
-        (dict(mars_type="mars-lion"), "mars_type='mars-adamw' but the config gives mars_type='mars-lion'"),
+        (dict(mars_type="mars-lion"), "optimizer='mars-adamw' but the config gives optimizer='mars-lion'"),
         (dict(is_approx=False), "is_approx=True but the config gives is_approx=False"),
         (dict(optimize_1d=True), "optimize_1d=False but the config gives optimize_1d=True"),
         (dict(n_embd=32), "n_embd=64 but the config gives n_embd=32"),

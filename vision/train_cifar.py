@@ -118,7 +118,7 @@ def build_muon(groups, cfg, placement):
 
 CIFAR_OPTIMIZERS = Registry(
     OptimizerEntry(
-        optimizer_name="mars",
+        name="mars",
         description="MARS (mars_type) on the tensors mars_routing names, AdamW (lr_1d, betas_1d, weight_decay_1d) "
         "on the rest",
         keys=frozenset({"learning_rate", "weight_decay", "gamma", "mars_betas", "mars_routing", "mars_type"})
@@ -128,7 +128,7 @@ CIFAR_OPTIMIZERS = Registry(
         build=build_mars,
     ),
     OptimizerEntry(
-        optimizer_name="adamw",
+        name="adamw",
         description="torch.optim.AdamW",
         keys=frozenset({"learning_rate", "weight_decay", "beta1", "beta2"}),
         group_settings=adamw_settings,
@@ -136,13 +136,14 @@ CIFAR_OPTIMIZERS = Registry(
         build=build_adamw,
     ),
     OptimizerEntry(
-        optimizer_name="muon",
+        name="muon",
         description="the reference's Muon (vision/muon.py) on the tensors of 2+ dimensions, AdamW (lr_1d) on the rest",
         keys=frozenset({"learning_rate", "lr_1d", "weight_decay", "beta1", "beta2"}),
         group_settings=muon_settings,
         split=by_dimension,
         build=build_muon,
     ),
+    key="optimizer_name",
 )
 
 
@@ -156,8 +157,8 @@ class CifarConfig:
     net: Literal["resnet10", "resnet18", "resnet34"] = key("resnet18", "the reference's CIFAR ResNet", fixed=True)
     width: int = key(64, "channels of the first stage, doubled by each next one (ResNet-18: 64)", positive, fixed=True)
     # --- optimizer
-    optimizer_name: Literal[tuple(CIFAR_OPTIMIZERS.optimizer_names())] = key(
-        "mars", "the optimizer", fixed=True, choices=CIFAR_OPTIMIZERS.optimizer_names()
+    optimizer_name: Literal[tuple(CIFAR_OPTIMIZERS.descriptions())] = key(
+        "mars", "the optimizer", fixed=True, choices=CIFAR_OPTIMIZERS.descriptions()
     )
     learning_rate: float = key(
         0.1, "lr of MARS's tensors, of everything under AdamW, of Muon's tensors (--lr there)", positive
@@ -283,7 +284,7 @@ def load_resume_checkpoint(cfg):
             f"{path} lacks {', '.join(missing)}: it was not written by vision/train_cifar.py, so it cannot be "
             "resumed; start a new run in a new --out_dir"
         )
-    changed = launch.fixed_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS.entry(cfg))
+    changed = launch.fixed_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS)
     if changed:
         key, old, new = changed[0]
         raise CheckpointError(
@@ -326,7 +327,7 @@ def setup(cfg):
         run.saved_epoch = progress.epoch
     # Everything is checked: the first change to out_dir, as train.py makes it (what a killed save left goes,
     # --overwrite=True removes the old run, a resume says where it continues and what it changes).
-    changes = launch.config_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS.entry(cfg)) if ckpt is not None else ()
+    changes = launch.config_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS) if ckpt is not None else ()
     run_dir.prepare_out_dir(cfg, start, ckpt, changes, at=f"epoch {progress.epoch}")
     return run, progress, ckpt is not None
 
