@@ -33,13 +33,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, fsdp, launch, memory_plan, metrics, optimizers
+from marsgpt import checkpoint, launch, memory_plan, metrics, optimizers
 from marsgpt.checkpoint import RNGState
 from marsgpt.config import config_to_dict, load_config, print_help, wants_help
 from marsgpt.launch import USER_ERRORS
 from marsgpt.memory_plan import MemoryPlan
 from marsgpt.metrics import LogWindow, MetricsLog
-from marsgpt.optimizers import OPTIMIZERS, build_optimizer, is_sharded, set_lr
+from marsgpt.optimizers import OPTIMIZERS, build_optimizer, set_lr
+from marsgpt.parallel import Parallelism
 from marsgpt.run_dir import CHECKPOINT_PARTS, Part, RunDir, RunStopped, StopSignals
 from marsgpt.runtime import (
     SetupError,
@@ -50,7 +51,6 @@ from marsgpt.runtime import (
     set_deterministic,
     setup_distributed,
     setup_precision,
-    wrap_ddp,
 )
 from marsgpt.tokens import TokenData
 
@@ -87,6 +87,7 @@ class Run:
 
     cfg: object
     dist: object  # runtime.Dist
+    parallel: Parallelism  # how the run is spread over its ranks: DDP, ZeRO-1 or FSDP2
     model: torch.nn.Module  # the GPT (its blocks compiled, under FSDP2 sharded, in place): what evaluation runs
     train_model: torch.nn.Module  # what the training forward goes through: the model, or DDP's wrapper of it
     compiled: bool  # torch.compile: each block and the loss (model.GPT.compile_blocks)
@@ -105,12 +106,6 @@ class Run:
     window: LogWindow  # the steps since the last train line
     directory: RunDir
     memory_plan: MemoryPlan | None = None  # rank 0's, printed by launch.describe()
-    mesh: object = None  # FSDP2's DeviceMesh (zero_stage=3 under torchrun), else None
-
-    @property
-    def sharded(self):
-        """ZeRO-1: each rank holds a share of the optimizer's state (whole tensors)."""
-        return is_sharded(self.cfg, self.dist.world_size)
 
     @property
     def tokens_per_step(self):
@@ -126,8 +121,7 @@ def checkpoint_parts(run, progress):
             run.scaler.load_state_dict(state)
 
     def load_optimizer(state):
-        if run.mesh is not None:  # a one-file checkpoint's whole tensors: this rank's rows of each
-            state = fsdp.shard_like_parameters(state, run.mesh)
+        state = run.parallel.place_state(state)  # a one-file checkpoint's whole tensors: FSDP2's rows of each
         optimizers.load_state(run.optimizer, state, OPTIMIZERS.entry(run.cfg), run.cfg)
 
     optimizer = Part(run.optimizer.state_dict, load_optimizer)
@@ -140,9 +134,10 @@ def checkpoint_parts(run, progress):
 def setup(cfg, dist_info, directory=None):
     """(Run, Progress, resumed): everything checked and built, out_dir held (`directory`, a run_dir.RunDir;
     main's handles the stop signals); nothing trained yet."""
+    parallel = Parallelism.of(cfg, dist_info)
     directory = directory or RunDir(cfg, dist_info)
     train_data, val_data, vocab_size = agree(dist_info, lambda: launch.load_data(cfg), USER_ERRORS)
-    cfg, start, ckpt = launch.resolve_run(cfg, dist_info, directory, train_data.vocabulary)
+    cfg, start, ckpt = launch.resolve_run(cfg, dist_info, directory, train_data.vocabulary, parallel)
     hellaswag_examples = launch.setup_hellaswag(cfg, train_data, dist_info)
     model, model_args = agree(dist_info, lambda: launch.build_model(cfg, vocab_size, ckpt), USER_ERRORS)
     if dist_info.is_master:
@@ -153,31 +148,23 @@ def setup(cfg, dist_info, directory=None):
     model.activation_checkpointing = cfg.activation_checkpointing
     autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
     compile_model = resolve_compile(cfg.compile, dist_info.device_type)
-    mesh = None
-    if fsdp.enabled(cfg, dist_info):
-        mesh = fsdp.device_mesh(cfg, dist_info)
-        policies = fsdp.mixed_precision(resolve_dtype(cfg.dtype, dist_info.device_type), dist_info.device_type)
-        train_model = fsdp.shard_model(model, mesh, policies, compile_blocks=compile_model)
-    else:
-        if compile_model:
-            model.compile_blocks()
-        train_model = wrap_ddp(model, dist_info) if dist_info.ddp else model
-    optimizer = build_optimizer(model, cfg, dist_info.device_type, dist_info.world_size, fsdp=mesh is not None)
+    train_model = parallel.wrap(model, compile_model, resolve_dtype(cfg.dtype, dist_info.device_type))
+    optimizer = build_optimizer(model, cfg, parallel)
     progress = Progress()
 
     run = Run(
         val_batches=launch.eval_windows(cfg, val_data, dist_info),
         cfg=cfg,
         dist=dist_info,
+        parallel=parallel,
         model=model,
         train_model=train_model,
         train_batches=launch.eval_windows(cfg, train_data, dist_info),
         compiled=compile_model,
-        mesh=mesh,
         model_args=model_args,
         optimizer=optimizer,
         scaler=scaler,
-        look_ahead=OPTIMIZERS.entry(cfg).look_ahead(optimizer, cfg),
+        look_ahead=parallel.rank_share(optimizer) if OPTIMIZERS.entry(cfg).look_ahead(cfg) else None,
         autocast=autocast,
         rng=RNGState(dist_info.rank, launch.gather_rng(dist_info)),
         train_data=train_data,
@@ -189,7 +176,7 @@ def setup(cfg, dist_info, directory=None):
         memory_plan=memory_plan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
     extras = dict(model_args=model_args, config=config_to_dict(cfg), vocabulary=train_data.vocabulary)
-    directory.register(cfg, checkpoint_parts(run, progress), extras, mesh)
+    directory.register(cfg, checkpoint_parts(run, progress), extras, parallel)
     if ckpt is not None:
         # launch.build_model loaded the weights as it built the model, unless they are in a sharded checkpoint's
         # files, which a sharded model reads its rows of
@@ -219,8 +206,8 @@ def forward_backward(run, step):
     Each loss is divided by this rank's number of micro-batches and DDP (or FSDP2) averages across ranks, so
     the gradient is the mean over all gradient_accumulation_steps micro-batches, times grad_multiplier (the
     paper's gradient scale, see marsgpt/config.py; the returned loss stays the mean). The gradients are reduced
-    across ranks only in the last micro-batch's backward (gradients_stay_local before it). Nothing here waits
-    for the device.
+    across ranks only in the last micro-batch's backward (Parallelism.gradients_stay_local before it). Nothing
+    here waits for the device.
     """
     cfg, info = run.cfg, run.dist
     micro_steps = range(info.rank, cfg.gradient_accumulation_steps, info.world_size)
@@ -233,7 +220,7 @@ def forward_backward(run, step):
     x, y = fetch(micro_steps[0])
     for i, k in enumerate(micro_steps):
         last = i == len(micro_steps) - 1
-        with contextlib.nullcontext() if last else gradients_stay_local(run):
+        with contextlib.nullcontext() if last else run.parallel.gradients_stay_local(run.train_model):
             if cfg.dropout > 0:
                 torch.manual_seed(dropout_seed(cfg.seed, step, k))
             with run.autocast:
@@ -246,15 +233,6 @@ def forward_backward(run, step):
     return loss_sum
 
 
-def gradients_stay_local(run):
-    """The context of a micro-batch before a step's last: its gradients add up on this rank, unreduced. DDP's
-    no_sync; FSDP2's unsharded accumulation with gradient_sync=step (with micro_batch it reduce-scatters every
-    micro-batch, keeping the gradients sharded); nothing to keep in one process."""
-    if run.mesh is not None:
-        return fsdp.no_gradient_sync(run.model) if run.cfg.gradient_sync == "step" else contextlib.nullcontext()
-    return run.train_model.no_sync() if run.dist.ddp else contextlib.nullcontext()
-
-
 def clip_gradients(run):
     """The global gradient norm before clipping (a tensor); clips to grad_clip when it is > 0. Under FSDP2 the
     norm of the sharded gradients takes one all-reduce of the shards' sums of squares."""
@@ -262,7 +240,7 @@ def clip_gradients(run):
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if run.cfg.grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, run.cfg.grad_clip, norm)
-    return fsdp.whole(norm)
+    return run.parallel.whole(norm)
 
 
 @dataclasses.dataclass
@@ -297,9 +275,7 @@ def train_step(run, it):
     agreed requests (a signal, a save the clock asks for: run_dir.RunDir.with_requests) come with them.
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
-    # Gradients are cleared in place under DDP (they are views of its buckets, see runtime.wrap_ddp), else set
-    # to None, which frees them until the backward pass needs them again.
-    set_to_none = not run.dist.ddp or run.mesh is not None
+    set_to_none = run.parallel.gradients_to_none
     set_lr(optimizer, it, cfg)
     norms = []
     if run.look_ahead is not None:
@@ -341,25 +317,6 @@ def non_finite_norms(norm_values):
 # Evaluation, checkpoints, metrics.
 
 
-def all_reduce_sum(run, tensor):
-    if run.dist.ddp:
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def sum_over_ranks(run):
-    """The sum of a tensor over the ranks that hold one share each of the sharded optimizer state: every rank
-    under ZeRO-1, one copy's shards under FSDP2 (HSDP's replicas hold the same shards)."""
-    if run.mesh is None:
-        return lambda tensor: all_reduce_sum(run, tensor)
-
-    def over_shards(tensor):
-        dist.all_reduce(tensor, group=fsdp.shard_group(run.mesh))
-        return tensor
-
-    return over_shards
-
-
 @torch.no_grad()
 def evaluate(run, batches):
     """Mean loss over the fixed windows (`batches` is this rank's share of cfg.eval_iters of them). Under FSDP2
@@ -368,7 +325,7 @@ def evaluate(run, batches):
     cfg = run.cfg
     run.model.eval()
     loss_sum = torch.zeros((), device=run.dist.device)
-    missing = -(-cfg.eval_iters // run.dist.world_size) - len(batches) if run.mesh is not None else 0
+    missing = run.parallel.evaluation_padding(len(batches), cfg.eval_iters)
     zeros = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)
     for i, (x, y) in enumerate([*batches, *[(zeros, zeros)] * missing]):
         x, y = to_device(x, y, run.dist.device)
@@ -377,7 +334,7 @@ def evaluate(run, batches):
         if i < len(batches):
             loss_sum += loss.float()
     run.model.train()
-    return all_reduce_sum(run, loss_sum).item() / run.cfg.eval_iters
+    return run.parallel.all_reduce_sum(loss_sum).item() / run.cfg.eval_iters
 
 
 def stamp(progress, time_s):
@@ -398,15 +355,12 @@ def log_train(run, progress, window, result, time_s):
     the optimizer logs (its registry entry's state_norms)."""
     loss = None
     if window.losses:
-        loss = all_reduce_sum(run, window.loss_sum / window.losses) / run.dist.world_size
-    state_norms, param_norm = {}, None
-    sharded_state = run.sharded or run.mesh is not None
-    if sharded_state or run.dist.is_master:  # sharded state: every rank adds its share; else rank 0's is all
-        state_norms = OPTIMIZERS.entry(run.cfg).state_norms(
-            run.optimizer, sum_over_ranks(run) if sharded_state else None
-        )
-    if run.mesh is not None or run.dist.is_master:  # FSDP2: a norm of DTensors, an all-reduce every rank joins
-        param_norm = fsdp.whole(torch.nn.utils.get_total_norm(list(run.model.parameters())))
+        loss = run.parallel.all_reduce_sum(window.loss_sum / window.losses) / run.dist.world_size
+    state_norms, param_norm, parallel = {}, None, run.parallel
+    if parallel.state_is_sharded or run.dist.is_master:  # sharded: every rank adds its share; else rank 0's is all
+        state_norms = OPTIMIZERS.entry(run.cfg).state_norms(run.optimizer, parallel)
+    if parallel.norms_are_collective or run.dist.is_master:
+        param_norm = parallel.whole(torch.nn.utils.get_total_norm(list(run.model.parameters())))
     if not run.dist.is_master:
         return
     cfg = run.cfg
@@ -474,7 +428,7 @@ def evaluate_hellaswag(run, progress, time_s):
         rank=run.dist.rank,
         world_size=run.dist.world_size,
         ctx=run.autocast,
-        lockstep=run.mesh is not None,
+        lockstep=run.parallel.lockstep,
     )
     if run.dist.is_master:
         print(

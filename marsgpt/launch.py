@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, fsdp, memory_plan, metrics, optimizers, tokens
+from marsgpt import checkpoint, memory_plan, metrics, optimizers, tokens
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
 from marsgpt.metrics import MetricsError, MetricsLog
@@ -49,12 +49,13 @@ def load_data(cfg):
 HASH_NOTE_BYTES = 1 << 30
 
 
-def resolve_run(cfg, dist_info, directory, vocabulary):
+def resolve_run(cfg, dist_info, directory, vocabulary, parallel):
     """(cfg with init_from decided, the run_dir.Start, the checkpoint to resume or None), agreed on by every
     rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), every rank fingerprints the data (the
     Start's `data`), then every rank loads the checkpoint rank 0 chose and checks it against this launch's
     configuration and data (`vocabulary`: TokenData.vocabulary; the fingerprint: the Start's `data_change` says
-    how it changed, when allow_data_change lets it)."""
+    how it changed, when allow_data_change lets it). `parallel`: the run's parallel.Parallelism, whose sharded
+    model reads a sharded checkpoint's rows later (run_dir.RunDir.restore) instead of whole tensors here."""
     start = decide_on_master(dist_info, lambda: directory.start(cfg), USER_ERRORS)
     cfg = dataclasses.replace(cfg, init_from=start.init_from)
     # Every rank, each its own: none waits in a collective while another hashes data no manifest records (that
@@ -65,7 +66,7 @@ def resolve_run(cfg, dist_info, directory, vocabulary):
     if start.path is not None:
 
         def load():
-            ckpt = load_resume_checkpoint(cfg, start.path, dist_info, vocabulary)
+            ckpt = load_resume_checkpoint(cfg, start.path, dist_info, vocabulary, whole=not parallel.shards_parameters)
             return ckpt, data_change(cfg, start.path, ckpt, start.data)
 
         ckpt, change = agree(dist_info, load, USER_ERRORS)
@@ -103,16 +104,16 @@ def data_change(cfg, path, ckpt, data):
     return ", ".join(changes)
 
 
-def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
+def load_resume_checkpoint(cfg, path, dist_info, vocabulary, whole):
     """The checkpoint at `path`, checked for every part, for keys the configuration may not change and for the
     data's vocabulary. Rank 0 verified its checksum while choosing it; the other ranks verify it here. A sharded
-    checkpoint's tensors are read whole here for an unsharded run; a sharded run reads its rows of them later
-    (run_dir.RunDir.restore), once its model is sharded."""
+    checkpoint's tensors are read whole here (`whole`) for an unsharded run; a sharded run reads its rows of them
+    later (run_dir.RunDir.restore), once its model is sharded."""
     ckpt = checkpoint.load_checkpoint(
         path,
         mmap=dist_info.device_type == "cuda",
         verify_checksum=not dist_info.is_master,
-        whole=not fsdp.enabled(cfg, dist_info),
+        whole=whole,
     )
     missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt and part not in NEWER_PARTS]
     if missing:

@@ -23,7 +23,8 @@ import typing
 import torch
 
 from marsgpt import optimizers
-from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer, is_sharded
+from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer
+from marsgpt.parallel import Parallelism
 from marsgpt.runtime import resolve_compile, resolve_dtype
 from marsgpt.tokens import DataError, TokenData
 from model import (
@@ -69,10 +70,10 @@ def optimizer_layout(cfg, model_args):
     """Build the model on the meta device, take one optimizer step there, and record each parameter's state."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**model_args))
-    optimizer = build_optimizer(model, cfg, "meta")
+    optimizer = build_optimizer(model, cfg, Parallelism.single("meta"))
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    look_ahead = OPTIMIZERS.entry(cfg).look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's too
+    look_ahead = optimizer if OPTIMIZERS.entry(cfg).look_ahead(cfg) else None  # a step as training takes it
     if look_ahead is not None:
         look_ahead.update_previous_grad()
     optimizers.step(optimizer, look_ahead)
@@ -432,7 +433,7 @@ def plan(
     """The MemoryPlan of cfg's run on world_size GPUs of gpu_memory_gb GiB each (None: no verdict; gpu_name
     only labels it). torchrun: whether the run is launched by torchrun (None: when world_size > 1), which decides
     whether zero_stage=3 shards on one GPU: under torchrun it does (FSDP2 over a mesh of one, as train.py runs it),
-    one process without torchrun trains the whole model (marsgpt/fsdp.py's enabled).
+    one process without torchrun trains the whole model (parallel.Parallelism.shards_parameters).
 
     model_args: GPTConfig fields (default: cfg's model with GPT-2's padded vocabulary; train.py passes the
     data's); dtype: the autocast dtype the run resolves to (default: cfg.dtype, 'auto' taken as bfloat16);
@@ -446,11 +447,12 @@ def plan(
     # --deterministic=True leaves CUDA only the math attention kernel (runtime.set_deterministic)
     compiled = resolve_compile(cfg.compile, device_type)
     activations = activations_for(model_args, dtype, math_attention=cfg.deterministic, compiled=compiled)
-    sharded = is_sharded(cfg, world_size)
+    torchrun = world_size > 1 if torchrun is None else torchrun
+    parallel = Parallelism.planned(cfg, world_size, torchrun)
+    sharded = parallel.shards_optimizer_state
     parameters = layout.parameters
     parameter_bytes = sum(e.elements for e in parameters) * 4  # float32 weights, and gradients alike
-    torchrun = world_size > 1 if torchrun is None else torchrun
-    fsdp = FSDP2.of(cfg, world_size, model_args, dtype, device_type) if torchrun else None
+    fsdp = FSDP2.of(cfg, world_size, model_args, dtype, device_type) if parallel.shards_parameters else None
     if fsdp is not None:
         shares = [[fsdp.share(e, rank) for e in parameters] for rank in range(fsdp.shards)]
         parameter_bytes = sum(e.elements for e in shares[0]) * 4  # rank 0 holds the most rows of every tensor
@@ -464,7 +466,7 @@ def plan(
     rank_state_bytes = tuple(sum(e.state_bytes for e in share) for share in shares)
     state_bytes = max(rank_state_bytes)
     fullest = shares[rank_state_bytes.index(state_bytes)]
-    # A save gathers the state on rank 0 tensor by tensor (optimizers.ShardedOptimizer.state_dict); over NCCL each
+    # A save gathers the state on rank 0 tensor by tensor (zero.ShardedOptimizer.state_dict); over NCCL each
     # tensor of another rank's share passes through a buffer of its size on rank 0's GPU, over gloo none does.
     staged = [e.largest for share in shares[1:] for e in share] if cfg.backend != "gloo" and sharded else []
     save_bytes = max(staged, default=0)  # FSDP2: each rank copies its rows to host memory, nothing else on the GPU
@@ -487,9 +489,7 @@ def plan(
     max_micro_batch = None
     if gpu_memory_bytes is not None:
         max_micro_batch = largest(lambda b: static + sum(peak(b)[1].values()) <= usable(gpu_memory_bytes))
-    notes = []
-    if cfg.zero_stage == 1 and world_size == 1:
-        notes.append("zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks")
+    notes = [parallel.note] if parallel.note else []
     moment, parts = peak(cfg.batch_size)
     fused_attention_bytes = None
     if cfg.deterministic:
@@ -550,9 +550,10 @@ class FSDP2:
 
     @classmethod
     def of(cls, cfg, world_size, model_args, dtype, device_type):
-        """The FSDP2 layout of cfg's run on world_size ranks under torchrun, or None when it does not shard
-        (zero_stage 0 or 1)."""
-        if cfg.zero_stage != 3:
+        """The FSDP2 layout of cfg's run on world_size ranks under torchrun, or None when it does not shard its
+        parameters (parallel.Parallelism.shards_parameters)."""
+        parallel = Parallelism.planned(cfg, world_size, torchrun=True)
+        if not parallel.shards_parameters:
             return None
         with torch.device("meta"):
             model = GPT(GPTConfig(**model_args))
@@ -560,8 +561,8 @@ class FSDP2:
         block = sum(p.numel() for p in model.transformer.h[0].parameters())
         low_precision = dtype == "bfloat16" and device_type == "cuda"
         return cls(
-            shards=world_size // cfg.hsdp_replicas,
-            replicas=cfg.hsdp_replicas,
+            shards=parallel.shards,
+            replicas=parallel.replicas,
             block_elements=block,
             root_elements=total - block * len(model.transformer.h),
             gathered_bytes=2 if low_precision else 4,

@@ -28,12 +28,11 @@ moonlight -- MARS-M's baseline, as MARS_M/train_moonlight.py: torch.optim.Muon (
 
 Every hyperparameter the configuration sets is written into the groups, at construction and again after a
 resume's load_state_dict (load_state). Each group keeps its peak lr as 'initial_lr'; set_lr(optimizer, it,
-cfg) applies the schedule to every group. ZeRO-1 (zero_stage=1 with more than one rank, see is_sharded):
-every torch optimizer above becomes a ShardedOptimizer, and each DDP rank keeps the state of about
-1/world_size of the parameters.
+cfg) applies the schedule to every group. Each torch optimizer above is made through the run's parallelism
+(marsgpt/parallel.py), which shards its state under ZeRO-1 and steps FSDP2's sharded parameters.
 
-The machinery is any trainer's, through plain arguments: Registry, OptimizerEntry, Placement, build,
-group_hyperparameters, load_state, ChainedOptimizer (vision/train_cifar.py has a Registry of its own).
+The machinery is any trainer's, through plain arguments: Registry, OptimizerEntry, build, group_hyperparameters,
+load_state, ChainedOptimizer (vision/train_cifar.py has a Registry of its own).
 """
 
 import collections
@@ -43,11 +42,9 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
-from mars import MARS, lr_1d_factor, map_whole_tensors
-from marsgpt import checkpoint, metrics
-from marsgpt.fsdp import local as local_shard
+from mars import MARS, lr_1d_factor
+from marsgpt import metrics
 from model import hidden_matrix_params, matrix_params, param_groups
 
 
@@ -95,191 +92,15 @@ class ChainedOptimizer:
             opt.load_state_dict(sd)
 
 
-class ShardedOptimizer:
-    """ZeRO-1 (Rajbhandari et al., 2020, stage P_os) on torch's ZeroRedundancyOptimizer, which gives each rank
-    whole parameters -- the largest first, each to the rank holding the fewest elements so far -- runs
-    optimizer_class on that rank's share, and after step() broadcasts each rank's updated parameters to the
-    others. A rule that looks at a whole tensor (MARS's clip of c_t to Frobenius norm 1, Muon's Newton-Schulz)
-    therefore sees exactly what it sees unsharded. Hyperparameters written into param_groups (set_lr,
-    group_hyperparameters) reach the rank's optimizer at the next step().
-
-    What this wrapper adds:
-    - state_dict() is collective (every rank calls it, like a checkpoint's other parts) and returns on rank 0
-      the state in the unsharded optimizer's own format (None on the other ranks): a checkpoint resumes on
-      any number of ranks, sharded or not, and readers that know nothing of sharding read it;
-    - load_state_dict() takes that format and loads this rank's share through optimizer_class's own
-      load_state_dict, which places each state tensor as that class wants it (fused AdamW's step counts on
-      the device, for instance).
-    Exact MARS's look-ahead calls go to `local`, the rank's own MARS (see the MARS entries' look_ahead).
-    """
-
-    def __init__(self, params, optimizer_class, **defaults):
-        # imported here: torch.distributed.optim adds seconds to every start, and only sharded runs need it
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        self.zero = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **defaults)
-
-    @property
-    def param_groups(self):
-        return self.zero.param_groups
-
-    @property
-    def local(self):
-        """This rank's optimizer_class over its share of the parameters."""
-        return self.zero.optim
-
-    @property
-    def state(self):
-        """The state this rank holds: its share's."""
-        return self.local.state
-
-    def step(self, closure=None):
-        return self.zero.step(closure)
-
-    def zero_grad(self, set_to_none=True):
-        self.zero.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        """Collective: on rank 0 every rank's share in the unsharded format, on the other ranks None.
-
-        Each state tensor reaches rank 0's host once, one tensor at a time: over gloo straight into its host
-        tensor; over NCCL from its owner's device into a buffer of its size on rank 0's device, then to the
-        host. A save therefore adds at most the largest state tensor to rank 0's GPU (memory_plan's "checkpoint
-        save") and one copy of the state to its host. (torch's consolidate_state_dict moves each rank's whole
-        share through the GPU as serialized bytes and keeps two host copies of it, one pinned.)
-        """
-        zero, group = self.zero, self.zero.process_group
-        local = self.local.state_dict()
-        root = dist.get_global_rank(group, 0)
-        layouts = [None] * zero.world_size if zero.rank == 0 else None  # each rank's state, its tensors on meta
-        dist.gather_object(checkpoint.map_tensors(local, lambda t: t.to("meta")), layouts, dst=root, group=group)
-        # gloo moves host tensors, NCCL only device tensors
-        device = torch.device("cpu") if "gloo" in dist.get_backend(group) else self.param_groups[0]["params"][0].device
-        if zero.rank != 0:
-            for tensor in checkpoint.tensors_of(local):
-                transfer(dist.isend, tensor.detach().to(device).contiguous(), root, group)
-            return None
-        gathered = [checkpoint.map_tensors(local, lambda t: t.detach().to("cpu", copy=True))]
-        for rank in range(1, zero.world_size):
-            source = dist.get_global_rank(group, rank)
-            gathered.append(
-                checkpoint.map_tensors(layouts[rank], partial(received, source=source, group=group, device=device))
-            )
-        zero._all_state_dicts = gathered  # what consolidate_state_dict leaves there, for state_dict() to merge
-        state = zero.state_dict()
-        zero._all_state_dicts = []
-        for group in state["param_groups"]:  # as the optimizer's own state_dict() writes a dtype (MARS: by name)
-            group.update({k: str(v).removeprefix("torch.") for k, v in group.items() if isinstance(v, torch.dtype)})
-        return checkpoint.hand_over(state)  # private host copies: the checkpoint writer need not copy them again
-
-    def load_state_dict(self, state_dict):
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the saved optimizer state has different parameter groups than this optimizer")
-        saved_index = {}  # parameter -> its index in the saved state
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            saved_index.update(zip(group["params"], saved["params"]))
-        local_state, local_groups, first = {}, [], 0
-        for saved, local in zip(saved_groups, self.local.param_groups):
-            for i, p in enumerate(local["params"], start=first):
-                if saved_index[p] in state_dict["state"]:
-                    local_state[i] = state_dict["state"][saved_index[p]]
-            local_groups.append({**saved, "params": list(range(first, first + len(local["params"])))})
-            first += len(local["params"])
-        self.local.load_state_dict({"state": local_state, "param_groups": local_groups})
-
-
-def transfer(op, tensor, peer, group):
-    """One isend or irecv of `tensor` with global rank `peer`, finished. Through batch_isend_irecv, which on
-    NCCL uses the group's communicator; a plain send or recv would open a new one for each pair of ranks."""
-    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]):
-        work.wait()
-
-
-def received(like, source, group, device):
-    """A host tensor shaped like the meta tensor `like`, received from global rank `source` into a buffer on
-    `device` (the buffer itself when that is the CPU)."""
-    buffer = torch.empty(like.shape, dtype=like.dtype, device=device)
-    transfer(dist.irecv, buffer, source, group)
-    return buffer.to("cpu")
-
-
 # ---------------------------------------------------------------------------------------------------
 # The registry: a trainer's optimizers, each an entry that says everything about it.
 
 
-class ShardedMuon(torch.optim.Muon):
-    """torch.optim.Muon's rule on FSDP2's sharded (DTensor) parameters, each matrix's Newton-Schulz run whole at
-    one owner rank (mars.map_whole_tensors: one all-to-all to the owners and one back per step, owners balanced
-    by Newton-Schulz's cost) -- MARS's owner scheme -- and the rest on each rank's rows.
-
-    Through DTensor's own dispatch torch's Muon runs too, but each rank all-gathers every matrix and runs every
-    Newton-Schulz (60 all-reduces and 75 all-gathers a step for 10 matrices, each rank computing all ten), and
-    its sharded matmuls round in bfloat16 in another order than one process does, so a run drifts from one
-    process's at bfloat16's precision. Here each owner runs torch's own _zeropower_via_newtonschulz on the whole
-    matrix, as one process does: 2 ranks train what one process trains up to the bfloat16 rounding of Newton-Schulz
-    that the gradients' float32 rounding can flip, as plain DDP does (tests/test_fsdp.py). The update is
-    _single_tensor_muon's, op for op; the state (momentum_buffer) and the checkpoint format are torch.optim.Muon's.
-    Whole (not sharded) parameters take the same ops here."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
-        loss = closure_loss(closure)
-        for group in self.param_groups:
-            params, grads, momenta = [], [], []
-            self._init_group(group, params, grads, momenta)
-            if not params:
-                continue
-            lr, momentum = group["lr"], group["momentum"]
-            updates = []
-            for grad, buf in zip(map(local_shard, grads), map(local_shard, momenta)):
-                buf.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
-
-            def orthogonalize(update, group=group):
-                return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-
-            directions = map_whole_tensors(params, updates, orthogonalize, result_dtype=torch.bfloat16)
-            for p, direction in zip(params, directions):
-                rows = local_shard(p)
-                rows.mul_(1 - lr * group["weight_decay"])
-                rows.add_(direction, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-        return loss
+def no_look_ahead(cfg):
+    return False
 
 
-# torch optimizers whose rule looks at whole matrices, and the classes that step FSDP2's sharded parameters with
-# those matrices whole at owner ranks instead of through DTensor's dispatch (ShardedMuon says why).
-OWNER_CLASSES = {torch.optim.Muon: ShardedMuon}
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where an optimizer runs: its parameters' device type, whether each torch optimizer in it keeps only this
-    rank's share of the state (ZeRO-1), and whether its parameters are FSDP2's DTensors (each rank steps its rows
-    of each, the state sharded alike; MARS's sharded step, OWNER_CLASSES for whole-matrix rules)."""
-
-    device_type: str
-    sharded: bool = False
-    fsdp: bool = False
-
-    def make(self, optimizer_class, groups, **options):
-        """optimizer_class over `groups`, a ShardedOptimizer of it when sharded, its owner-computing class under
-        FSDP2 where it has one."""
-        if self.sharded:
-            return ShardedOptimizer(groups, optimizer_class=optimizer_class, **options)
-        if self.fsdp:
-            optimizer_class = OWNER_CLASSES.get(optimizer_class, optimizer_class)
-        return optimizer_class(groups, **options)
-
-
-def no_look_ahead(optimizer, cfg):
-    return None
-
-
-def no_state_norms(optimizer, sum_over_ranks=None):
+def no_state_norms(optimizer, parallel):
     return {}
 
 
@@ -294,8 +115,8 @@ class OptimizerEntry:
 
     Its parameter groups have names, by which a resume pairs a checkpoint's groups with group_settings(cfg);
     split(model, cfg) returns each group's parameters in the order of those names, and build(groups, cfg,
-    placement) makes the optimizer over the groups, each torch optimizer inside through placement.make (so ZeRO-1
-    can shard it).
+    parallel) makes the optimizer over the groups, each torch optimizer inside through parallel.make (so ZeRO-1
+    and FSDP2 place it: marsgpt/parallel.py).
     """
 
     name: str  # the value of its Registry's key that selects it
@@ -303,13 +124,12 @@ class OptimizerEntry:
     keys: frozenset  # the configuration keys it reads
     group_settings: Callable  # cfg -> {group name: {hyperparameter: value}}, 'lr' the group's peak lr
     split: Callable  # (model, cfg) -> one list of parameters per group
-    build: Callable  # (groups, cfg, placement) -> the optimizer
+    build: Callable  # (groups, cfg, parallel) -> the optimizer
     label: Callable | None = None  # cfg -> the run's optimizer in a few words (the memory plan's first line)
-    # What it adds to a step: None, or the optimizer that takes exact MARS's look-ahead gradient (mars.MARS's
-    # protocol: update_previous_grad() after a backward pass on the next batch, update_last_grad() after
-    # the step).
-    look_ahead: Callable = no_look_ahead  # (optimizer, cfg) -> that optimizer or None
-    state_norms: Callable = no_state_norms  # (optimizer, sum_over_ranks) -> {metrics name: 0-d tensor}
+    # What it adds to a step: whether the optimizer takes exact MARS's look-ahead gradient (mars.MARS's protocol:
+    # update_previous_grad() after a backward pass on the next batch, update_last_grad() after the step).
+    look_ahead: Callable = no_look_ahead  # cfg -> bool
+    state_norms: Callable = no_state_norms  # (optimizer, parallel) -> {metrics name: 0-d tensor}
     check: Callable = no_check  # cfg -> None, or why cfg's other keys do not go with this optimizer
     # Keys it does not read that a configuration may set to the value of one it does, with no note (Muon's
     # learning_rate = muon_adamw_lr: the reference calls its AdamW part's lr learning_rate).
@@ -391,7 +211,7 @@ class Registry:
         raise ValueError(f"no optimizer here is named {', '.join(f'{k}={v!r}' for k, v in given.items())}")
 
 
-def build(entry, model, cfg, placement):
+def build(entry, model, cfg, parallel):
     """entry's optimizer over model's trainable parameters, each group named and holding cfg's settings and
     its peak lr as 'initial_lr' (the schedule's start, see set_lr)."""
     settings = entry.group_settings(cfg)
@@ -401,7 +221,7 @@ def build(entry, model, cfg, placement):
         dict(params=params, name=name, **values, initial_lr=values["lr"])
         for (name, values), params in zip(settings.items(), parts, strict=True)
     ]
-    return entry.build(groups, cfg, placement)
+    return entry.build(groups, cfg, parallel)
 
 
 def _check_split(entry, model, parts):
@@ -523,80 +343,77 @@ def _hidden_matrix_split(model, cfg):
     return hidden_matrix_params(model)
 
 
-def _mars(groups, cfg, placement, rule, **options):
+def _mars(groups, cfg, parallel, rule, **options):
     """mars.MARS with the update rule `rule` (its mars_type) over the groups."""
-    return placement.make(
+    return parallel.make(
         MARS,
         groups,
         is_approx=cfg.is_approx,
         mars_type=rule,
         last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
         # The memory plan steps on the meta device: the same state either way, and compiling would cost seconds.
-        fused=cfg.mars_fused and placement.device_type != "meta",
+        fused=cfg.mars_fused and parallel.device_type != "meta",
         **options,
     )
 
 
-def _mars_with_1d_option(groups, cfg, placement, rule):
+def _mars_with_1d_option(groups, cfg, parallel, rule):
     """MARS-AdamW, -Lion, -Shampoo: MARS-M's options and optimize_1d, which MARS-M's reference does not have."""
-    return _mars(groups, cfg, placement, rule, optimize_1d=cfg.optimize_1d)
+    return _mars(groups, cfg, parallel, rule, optimize_1d=cfg.optimize_1d)
 
 
-def _adamw(groups, cfg, placement):
-    return placement.make(torch.optim.AdamW, groups, fused=placement.device_type == "cuda")
+def _adamw(groups, cfg, parallel):
+    return parallel.make(torch.optim.AdamW, groups, fused=parallel.device_type == "cuda")
 
 
-def _muon(groups, cfg, placement):
+def _muon(groups, cfg, parallel):
     muon, adamw = groups
     # The reference Muon (MARS/optimizers/muon.py, after modded-nanogpt) scales each update by
     # sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original". Its other differences from torch's Muon
     # are in the README's note.
     return ChainedOptimizer(
-        placement.make(torch.optim.Muon, [muon], momentum=0.95, nesterov=True, adjust_lr_fn="original"),
-        _adamw([adamw], cfg, placement),
+        parallel.make(torch.optim.Muon, [muon], momentum=0.95, nesterov=True, adjust_lr_fn="original"),
+        _adamw([adamw], cfg, parallel),
     )
 
 
-def _moonlight(groups, cfg, placement):
+def _moonlight(groups, cfg, parallel):
     muon, adamw = groups
     # The reference Moonlight sums its momentum where torch's averages it; Newton-Schulz normalises that
     # factor away (tests/test_optimizers.py holds the two to each other).
     return ChainedOptimizer(
-        placement.make(torch.optim.Muon, [muon], nesterov=True, adjust_lr_fn="match_rms_adamw"),
-        _adamw([adamw], cfg, placement),
+        parallel.make(torch.optim.Muon, [muon], nesterov=True, adjust_lr_fn="match_rms_adamw"),
+        _adamw([adamw], cfg, parallel),
     )
 
 
-def _exact_mars_look_ahead(optimizer, cfg):
+def _exact_mars_look_ahead(cfg):
     """Exact MARS (is_approx=False), in the reference train_mars.py's order: before step t the loop runs a
     backward pass on step t+1's batch at the current parameters, unscales and clips that gradient like any
     other, and update_previous_grad() keeps it; after the step update_last_grad() makes it g_{t-1} of the
-    next step's correction. The loop then runs the step's own backward pass as usual. The MARS optimizer
-    that takes it: this rank's share's under ZeRO-1."""
-    if cfg.is_approx:
-        return None
-    return optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer
+    next step's correction. The loop then runs the step's own backward pass as usual."""
+    return not cfg.is_approx
 
 
 def _norm(tensors, device):
     return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros((), device=device)
 
 
-def _moment_norms(optimizer, sum_over_ranks=None, *, second_moment=False):
+def _moment_norms(optimizer, parallel, *, second_moment=False):
     """The norms of MARS's state the reference train_mars.py logs, {metrics name: 0-d float tensor on the
     parameters' device}: the norm of m over every tensor and, with second_moment (mars-adamw), that of v and
     their ratio (Lion's, Shampoo's and MARS-M's matrices keep no v: only the 1-D tensors' would count).
 
-    sum_over_ranks: where each rank holds a share of the state (ZeRO-1's whole tensors, FSDP2's rows of each), an
-    all-reduce (sum) of a tensor over the ranks that hold one share each, which they must then all call; the
-    norms are of this rank's share (a DTensor's local rows), their squares summed over the ranks. Nothing here
-    reads a number back to the host."""
+    Where each rank holds a share of the state (parallel.state_is_sharded: ZeRO-1's whole tensors, FSDP2's rows of
+    each), the norms are of this rank's share (a DTensor's local rows), their squares summed over the ranks that
+    hold one share each (parallel.sum_over_state_shards), which must then all call this. Nothing here reads a
+    number back to the host."""
     device = optimizer.param_groups[0]["params"][0].device
     states = [s for s in optimizer.state.values() if "exp_avg" in s]
-    m = _norm([local_shard(s["exp_avg"]) for s in states], device)
-    v = _norm([local_shard(s["exp_avg_sq"]) for s in states if "exp_avg_sq" in s], device)
-    if sum_over_ranks is not None:
-        m, v = sum_over_ranks(torch.stack([m, v]).float() ** 2).sqrt()
+    m = _norm([parallel.local(s["exp_avg"]) for s in states], device)
+    v = _norm([parallel.local(s["exp_avg_sq"]) for s in states if "exp_avg_sq" in s], device)
+    if parallel.state_is_sharded:
+        m, v = parallel.sum_over_state_shards(torch.stack([m, v]).float() ** 2).sqrt()
     norms = {metrics.MOMENTUM_NORM: m.float()}
     if second_moment:
         norms[metrics.MOMENTUM_NORM_SQ] = v.float()
@@ -716,17 +533,10 @@ OPTIMIZERS = Registry(
 )
 
 
-def is_sharded(cfg, world_size):
-    """Whether a run's optimizer state is sharded: zero_stage=1 and more than one rank to share it."""
-    return cfg.zero_stage == 1 and world_size > 1
-
-
-def build_optimizer(model, cfg, device_type, world_size=1, fsdp=False):
-    """The optimizer cfg names, over model's parameters (already on their device); sharded over the default
-    process group's world_size ranks when is_sharded (each torch optimizer a ShardedOptimizer); over FSDP2's
-    sharded parameters with fsdp=True."""
-    placement = Placement(device_type, sharded=is_sharded(cfg, world_size), fsdp=fsdp)
-    return build(OPTIMIZERS.entry(cfg), model, cfg, placement)
+def build_optimizer(model, cfg, parallel):
+    """The optimizer cfg names, over model's parameters (already on their device), each torch optimizer inside
+    placed as the run's parallelism (parallel.Parallelism) places it."""
+    return build(OPTIMIZERS.entry(cfg), model, cfg, parallel)
 
 
 def schedule_lengths(cfg):

@@ -62,7 +62,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, fsdp, metrics, shards
+from marsgpt import checkpoint, metrics, shards
 from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
 from marsgpt.config import ConfigError, config_to_dict
 from marsgpt.files import atomic_writer, copy_file, os_reason, process_alive, remove_stale_temporaries
@@ -590,7 +590,8 @@ class RunDir:
         self.created = False  # out_dir was made by this launch (removed again if it ends empty)
         self.signals = signals or StopSignals()  # installed by train.main: a stop signal ends the run
         self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed)
-        self.mesh = None  # a sharded run's FSDP2 mesh (register): its checkpoints are sharded
+        self.parallel = None  # the run's parallel.Parallelism (register): whether its checkpoints are sharded
+        self.sharded = False  # every rank writes its rows of each checkpoint (shards.py), not rank 0 one file
         self.write_failed = False
         self.metrics = None  # the run's MetricsLog, whose failed writes stop the run too
         self.parts, self.extras = {}, {}
@@ -636,26 +637,27 @@ class RunDir:
             with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w") as f:
                 json.dump({**config_to_dict(cfg), DATA_FINGERPRINT: start.data}, f, indent=1)
 
-    def register(self, cfg, parts, extras, mesh=None):
+    def register(self, cfg, parts, extras, parallel):
         """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
         state_dict() and load_state_dict(state); the model part a torch.nn.Module), handed over once, and the
-        plain values every checkpoint records beside them. `mesh`: FSDP2's device mesh when the parts hold
-        DTensors; then every rank writes its rows of each checkpoint (shards.ShardedCheckpointWriter), the
-        background writes' collectives on a gloo process group of their own (a collective, made here)."""
-        self.cfg, self.parts, self.extras = cfg, parts, extras
-        if mesh is not None:
+        plain values every checkpoint records beside them. `parallel`: the run's parallel.Parallelism; where it
+        writes sharded checkpoints (FSDP2's DTensors) every rank writes its rows of each checkpoint
+        (shards.ShardedCheckpointWriter), the background writes' collectives on a gloo process group of their own
+        (a collective, made here)."""
+        self.cfg, self.parts, self.extras, self.parallel = cfg, parts, extras, parallel
+        self.sharded = parallel.writes_sharded_checkpoints
+        if self.sharded:
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s))
-            self.mesh = mesh
             self.writer = shards.ShardedCheckpointWriter(
                 self.dist.rank, group, shards.new_token(group), on_saved=self._saved, on_error=self._write_failed
             )
 
     def restore(self, ckpt, skip=()):
         """Load every part but those in `skip` (the model, which launch.build_model built from the checkpoint). A
-        sharded checkpoint's tensors are read here: this rank's rows of each into a DTensor placed on the run's
-        mesh, or whole for an unsharded run (checkpoint.load_checkpoint has read those already)."""
+        sharded checkpoint's tensors are read here, into what the run's parallelism makes of each (empty_like: this
+        rank's rows of a DTensor under FSDP2; an unsharded run's checkpoint.load_checkpoint read them whole)."""
         if checkpoint.has_shards(ckpt):
-            ckpt = checkpoint.read_shards(ckpt, lambda meta: fsdp.empty(meta.shape, meta.dtype, self.mesh))
+            ckpt = checkpoint.read_shards(ckpt, self.parallel.empty_like)
         for name, part in self.parts.items():
             if name not in skip and (name in ckpt or name not in NEWER_PARTS):
                 part.load_state_dict(ckpt[name])
@@ -760,7 +762,7 @@ class RunDir:
         progress.elapsed_s = time_s
         state = {name: part.state_dict() for name, part in self.parts.items()}  # every rank: the parts gather
         self.saved_iter, self.clock = progress.iter_num, time.monotonic()
-        if not self.dist.is_master and self.mesh is None:  # one file, rank 0's; sharded: every rank writes
+        if not self.dist.is_master and not self.sharded:  # one file, rank 0's; sharded: every rank writes
             return
         state.update(self.extras)
         copies = []
@@ -788,7 +790,7 @@ class RunDir:
         if not self.dist.is_master:
             return
         self._record_save(path, iteration)
-        if self.mesh is not None:  # the directory the replaced ckpt.pt named goes
+        if self.sharded:  # the directory the replaced ckpt.pt named goes
             shards.remove_unreferenced(self.path, checkpoint_files(self.path))
 
     def _record_save(self, path, iteration):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from marsgpt import checkpoint
+from marsgpt.parallel import Parallelism
 
 
 def state(value, iter_num=0):
@@ -138,7 +139,7 @@ def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer
 
     model = tied_gpt()
     cfg = dataclasses.replace(TrainConfig(), optimizer=optimizer, n_layer=1, n_head=2, n_embd=32)
-    optimizer = build_optimizer(model, cfg, "cpu")
+    optimizer = build_optimizer(model, cfg, Parallelism.single())
     x = torch.randint(0, 1024, (2, 16))
     model(x, x)[1].backward()
     optimizer.step()

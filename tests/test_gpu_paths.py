@@ -238,7 +238,7 @@ def test_a_step_and_its_train_line_stay_on_the_device(
     )
     run, progress, _ = train.setup(cfg, runtime.Dist(rank=rank, world_size=world_size, device="meta"))
     request.addfinalizer(run.metrics.close)
-    assert run.sharded == (zero_stage == 1 and world_size > 1)
+    assert run.parallel.shards_optimizer_state == (zero_stage == 1 and world_size > 1)
 
     result = train.train_step(run, 0)
     assert host_reads == ["train_step"] and not result.skipped and result.loss.is_meta

@@ -206,6 +206,7 @@ def test_the_trainers_numbers_are_bit_identical_to_the_previous_mars(monkeypatch
     learning rates a resume may bring: every parameter and state tensor equal, bit for bit, to the previous mars.py."""
     optimizers = pytest.importorskip("marsgpt.optimizers")
     config_module = pytest.importorskip("marsgpt.config")
+    Parallelism = pytest.importorskip("marsgpt.parallel").Parallelism
     from model import GPT, GPTConfig
 
     old = previous_mars()
@@ -228,16 +229,16 @@ def test_the_trainers_numbers_are_bit_identical_to_the_previous_mars(monkeypatch
         monkeypatch.setattr(optimizers, "lr_1d_factor", module.lr_1d_factor)
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, bias=True))
-        opt = optimizers.build_optimizer(model, cfg, "cpu")
+        opt = optimizers.build_optimizer(model, cfg, Parallelism.single())
         settings = cfg
         for it in range(8):
             if it == 4:  # a resume: a new optimizer, the checkpoint's state, this run's settings written on top
                 saved = copy.deepcopy(opt.state_dict())
                 settings = resumed
-                opt = optimizers.build_optimizer(model, settings, "cpu")
+                opt = optimizers.build_optimizer(model, settings, Parallelism.single())
                 optimizers.load_state(opt, saved, optimizers.OPTIMIZERS.entry(settings), settings)
             optimizers.set_lr(opt, it, settings)
-            look_ahead = optimizers.OPTIMIZERS.entry(settings).look_ahead(opt, settings)
+            look_ahead = opt if optimizers.OPTIMIZERS.entry(settings).look_ahead(settings) else None
             if look_ahead is not None:
                 model(data[it + 1], torch.roll(data[it + 1], -1, 1))[1].backward()
                 look_ahead.update_previous_grad()

@@ -19,6 +19,7 @@ import train
 from marsgpt import memory_plan
 from marsgpt.config import TrainConfig
 from marsgpt.optimizers import build_optimizer
+from marsgpt.parallel import Parallelism
 from model import GPT, GPTConfig, model_args_from_config
 
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -56,7 +57,7 @@ def test_parameter_gradient_and_state_bytes_are_those_allocated(optimizer, bias)
     cfg = config(**optimizer, bias=bias)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL, bias=bias))
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, Parallelism.single())
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
     exact = not cfg.is_approx and cfg.optimizer.startswith("mars")
     if exact:
@@ -270,7 +271,7 @@ def test_a_sharded_save_adds_the_largest_state_tensor_rank_0_receives_through_it
     cfg = config(**optimizer, zero_stage=1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
-    opt = build_optimizer(model, cfg, "cpu")  # unsharded: the state each parameter has on whichever rank
+    opt = build_optimizer(model, cfg, Parallelism.single())  # unsharded: the state each parameter has on whichever rank
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
     model(x, x)[1].backward()
     if not cfg.is_approx:
@@ -344,7 +345,7 @@ def test_fsdp2_ranks_hold_the_rows_torch_chunk_gives_them(optimizer, world_size)
     cfg = config(**optimizer, zero_stage=3)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, Parallelism.single())
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
     model(x, x)[1].backward()
     if not cfg.is_approx and cfg.optimizer.startswith("mars"):

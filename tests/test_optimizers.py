@@ -26,6 +26,7 @@ from marsgpt.optimizers import (
     scheduled_lr,
     set_lr,
 )
+from marsgpt.parallel import Parallelism
 from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, matrix_params, param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,7 +102,7 @@ OTHER_VALUES = dict(
 
 def built(model, cfg):
     """What build_optimizer makes of cfg: each torch optimizer's class and its groups, parameters by name."""
-    optimizer = build_optimizer(model, cfg, "cpu")
+    optimizer = build_optimizer(model, cfg, Parallelism.single())
     names = {id(p): name for name, p in model.named_parameters()}
     inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     return [
@@ -137,7 +138,7 @@ def test_an_entry_reads_exactly_the_keys_it_declares(entry):
 )
 def test_every_parameter_is_in_exactly_one_group(cfg):
     for model in (tiny_model(), gpt2_small()):  # the tied embedding and head: one tensor, in one group
-        optimizer = build_optimizer(model, cfg, "cpu")
+        optimizer = build_optimizer(model, cfg, Parallelism.single())
         grouped = [id(p) for group in optimizer.param_groups for p in group["params"]]
         assert sorted(grouped) == sorted(id(p) for p in model.parameters())
 
@@ -145,7 +146,7 @@ def test_every_parameter_is_in_exactly_one_group(cfg):
 def test_a_split_that_misses_or_repeats_a_parameter_is_refused():
     cfg = TrainConfig()
     entry, model = OPTIMIZERS.entry(cfg), tiny_model()
-    placement = optimizers.Placement("cpu")
+    placement = Parallelism.single()
     wpe = model.transformer.wpe.weight
 
     def without_wpe(model, cfg):
@@ -279,10 +280,10 @@ def test_each_config_builds_the_optimizer_it_built_before_the_registry(optimizer
     ours, before = tiny_model(), tiny_model()
     runs = []
     for model, opt in (
-        (ours, build_optimizer(ours, cfg, "cpu")),
+        (ours, build_optimizer(ours, cfg, Parallelism.single())),
         (before, construction_before_the_registry(before, cfg)),
     ):
-        look_ahead = OPTIMIZERS.entry(cfg).look_ahead(opt, cfg)
+        look_ahead = opt if OPTIMIZERS.entry(cfg).look_ahead(cfg) else None
         generator = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(5)]
         for it in range(4):
@@ -308,7 +309,7 @@ ITERS = (0, 1, 1000, 1999, 2000, 2001, 25000, 51000, 75000, 99999, 100000)
 def test_every_group_follows_the_reference_get_lr(size, optimizer):
     ref = reference_run(size, optimizer)
     cfg = paper_config(size, optimizer)
-    opt = build_optimizer(tiny_model(), cfg, "cpu")
+    opt = build_optimizer(tiny_model(), cfg, Parallelism.single())
     if optimizer == "muon":  # train_muon.py: each optimizer from its own base lr to the same min_lr
         peaks = [ref["muon_lr"], ref["learning_rate"]]  # Muon's group, then its AdamW's
     else:
@@ -387,7 +388,7 @@ def test_wsd_with_min_lr_0_is_the_reference_fineweb_trainers_wsd():
 def test_mars_is_built_as_the_reference_builds_it():
     cfg = paper_config("small", "mars")
     model = tiny_model()
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, Parallelism.single())
     assert isinstance(opt, MARS)
     reference_groups = param_groups(model, cfg.weight_decay)
     assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
@@ -404,26 +405,26 @@ def test_mars_is_built_as_the_reference_builds_it():
 
 @pytest.mark.parametrize("mars_type", ["mars-lion", "mars-shampoo"])
 def test_mars_variants_build_from_their_configs(mars_type):
-    opt = build_optimizer(tiny_model(), paper_config("small", mars_type.replace("-", "_")), "cpu")
+    opt = build_optimizer(tiny_model(), paper_config("small", mars_type.replace("-", "_")), Parallelism.single())
     assert {g["mars_type"] for g in opt.param_groups} == {mars_type}
 
 
 def test_mars_refuses_a_zero_peak_lr_that_leaves_the_1d_lr_undefined():
     with pytest.raises(ValueError, match="lr=0 with optimize_1d=False"):
-        build_optimizer(tiny_model(), TrainConfig(learning_rate=0.0), "cpu")
+        build_optimizer(tiny_model(), TrainConfig(learning_rate=0.0), Parallelism.single())
 
 
 def test_mars_keeps_its_last_gradient_in_the_configured_dtype():
     cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_mars.py")])
     model = tiny_model()
-    opt = build_optimizer(model, dataclasses.replace(cfg, last_grad_dtype="bfloat16"), "cpu")
+    opt = build_optimizer(model, dataclasses.replace(cfg, last_grad_dtype="bfloat16"), Parallelism.single())
     train_steps(model, opt, 1)
     assert {s["last_grad"].dtype for s in opt.state.values() if "last_grad" in s} == {torch.bfloat16}
 
 
 def test_adamw_uses_the_reference_groups_and_betas():
     model = tiny_model()
-    opt = build_optimizer(model, paper_config("small", "adamw"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "adamw"), Parallelism.single())
     assert type(opt) is torch.optim.AdamW
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert all(g["betas"] == (0.9, 0.95) and g["initial_lr"] == 6e-4 and not g["fused"] for g in opt.param_groups)
@@ -443,7 +444,7 @@ def test_muon_split_is_the_reference_s_on_gpt2_small():
     2+ dims, in parameter order -- the token and position embeddings, the tied head (it is wte), the blocks'
     matrices -- at weight decay 0, and AdamW the LayerNorm weights at weight_decay (no biases: bias=False)."""
     model = gpt2_small()
-    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "muon"), Parallelism.single())
     muon, adamw = split_by_name(model, opt)
     assert muon == ["transformer.wte.weight", "transformer.wpe.weight"] + [
         f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES
@@ -458,7 +459,7 @@ def test_muon_split_is_the_reference_s_on_gpt2_small():
 
 def test_muon_matrices_hidden_keeps_the_embeddings_and_head_in_adamw():
     model = gpt2_small()
-    opt = build_optimizer(model, paper_config("small", "muon", "--muon_matrices=hidden"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "muon", "--muon_matrices=hidden"), Parallelism.single())
     muon, adamw = split_by_name(model, opt)
     assert muon == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
     assert adamw[:2] == ["transformer.wte.weight", "transformer.wpe.weight"] and len(adamw) == 2 + 2 * 12 + 1
@@ -470,7 +471,7 @@ def test_muon_matrices_hidden_keeps_the_embeddings_and_head_in_adamw():
 
 def test_muon_chain_trains_and_zero_grads_both_parts():
     model = tiny_model()
-    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "muon"), Parallelism.single())
     assert isinstance(opt, ChainedOptimizer)
     g = opt.optimizers[0].param_groups[0]
     assert (g["momentum"], g["nesterov"], g["adjust_lr_fn"]) == (0.95, True, "original")
@@ -507,7 +508,7 @@ def test_torch_muon_takes_the_reference_muon_s_steps():
     update is then (1 - m) times the reference's, and Newton-Schulz normalises that factor away. What is
     left is bfloat16 rounding (a few %), well apart from what a different rule gives (no Nesterov: over 20%)."""
     model = tiny_model()
-    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "muon"), Parallelism.single())
     muon = opt.optimizers[0]
     params = muon.param_groups[0]["params"]
     assert {(p.size(0) > p.size(1), p.size(0) < p.size(1)) for p in params} >= {(True, False), (False, True)}
@@ -535,7 +536,7 @@ def test_mars_m_is_built_as_the_reference_trainer_builds_it():
     matrices), its AdamW part (betas_1d) on those and the 1-D tensors, all at learning_rate and weight_decay
     (the LayerNorm weights and embeddings decay too), momentum beta1."""
     model = gpt2_small()
-    opt = build_optimizer(model, paper_config("small", "mars_m"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "mars_m"), Parallelism.single())
     assert isinstance(opt, MARS)
     name_of = {id(p): n for n, p in model.named_parameters()}
     matrices, rest = ([name_of[id(p)] for p in g["params"]] for g in opt.param_groups)
@@ -555,7 +556,7 @@ def test_mars_m_is_built_as_the_reference_trainer_builds_it():
 
 def test_mars_m_trains_the_embeddings_with_adamw():
     model = tiny_model()
-    opt = build_optimizer(model, paper_config("small", "mars_m"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "mars_m"), Parallelism.single())
     losses = train_steps(model, opt, 6)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     assert "exp_avg_sq" in opt.state[model.transformer.wte.weight]  # AdamW, not Newton-Schulz
@@ -572,7 +573,7 @@ def test_moonlight_is_built_as_the_reference_trainer_builds_it():
     Newton-Schulz) on the blocks' matrices, AdamW (betas_1d) on the embeddings, head and 1-D tensors, both at
     learning_rate and weight_decay."""
     model = gpt2_small()
-    opt = build_optimizer(model, paper_config("small", "moonlight"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "moonlight"), Parallelism.single())
     assert [type(o) for o in opt.optimizers] == [torch.optim.Muon, torch.optim.AdamW]
     muon, adamw = split_by_name(model, opt)
     assert muon == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
@@ -582,7 +583,7 @@ def test_moonlight_is_built_as_the_reference_trainer_builds_it():
     assert (g_muon["lr"], g_muon["weight_decay"]) == (g_adamw["lr"], g_adamw["weight_decay"]) == (6e-3, 0.1)
     assert g_adamw["betas"] == (0.9, 0.95)
     tiny = tiny_model()
-    losses = train_steps(tiny, build_optimizer(tiny, paper_config("small", "moonlight"), "cpu"), 6)
+    losses = train_steps(tiny, build_optimizer(tiny, paper_config("small", "moonlight"), Parallelism.single()), 6)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
@@ -609,7 +610,7 @@ def test_torch_muon_with_match_rms_adamw_is_the_reference_moonlight(monkeypatch)
 
     monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", float64_newton_schulz)
     model = tiny_model().double()
-    opt = build_optimizer(model, paper_config("small", "moonlight"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "moonlight"), Parallelism.single())
     muon = opt.optimizers[0]
     params = muon.param_groups[0]["params"]
     assert {(p.size(0) > p.size(1), p.size(0) < p.size(1)) for p in params} >= {(True, False), (False, True)}
@@ -645,10 +646,10 @@ def test_torch_muon_with_match_rms_adamw_is_the_reference_moonlight(monkeypatch)
 def test_state_dict_round_trip_continues_identically(size, optimizer):
     cfg = paper_config(size, optimizer)
     model, other_model = tiny_model(), tiny_model()
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, Parallelism.single())
     train_steps(model, opt, 2)
     other_model.load_state_dict(model.state_dict())
-    other_opt = build_optimizer(other_model, cfg, "cpu")
+    other_opt = build_optimizer(other_model, cfg, Parallelism.single())
     other_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as a checkpoint would: no shared tensors
     set_lr(opt, 1000, cfg)
     set_lr(other_opt, 1000, cfg)  # after load_state_dict: the group dicts it replaced
@@ -687,10 +688,10 @@ def test_group_hyperparameters_apply_a_new_config_after_load_state_dict(size, op
     old = paper_config(size, optimizer)
     new = changed(old)
     model = tiny_model()
-    opt = build_optimizer(model, old, "cpu")
+    opt = build_optimizer(model, old, Parallelism.single())
     train_steps(model, opt, 2)
     saved = copy.deepcopy(opt.state_dict())
-    resumed = build_optimizer(model, new, "cpu")
+    resumed = build_optimizer(model, new, Parallelism.single())
     fresh = hyperparameters(resumed)
     resumed.load_state_dict(saved)
     assert hyperparameters(resumed) == hyperparameters(opt) != fresh  # the checkpoint's values came back
@@ -713,7 +714,7 @@ def test_group_hyperparameters_refuses_an_optimizer_with_other_groups():
 def test_every_shipped_config_builds_its_optimizer():
     for path in sorted(glob.glob(os.path.join(ROOT, "config", "train_gpt2_*.py"))):
         cfg = load_config([path])
-        opt = build_optimizer(tiny_model(), cfg, "cpu")
+        opt = build_optimizer(tiny_model(), cfg, Parallelism.single())
         assert {g["initial_lr"] for g in opt.param_groups} <= {cfg.learning_rate, cfg.muon_lr, cfg.muon_adamw_lr}
 
 
@@ -721,8 +722,8 @@ def test_every_shipped_config_builds_its_optimizer():
 def test_group_hyperparameters_pair_groups_by_name_not_position(optimizer):
     """A checkpoint whose groups come in another order still gets each group's own settings."""
     cfg = paper_config("small", optimizer)
-    expected = hyperparameters(build_optimizer(tiny_model(), cfg, "cpu"))
-    opt = build_optimizer(tiny_model(), cfg, "cpu")
+    expected = hyperparameters(build_optimizer(tiny_model(), cfg, Parallelism.single()))
+    opt = build_optimizer(tiny_model(), cfg, Parallelism.single())
     groups = opt.param_groups
     reordered = list(reversed(groups))
     if isinstance(opt, ChainedOptimizer):

@@ -17,6 +17,7 @@ import train
 from bench.common import rendezvous
 from marsgpt import checkpoint, memory_plan, runtime
 from marsgpt.optimizers import scheduled_lr
+from marsgpt.parallel import Parallelism
 from marsgpt.tokens import TokenData, write_shard
 from model import GPT, GPTConfig, model_args_from_config
 
@@ -119,7 +120,10 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     state = ckpt["optimizer"]["state"]
     group_params = [i for g in ckpt["optimizer"]["param_groups"] for i in g["params"]]
     order = dict(
-        zip(group_params, [p for g in train.build_optimizer(model, cfg, "cpu").param_groups for p in g["params"]])
+        zip(
+            group_params,
+            [p for g in train.build_optimizer(model, cfg, Parallelism.single()).param_groups for p in g["params"]],
+        )
     )
     by_param = {id(p): n for n, p in model.named_parameters()}
     checked = 0

@@ -21,6 +21,8 @@ from marsgpt import memory_plan
 from marsgpt.checkpoint import cpu_copy
 from marsgpt.config import TrainConfig
 from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer
+from marsgpt.parallel import Parallelism
+from marsgpt.runtime import Dist
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -47,6 +49,11 @@ def config(name):
     return dataclasses.replace(TrainConfig(), **shape, **SETTINGS[name], batch_size=2, zero_stage=1)
 
 
+def placement(cfg, rank, sharded):
+    """ZeRO-1 over the WORLD_SIZE ranks (each optimizer a ShardedOptimizer), or one process's optimizer."""
+    return Parallelism.of(cfg, Dist(ddp=True, rank=rank, world_size=WORLD_SIZE)) if sharded else Parallelism.single()
+
+
 def batch(step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]), generator=g)
@@ -57,11 +64,11 @@ def state_bytes(optimizer):
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def train(model, optimizer, forward_backward, cfg):
+def train(model, optimizer, forward_backward, cfg, parallel):
     """STEPS steps of train.py's protocol: the loss scaled by a GradScaler, as float16 runs do (by a power
-    of two: exact), clipping, and for exact MARS the next step's gradient first (to the MARS its registry
-    entry's look_ahead names: this rank's share's under ZeRO-1)."""
-    look_ahead = OPTIMIZERS.entry(cfg).look_ahead(optimizer, cfg)
+    of two: exact), clipping, and for exact MARS the next step's gradient first (to the MARS that holds this
+    rank's share under ZeRO-1)."""
+    look_ahead = parallel.rank_share(optimizer) if OPTIMIZERS.entry(cfg).look_ahead(cfg) else None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(STEPS):
         if look_ahead is not None:
@@ -154,13 +161,12 @@ def worker(rank, rendezvous_env, report_path):
         initial = [p.detach().clone() for p in models["sharded"].parameters()]
         for kind in ("ddp", "single"):
             models[kind].load_state_dict(models["sharded"].state_dict())
-        optimizers = {
-            kind: build_optimizer(m, cfg, "cpu", WORLD_SIZE if kind == "sharded" else 1) for kind, m in models.items()
-        }
+        placements = {kind: placement(cfg, rank, kind == "sharded") for kind in models}
+        optimizers = {kind: build_optimizer(m, cfg, placements[kind]) for kind, m in models.items()}
         passes = {kind: ddp_forward_backward(DDP(models[kind]), rank) for kind in ("sharded", "ddp")}
         passes["single"] = one_process_forward_backward(models["single"])
         for kind in models:
-            train(models[kind], optimizers[kind], passes[kind], cfg)
+            train(models[kind], optimizers[kind], passes[kind], cfg, placements[kind])
         params = {kind: [p.detach().clone() for p in m.parameters()] for kind, m in models.items()}
         # as checkpoints hold them (the live state dicts share tensors with the optimizers, which train on)
         sharded_state = saved_and_loaded(optimizers["sharded"].state_dict())  # collective: rank 0's is all
@@ -177,10 +183,10 @@ def worker(rank, rendezvous_env, report_path):
         continued = {}
         for kind, (shard, original, state) in resumes.items():
             model = copy.deepcopy(models[original])
-            optimizer = build_optimizer(model, cfg, "cpu", WORLD_SIZE if shard else 1)
+            optimizer = build_optimizer(model, cfg, placement(cfg, rank, shard))
             optimizer.load_state_dict(state)
-            train(model, optimizer, ddp_forward_backward(DDP(model), rank), cfg)
-            train(models[original], optimizers[original], passes[original], cfg)
+            train(model, optimizer, ddp_forward_backward(DDP(model), rank), cfg, placement(cfg, rank, shard))
+            train(models[original], optimizers[original], passes[original], cfg, placements[original])
             continued[kind] = [
                 (p.detach().clone(), q.detach().clone())
                 for p, q in zip(model.parameters(), models[original].parameters())

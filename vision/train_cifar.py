@@ -60,7 +60,8 @@ from marsgpt.config import (
 )
 from marsgpt.files import atomic_writer
 from marsgpt.metrics import MetricsLog
-from marsgpt.optimizers import ChainedOptimizer, OptimizerEntry, Placement, Registry
+from marsgpt.optimizers import ChainedOptimizer, OptimizerEntry, Registry
+from marsgpt.parallel import Parallelism
 from marsgpt.runtime import resolve_device
 from marsgpt.tokens import DataError
 from vision.cifar import CifarData
@@ -103,17 +104,17 @@ def muon_settings(cfg):
     }
 
 
-def build_mars(groups, cfg, placement):
-    return placement.make(MARS, groups, mars_type=cfg.mars_type, routing=cfg.mars_routing)
+def build_mars(groups, cfg, parallel):
+    return parallel.make(MARS, groups, mars_type=cfg.mars_type, routing=cfg.mars_routing)
 
 
-def build_adamw(groups, cfg, placement):
-    return placement.make(torch.optim.AdamW, groups)
+def build_adamw(groups, cfg, parallel):
+    return parallel.make(torch.optim.AdamW, groups)
 
 
-def build_muon(groups, cfg, placement):
+def build_muon(groups, cfg, parallel):
     muon, adamw = groups
-    return ChainedOptimizer(placement.make(Muon, [muon]), placement.make(torch.optim.AdamW, [adamw]))
+    return ChainedOptimizer(parallel.make(Muon, [muon]), parallel.make(torch.optim.AdamW, [adamw]))
 
 
 CIFAR_OPTIMIZERS = Registry(
@@ -223,7 +224,7 @@ def model_args(cfg, num_classes):
 def build_optimizer(model, cfg):
     """The optimizer cfg names, over model's parameters (on their device)."""
     device_type = next(model.parameters()).device.type
-    return optimizers.build(CIFAR_OPTIMIZERS.entry(cfg), model, cfg, Placement(device_type))
+    return optimizers.build(CIFAR_OPTIMIZERS.entry(cfg), model, cfg, Parallelism.single(device_type))
 
 
 def lr_factor(epoch, cfg):
