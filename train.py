@@ -33,13 +33,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, launch, memory_plan, metrics, optimizers
+from marsgpt import checkpoint, launch, memory_plan, metrics
 from marsgpt.checkpoint import RNGState
 from marsgpt.config import config_to_dict, load_config, print_help, wants_help
 from marsgpt.launch import USER_ERRORS
 from marsgpt.memory_plan import MemoryPlan
 from marsgpt.metrics import LogWindow, MetricsLog
-from marsgpt.optimizers import OPTIMIZERS, build_optimizer, set_lr
+from marsgpt.optimizers import OPTIMIZERS, TrainingOptimizer, build_optimizer
 from marsgpt.parallel import Parallelism
 from marsgpt.run_dir import CHECKPOINT_PARTS, Part, RunDir, RunStopped, StopSignals
 from marsgpt.runtime import (
@@ -92,8 +92,7 @@ class Run:
     train_model: torch.nn.Module  # what the training forward goes through: the model, or DDP's wrapper of it
     compiled: bool  # torch.compile: each block and the loss (model.GPT.compile_blocks)
     model_args: dict
-    optimizer: object
-    look_ahead: torch.optim.Optimizer | None  # exact MARS: the MARS that takes the look-ahead gradient, else None
+    optimizer: TrainingOptimizer
     scaler: torch.amp.GradScaler
     autocast: object
     rng: RNGState
@@ -120,14 +119,9 @@ def checkpoint_parts(run, progress):
         if run.scaler.is_enabled() and state:
             run.scaler.load_state_dict(state)
 
-    def load_optimizer(state):
-        state = run.parallel.place_state(state)  # a one-file checkpoint's whole tensors: FSDP2's rows of each
-        optimizers.load_state(run.optimizer, state, OPTIMIZERS.entry(run.cfg), run.cfg)
-
-    optimizer = Part(run.optimizer.state_dict, load_optimizer)
     rng = Part(run.rng.state_dict, lambda state: run.rng.load_state_dict(state, run.dist.world_size))
     window = Part(run.window.state_dict, lambda state: run.window.load_state_dict(state, run.dist.world_size))
-    objects = (run.model, optimizer, Part(run.scaler.state_dict, load_scaler), rng, progress, window)
+    objects = (run.model, run.optimizer, Part(run.scaler.state_dict, load_scaler), rng, progress, window)
     return dict(zip(CHECKPOINT_PARTS, objects, strict=True))
 
 
@@ -164,7 +158,6 @@ def setup(cfg, dist_info, directory=None):
         model_args=model_args,
         optimizer=optimizer,
         scaler=scaler,
-        look_ahead=parallel.rank_share(optimizer) if OPTIMIZERS.entry(cfg).look_ahead(cfg) else None,
         autocast=autocast,
         rng=RNGState(dist_info.rank, launch.gather_rng(dist_info)),
         train_data=train_data,
@@ -252,22 +245,11 @@ class StepResult:
     non_finite: str = ""  # when skipped: which norm, e.g. "look-ahead gradient norm nan" (exact MARS)
 
 
-def unscale_by_hand(run):
-    """Divide the gradients by the GradScaler's loss scale (float16): for the look-ahead gradient, since
-    scaler.unscale_ may run only once between two updates and the step's own gradient needs it."""
-    if run.scaler.is_enabled():
-        inverse_scale = 1.0 / run.scaler.get_scale()
-        for p in run.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(inverse_scale)
-
-
 def train_step(run, it):
     """Optimizer step `it`: gradients of its micro-batches, clipping, and the update.
 
-    With a look-ahead (exact MARS, see the MARS entries' look_ahead in marsgpt/optimizers.py) the NEXT step's
-    batch goes first, at the current parameters, and its clipped gradient is stored before this step's own
-    backward pass.
+    With a look-ahead (exact MARS: optimizers.TrainingOptimizer.look_ahead) the NEXT step's batch goes first, at
+    the current parameters, and its clipped gradient is kept before this step's own backward pass.
 
     A non-finite gradient norm (from a non-finite loss, or an overflow) skips the update: parameters,
     optimizer state and MARS's last gradient stay as they were. The decision uses the all-reduced norm,
@@ -275,33 +257,26 @@ def train_step(run, it):
     agreed requests (a signal, a save the clock asks for: run_dir.RunDir.with_requests) come with them.
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
-    set_to_none = run.parallel.gradients_to_none
-    set_lr(optimizer, it, cfg)
+    optimizer.set_lr(it)
     norms = []
-    if run.look_ahead is not None:
+    if optimizer.look_ahead is not None:
         forward_backward(run, it + 1)
-        unscale_by_hand(run)
+        optimizer.unscale(scaler, look_ahead=True)
         norms.append(clip_gradients(run))
-        run.look_ahead.update_previous_grad()
-        optimizer.zero_grad(set_to_none=set_to_none)
+        optimizer.keep_look_ahead_gradient()
+        optimizer.zero_grad()
     loss = forward_backward(run, it)
-    scaler.unscale_(optimizer)
+    optimizer.unscale(scaler)
     norms.append(clip_gradients(run))
     directory = run.directory  # the ranks' agreed requests (a signal, the checkpoint clock) come with the read
     norm_values = directory.receive(directory.with_requests(torch.stack(norms)).tolist())  # the per-step sync
     grad_norm = norm_values[-1]
     skipped = not all(math.isfinite(n) for n in norm_values)
-    if skipped and scaler.is_enabled():
-        # float16: an overflow lowers the loss scale, as scaler.step would. The scaler sees the step's own
-        # gradient only; when the look-ahead's alone overflowed, the scale is lowered here, or the next step's
-        # look-ahead would overflow at the same scale and the run stop at max_bad_steps.
-        if math.isfinite(grad_norm):
-            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
-        else:
-            scaler.update()
-    elif not skipped:
-        optimizers.step(optimizer, run.look_ahead, scaler)
-    optimizer.zero_grad(set_to_none=set_to_none)
+    if skipped:
+        optimizer.skip(scaler, own_gradient_finite=math.isfinite(grad_norm))
+    else:
+        optimizer.step(scaler)
+    optimizer.zero_grad()
     clipped = not skipped and cfg.grad_clip > 0 and grad_norm > cfg.grad_clip
     non_finite = non_finite_norms(norm_values) if skipped else ""
     return StepResult(loss=loss, grad_norm=grad_norm, skipped=skipped, clipped=clipped, non_finite=non_finite)
@@ -345,7 +320,7 @@ def stamp(progress, time_s):
 def step_mfu(run, step_s):
     """(PaLM's, llm.c's) model FLOPs utilisation of steps of step_s seconds each (model.GPT.flops_per_token), or
     None each off a GPU of known peak. Exact MARS's look-ahead adds a forward and backward pass per step."""
-    passes = 2 if run.look_ahead else 1
+    passes = 2 if run.optimizer.look_ahead is not None else 1
     tokens_per_rank = run.tokens_per_step // run.dist.world_size * passes
     return tuple(run.model.estimate_mfu(tokens_per_rank, step_s, convention) for convention in ("palm", "llm.c"))
 
@@ -356,11 +331,9 @@ def log_train(run, progress, window, result, time_s):
     loss = None
     if window.losses:
         loss = run.parallel.all_reduce_sum(window.loss_sum / window.losses) / run.dist.world_size
-    state_norms, param_norm, parallel = {}, None, run.parallel
-    if parallel.state_is_sharded or run.dist.is_master:  # sharded: every rank adds its share; else rank 0's is all
-        state_norms = OPTIMIZERS.entry(run.cfg).state_norms(run.optimizer, parallel)
-    if parallel.norms_are_collective or run.dist.is_master:
-        param_norm = parallel.whole(torch.nn.utils.get_total_norm(list(run.model.parameters())))
+    state_norms, param_norm = run.optimizer.state_norms(), None  # a collective where the state is sharded
+    if run.parallel.norms_are_collective or run.dist.is_master:
+        param_norm = run.parallel.whole(torch.nn.utils.get_total_norm(list(run.model.parameters())))
     if not run.dist.is_master:
         return
     cfg = run.cfg
@@ -372,7 +345,7 @@ def log_train(run, progress, window, result, time_s):
     record = {
         **stamp(progress, time_s),
         metrics.TRAIN_LOSS: values[0],
-        metrics.LR: run.optimizer.param_groups[0]["lr"],
+        metrics.LR: run.optimizer.lr,
         metrics.GRAD_NORM: result.grad_norm,
         metrics.CLIP_RATE: progress.clip_count / progress.iter_num,
         metrics.TOKENS_PER_SEC: run.tokens_per_step / dt,

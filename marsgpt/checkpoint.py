@@ -11,7 +11,7 @@ run code: every value is a tensor, a number, a string or a list/tuple/dict of th
                   run's metrics.jsonl, synced, as the checkpoint was written (marsgpt/run_dir.py adds both)
     <part>        the state_dict() of each stateful part train.py hands to marsgpt/run_dir.py: model,
                   optimizer, scaler, rng (RNGState), progress (train.Progress); the optimizer's is the
-                  unsharded optimizer's format also under ZeRO-1 (optimizers.ShardedOptimizer gathers every
+                  unsharded optimizer's format also under ZeRO-1 (zero.ShardedOptimizer gathers every
                   rank's share on rank 0), so any number of ranks, sharded or not, resumes it
 
 and nothing else: what a resume restores is exactly what was saved, part by part. The batches need no

@@ -22,8 +22,7 @@ import typing
 
 import torch
 
-from marsgpt import optimizers
-from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer
+from marsgpt.optimizers import build_optimizer
 from marsgpt.parallel import Parallelism
 from marsgpt.runtime import resolve_compile, resolve_dtype
 from marsgpt.tokens import DataError, TokenData
@@ -56,9 +55,10 @@ class Entry(typing.NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerLayout:
-    """The run's optimizer as the plan needs it: for each torch optimizer inside (Muon's pair has two), its
-    parameter groups, each a list of Entry per parameter, in order."""
+    """The run's optimizer as the plan needs it: its name in a few words, and for each torch optimizer inside
+    (Muon's pair has two) its parameter groups, each a list of Entry per parameter, in order."""
 
+    label: str
     optimizers: tuple
 
     @property
@@ -67,46 +67,27 @@ class OptimizerLayout:
 
 
 def optimizer_layout(cfg, model_args):
-    """Build the model on the meta device, take one optimizer step there, and record each parameter's state."""
+    """Build the model on the meta device, take one optimizer step there as training takes it (exact MARS's
+    look-ahead too), and record each parameter's state (optimizers.TrainingOptimizer.parameter_layout)."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**model_args))
     optimizer = build_optimizer(model, cfg, Parallelism.single("meta"))
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    look_ahead = optimizer if OPTIMIZERS.entry(cfg).look_ahead(cfg) else None  # a step as training takes it
-    if look_ahead is not None:
-        look_ahead.update_previous_grad()
-    optimizers.step(optimizer, look_ahead)
-    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    if optimizer.look_ahead is not None:
+        optimizer.keep_look_ahead_gradient()
+    optimizer.step()
 
-    def entry(opt, group, p, state):
-        tensors = [v for v in state.values() if torch.is_tensor(v)]
-        # MARS computes c_t in last_grad's buffer; a last_grad stored in another dtype than the parameter's gives
-        # c_t a buffer of its own during the step (mars._corrected_gradients)
-        last_grad = state.get("last_grad")
-        own_buffer = last_grad is not None and last_grad.dtype != p.dtype
-        step_buffer = p.numel() * p.element_size() if own_buffer else 0
-        sizes = [t.numel() * t.element_size() for t in tensors]
+    def entry(p, state, step_buffer, newton_schulz):
+        sizes = [v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v)]
         rows = p.shape[0] if p.ndim else 1
-        return Entry(p.numel(), sum(sizes), step_buffer, max(sizes, default=0), rows, newton_schulz(opt, group, p))
+        shape = tuple(p.shape) if newton_schulz else None
+        return Entry(p.numel(), sum(sizes), step_buffer, max(sizes, default=0), rows, shape)
 
+    layout = optimizer.parameter_layout()
     return OptimizerLayout(
-        tuple(
-            tuple(tuple(entry(opt, g, p, opt.state[p]) for p in g["params"]) for g in opt.param_groups) for opt in inner
-        )
+        optimizer.label, tuple(tuple(tuple(entry(*facts) for facts in group) for group in opt) for opt in layout)
     )
-
-
-def newton_schulz(opt, group, p):
-    """p's shape when opt's update of it runs Newton-Schulz on the whole matrix (under FSDP2 at one owner rank:
-    torch's Muon, MARS-Shampoo's and MARS-M's matrices), else None."""
-    import mars
-
-    if isinstance(opt, torch.optim.Muon):
-        return tuple(p.shape)
-    if isinstance(opt, mars.MARS) and mars.update_rule(p, group) in mars.NEWTON_SCHULZ_RULES:
-        return tuple(p.shape)
-    return None
 
 
 def zero_partition(groups, world_size):
@@ -501,7 +482,7 @@ def plan(
             f"{gib(fused_attention_bytes)}, {gib(static + sum(parts.values()) - fused_attention_bytes)} less"
         )
     return MemoryPlan(
-        description=OPTIMIZERS.entry(cfg).label(cfg),
+        description=layout.label,
         n_params=sum(e.elements for e in parameters),
         world_size=world_size,
         sharded=sharded,
@@ -536,9 +517,9 @@ class FSDP2:
     whole; the root's parameters (embeddings, final LayerNorm) stay whole, in float32, from the forward pass to
     the end of the backward pass; a block's whole float32 gradient waits for its reduce-scatter. With
     gradient_sync=step and more than one micro-batch per rank, the micro-batches before the last add up whole
-    float32 gradients of the model. Newton-Schulz runs at owner ranks (mars._at_owners): each rank sends its rows
-    of every such matrix and gets its rows of the results back, and the owner holds its whole matrices four times
-    (received, joined, stacked, result) and the iteration's buffers."""
+    float32 gradients of the model. Newton-Schulz runs at owner ranks (mars.map_whole_tensors): each rank sends its
+    rows of every such matrix and gets its rows of the results back, and the owner holds its whole matrices four
+    times (received, joined, stacked, result) and the iteration's buffers."""
 
     shards: int
     replicas: int

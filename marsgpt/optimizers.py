@@ -1,13 +1,19 @@
-"""The optimizers train.py offers, one registry entry each, and what a training step does with them.
+"""The optimizers train.py offers, one registry entry each, and the optimizer object a trainer holds.
 
 OPTIMIZERS holds an OptimizerEntry per optimizer, each selected by one name, the configuration's `optimizer`:
 mars-adamw, mars-lion, mars-shampoo, mars-m, adamw, muon and moonlight. An entry is all the other modules know
 of an optimizer: the configuration keys it reads, its named parameter groups (which parameters, which
 settings), its factory, what it adds to a step (exact MARS's look-ahead), the state norms of its train line, its
 one-line description, and how the paper's reference code names it (optimizer_name=mars with mars_type=mars-m:
-config.py takes those keys too, through Registry.from_reference_keys). No other module compares an optimizer's
-name with anything: adding an optimizer is an entry here (and its keys in config.TrainConfig if it reads new
-ones) with its tests.
+config.py takes those keys too, through Registry.from_reference_keys). No other module names an optimizer or
+tests its class: adding an optimizer is an entry here (and its keys in config.TrainConfig if it reads new ones)
+with its tests.
+
+build_optimizer looks the configuration's entry up (the one place that does) and returns a TrainingOptimizer,
+torchtitan's OptimizersContainer for this trainer: the torch optimizer the entry built, each torch optimizer in it
+placed by the run's parallelism (marsgpt/parallel.py: ZeRO-1 shards its state, FSDP2 steps its rows), with what
+a step and a checkpoint need of it -- the schedule (set_lr), exact MARS's look-ahead, a GradScaler's step or skip,
+the state norms, and a state_dict whose load_state_dict re-applies the configuration.
 
 Each optimizer is built as the paper's reference code builds it (AGI-Arena/MARS at 4831e28):
 
@@ -27,31 +33,187 @@ moonlight -- MARS-M's baseline, as MARS_M/train_moonlight.py: torch.optim.Muon (
          chained with AdamW (betas_1d) on the rest, both at learning_rate and weight_decay.
 
 Every hyperparameter the configuration sets is written into the groups, at construction and again after a
-resume's load_state_dict (load_state). Each group keeps its peak lr as 'initial_lr'; set_lr(optimizer, it,
-cfg) applies the schedule to every group. Each torch optimizer above is made through the run's parallelism
-(marsgpt/parallel.py), which shards its state under ZeRO-1 and steps FSDP2's sharded parameters.
+resume's load_state_dict (group_hyperparameters). Each group keeps its peak lr as 'initial_lr'; set_lr(it)
+applies the schedule (scheduled_lr) to every group.
 
-The machinery is any trainer's, through plain arguments: Registry, OptimizerEntry, build, group_hyperparameters,
-load_state, ChainedOptimizer (vision/train_cifar.py has a Registry of its own).
+Parsing a configuration reads this module (config.TrainConfig's optimizer key and its checks), and that must not
+load torch: what builds or steps an optimizer imports torch, mars.py and model.py where it runs. The machinery is
+any trainer's, through plain arguments: Registry, OptimizerEntry, build_optimizer, ChainedOptimizer
+(vision/train_cifar.py has a Registry of its own).
 """
+
+from __future__ import annotations
 
 import collections
 import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: importing torch here would load it for every configuration parsed
+    import torch
 
-from mars import MARS, lr_1d_factor
-from marsgpt import metrics
-from model import hidden_matrix_params, matrix_params, param_groups
+    from marsgpt.parallel import Parallelism
+
+# ---------------------------------------------------------------------------------------------------
+# The optimizer a trainer holds.
+
+
+class TrainingOptimizer:
+    """The optimizer of a run: the torch optimizer its registry entry built over the model's parameter groups
+    (`torch_optimizer`: one, a ChainedOptimizer of several, each placed by `parallel`), and what a training step,
+    the train line, the memory plan and a checkpoint need of it."""
+
+    def __init__(self, entry: OptimizerEntry, torch_optimizer: object, cfg: object, parallel: Parallelism):
+        self.entry, self.torch_optimizer, self.cfg, self.parallel = entry, torch_optimizer, cfg, parallel
+        # exact MARS: the MARS that takes the look-ahead gradient (this rank's share's under ZeRO-1), else None
+        self.look_ahead = parallel.rank_share(torch_optimizer) if entry.look_ahead(cfg) else None
+
+    @property
+    def param_groups(self) -> list:
+        return self.torch_optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        """The state this rank holds (its share's under ZeRO-1)."""
+        return self.torch_optimizer.state
+
+    @property
+    def optimizers(self) -> list:
+        """The torch optimizers inside, each over its own parameters (a chain's, in order; else the one)."""
+        inner = self.torch_optimizer
+        return list(inner.optimizers) if isinstance(inner, ChainedOptimizer) else [inner]
+
+    @property
+    def label(self) -> str:
+        """The run's optimizer in a few words (the memory plan's first line)."""
+        return self.entry.label(self.cfg)
+
+    @property
+    def lr(self) -> float:
+        """The first group's lr as the schedule set it last (the train line's)."""
+        return self.param_groups[0]["lr"]
+
+    def set_lr(self, it: int) -> None:
+        """Every group's lr at iteration `it`: the schedule from its 'initial_lr'."""
+        for group in self.param_groups:
+            group["lr"] = scheduled_lr(it, self.cfg, group["initial_lr"])
+
+    def zero_grad(self) -> None:
+        """Clear the gradients as the parallelism keeps them: in place under DDP (its buckets), else to None."""
+        self.torch_optimizer.zero_grad(set_to_none=self.parallel.gradients_to_none)
+
+    def unscale(self, scaler: torch.amp.GradScaler, look_ahead: bool = False) -> None:
+        """Divide the gradients by the GradScaler's loss scale (float16). The step's own through scaler.unscale_,
+        which records the infs it finds for scaler.step; the look-ahead's by hand, since unscale_ may run only once
+        between two updates and the step's own gradient needs it."""
+        if not look_ahead:
+            scaler.unscale_(self.torch_optimizer)
+        elif scaler.is_enabled():
+            inverse_scale = 1.0 / scaler.get_scale()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(inverse_scale)
+
+    def keep_look_ahead_gradient(self) -> None:
+        """Exact MARS: the gradient just computed (the next step's batch at the current parameters, unscaled and
+        clipped) becomes the look-ahead (mars.MARS.update_previous_grad)."""
+        self.look_ahead.update_previous_grad()
+
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        """One update as training makes it: through the GradScaler when there is one (it skips a step whose
+        gradients hold an inf and adjusts the loss scale), then exact MARS's update_last_grad: the look-ahead
+        becomes g_{t-1} of the next step's correction."""
+        if scaler is None:
+            self.torch_optimizer.step()
+        else:
+            scaler.step(self.torch_optimizer)
+            scaler.update()
+        if self.look_ahead is not None:
+            self.look_ahead.update_last_grad()
+
+    def skip(self, scaler: torch.amp.GradScaler, own_gradient_finite: bool) -> None:
+        """A step not taken (a non-finite gradient norm): parameters, state and MARS's last gradient stay as they
+        were. Under float16 the loss scale still falls, as scaler.step would lower it. The scaler sees the step's
+        own gradient only: when the look-ahead's alone overflowed (`own_gradient_finite`), the scale is lowered
+        here, or the next step's look-ahead would overflow at the same scale and the run stop at max_bad_steps."""
+        if not scaler.is_enabled():
+            return
+        if own_gradient_finite:
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        else:
+            scaler.update()
+
+    def state_norms(self) -> dict:
+        """The norms of the state the train line logs ({metrics name: 0-d tensor}, the entry's state_norms).
+        Where the state is sharded every rank adds its share (a collective: every rank calls this); else rank 0's
+        is the whole, and the other ranks get {}."""
+        if self.parallel.state_is_sharded or self.parallel.dist.is_master:
+            return self.entry.state_norms(self.torch_optimizer, self.parallel)
+        return {}
+
+    def state_dict(self) -> dict | None:
+        """The torch optimizer's state_dict (a collective under ZeRO-1: rank 0 gets it whole, the others None)."""
+        return self.torch_optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's optimizer state under this run's configuration: the torch optimizer's load_state_dict
+        restores the moments, the step counts and each group's saved settings (a one-file checkpoint's whole
+        tensors placed as the parallelism holds them: FSDP2's rows); group_hyperparameters then writes the
+        configuration's settings on top, so a resume with --learning_rate=1e-4 trains at 1e-4."""
+        self.torch_optimizer.load_state_dict(self.parallel.place_state(state))
+        group_hyperparameters(self.torch_optimizer, self.entry, self.cfg)
+
+    def parameter_layout(self) -> list:
+        """For the memory plan, after a step: for each torch optimizer inside, for each of its groups, for each
+        parameter (parameter, its state, the bytes its step allocates beyond the state, whether its update runs
+        Newton-Schulz on the whole matrix -- under FSDP2 at one owner rank: torch's Muon, MARS-Shampoo's and
+        MARS-M's matrices)."""
+        import torch
+
+        import mars
+
+        def facts(opt, group, p):
+            state = opt.state[p]
+            # MARS computes c_t in last_grad's buffer; a last_grad stored in another dtype than the parameter's gives
+            # c_t a buffer of its own during the step (mars.MARS's corrected gradients)
+            last_grad = state.get("last_grad")
+            own_buffer = last_grad is not None and last_grad.dtype != p.dtype
+            newton_schulz = isinstance(opt, torch.optim.Muon) or (
+                isinstance(opt, mars.MARS) and mars.update_rule(p, group) in mars.NEWTON_SCHULZ_RULES
+            )
+            return p, state, p.numel() * p.element_size() * own_buffer, newton_schulz
+
+        return [
+            [[facts(opt, group, p) for p in group["params"]] for group in opt.param_groups] for opt in self.optimizers
+        ]
+
+
+def build_optimizer(
+    model: object, cfg: object, parallel: object, registry: Registry | None = None
+) -> TrainingOptimizer:
+    """The optimizer cfg names in `registry` (train.py's OPTIMIZERS by default) over model's trainable parameters
+    (on their device), each torch optimizer in it placed by the run's parallelism (parallel.Parallelism). Every
+    group is named and holds cfg's settings and its peak lr as 'initial_lr' (the schedule's start)."""
+    entry = (registry or OPTIMIZERS).entry(cfg)
+    settings = entry.group_settings(cfg)
+    parts = entry.split(model, cfg)
+    _check_split(entry, model, parts)
+    groups = [
+        dict(params=params, name=name, **values, initial_lr=values["lr"])
+        for (name, values), params in zip(settings.items(), parts, strict=True)
+    ]
+    return TrainingOptimizer(entry, entry.build(groups, cfg, parallel), cfg, parallel)
 
 
 def closure_loss(closure):
     """torch.optim's step(closure) protocol: the loss closure() returns, computed with gradients on."""
     if closure is None:
         return None
+    import torch
+
     with torch.enable_grad():
         return closure()
 
@@ -211,19 +373,6 @@ class Registry:
         raise ValueError(f"no optimizer here is named {', '.join(f'{k}={v!r}' for k, v in given.items())}")
 
 
-def build(entry, model, cfg, parallel):
-    """entry's optimizer over model's trainable parameters, each group named and holding cfg's settings and
-    its peak lr as 'initial_lr' (the schedule's start, see set_lr)."""
-    settings = entry.group_settings(cfg)
-    parts = entry.split(model, cfg)
-    _check_split(entry, model, parts)
-    groups = [
-        dict(params=params, name=name, **values, initial_lr=values["lr"])
-        for (name, values), params in zip(settings.items(), parts, strict=True)
-    ]
-    return entry.build(groups, cfg, parallel)
-
-
 def _check_split(entry, model, parts):
     """Every trainable parameter of model in exactly one of the parts, and no tensor that is not model's."""
     counts = collections.Counter(id(p) for part in parts for p in part)
@@ -242,8 +391,10 @@ def _check_split(entry, model, parts):
 def group_hyperparameters(optimizer, entry, cfg):
     """Write every hyperparameter cfg sets into optimizer's groups, each group by its name, after
     load_state_dict restored the checkpoint's: lr and 'initial_lr' (the peak), weight decays, betas, MARS's
-    gamma and 1-D settings. set_lr then schedules the lr. Optimizer-internal constants (eps, Muon's
+    gamma and 1-D settings. The schedule then sets the lr. Optimizer-internal constants (eps, Muon's
     momentum) stay."""
+    from mars import lr_1d_factor
+
     settings = entry.group_settings(cfg)
     groups = optimizer.param_groups
     if len(groups) != len(settings):
@@ -260,24 +411,75 @@ def group_hyperparameters(optimizer, entry, cfg):
             group["lr_1d_factor"] = lr_1d_factor(setting["lr"], setting["lr_1d"])
 
 
-def load_state(optimizer, state, entry, cfg):
-    """A checkpoint's optimizer state under this run's configuration: load_state_dict restores the moments,
-    the step counts and each group's saved settings; group_hyperparameters then writes cfg's settings on top,
-    so a resume with --learning_rate=1e-4 trains at 1e-4."""
-    optimizer.load_state_dict(state)
-    group_hyperparameters(optimizer, entry, cfg)
+# ---------------------------------------------------------------------------------------------------
+# The learning-rate schedule.
 
 
-def step(optimizer, look_ahead=None, scaler=None):
-    """One update as training makes it: through the GradScaler when there is one (it skips a step whose
-    gradients hold an inf and adjusts the loss scale), then the look-ahead's update_last_grad (exact MARS)."""
-    if scaler is None:
-        optimizer.step()
-    else:
-        scaler.step(optimizer)
-        scaler.update()
-    if look_ahead is not None:
-        look_ahead.update_last_grad()
+def schedule_lengths(cfg):
+    """(warmup_iters, lr_decay_iters) the schedule runs on: as configured, or with scale_schedule fitted to
+    max_iters -- the configured schedule taken as written for a run of lr_decay_iters steps, warmup scaled by
+    max_iters / lr_decay_iters and the decay ending at max_iters, so a paper config shortened for a test run
+    keeps its shape."""
+    if not cfg.scale_schedule or cfg.lr_decay_iters == 0:
+        return cfg.warmup_iters, cfg.lr_decay_iters
+    return round(cfg.warmup_iters * cfg.max_iters / cfg.lr_decay_iters), cfg.max_iters
+
+
+def scheduled_lr(it, cfg, peak):
+    """The lr at iteration `it` of a group whose peak lr is `peak`: the reference get_lr
+    (MARS/train_muon.py's, which takes each optimizer's base lr; train_mars.py's is the same for one).
+
+    cosine   -- linear warmup from 0 (peak * it / warmup_iters), cosine from peak down to min_lr
+                between warmup_iters and lr_decay_iters, min_lr after.
+    wsd      -- warmup, constant, then linear decay to min_lr over the last wsd_decay_frac of max_iters
+                (the reference's FineWeb trainers decay to 0 over the last 20%: min_lr=0, wsd_decay_frac=0.2).
+    constant -- warmup, then constant.
+    decay_lr=False -- constant peak from step 0, no warmup.
+    min_lr is absolute and the same for every group, as in the reference, whose Muon trainer decays both
+    of its optimizers to it. (MARS's 1-D tensors run at lr_1d / learning_rate times their group's lr.)
+    warmup_iters and lr_decay_iters are schedule_lengths' (scale_schedule fits them to max_iters).
+    """
+    if not cfg.decay_lr:
+        return peak
+    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
+    if it < warmup_iters:
+        return peak * it / warmup_iters
+    if cfg.schedule == "constant":
+        return peak
+    if cfg.schedule == "wsd":
+        decay_start = (1.0 - cfg.wsd_decay_frac) * cfg.max_iters
+        if it < decay_start:
+            return peak
+        remaining = max(0.0, (cfg.max_iters - it) / max(1.0, cfg.wsd_decay_frac * cfg.max_iters))
+        return cfg.min_lr + remaining * (peak - cfg.min_lr)
+    if it > lr_decay_iters:
+        return cfg.min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return cfg.min_lr + coeff * (peak - cfg.min_lr)
+
+
+def schedule_warning(cfg):
+    """A warning when max_iters ends the run inside warmup or before the cosine decay ends (a paper config run
+    with --max_iters=100 would train at a few percent of its learning rate and say nothing), else None."""
+    if not cfg.decay_lr or cfg.scale_schedule or cfg.max_iters == 0 or cfg.eval_only:
+        return None
+    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
+    fix = "; --scale_schedule=True fits warmup and decay into max_iters"
+    if cfg.max_iters < warmup_iters:
+        top = (cfg.max_iters - 1) / warmup_iters
+        return (
+            f"warning: max_iters={cfg.max_iters:,} ends the run inside warmup_iters={warmup_iters:,}: the learning "
+            f"rate never rises above {top:.1%} of its peak{fix}"
+        )
+    if cfg.schedule == "cosine" and cfg.max_iters < lr_decay_iters:
+        done = (cfg.max_iters - 1 - warmup_iters) / (lr_decay_iters - warmup_iters)  # the last step's decay_ratio
+        return (
+            f"warning: max_iters={cfg.max_iters:,} stops the cosine decay (lr_decay_iters={lr_decay_iters:,}) at "
+            f"{max(done, 0):.0%} of its length: the last step's learning rate is still "
+            f"{0.5 * (1 + math.cos(math.pi * max(done, 0))):.0%} of the way from min_lr to its peak{fix}"
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -332,19 +534,29 @@ def _moonlight_settings(cfg):
 
 
 def _decay_split(model, cfg):
+    from model import param_groups
+
     return [group["params"] for group in param_groups(model, cfg.weight_decay)]
 
 
 def _muon_split(model, cfg):
+    from model import hidden_matrix_params, matrix_params
+
     return {"all": matrix_params, "hidden": hidden_matrix_params}[cfg.muon_matrices](model)
 
 
 def _hidden_matrix_split(model, cfg):
+    from model import hidden_matrix_params
+
     return hidden_matrix_params(model)
 
 
 def _mars(groups, cfg, parallel, rule, **options):
     """mars.MARS with the update rule `rule` (its mars_type) over the groups."""
+    import torch
+
+    from mars import MARS
+
     return parallel.make(
         MARS,
         groups,
@@ -363,10 +575,14 @@ def _mars_with_1d_option(groups, cfg, parallel, rule):
 
 
 def _adamw(groups, cfg, parallel):
+    import torch
+
     return parallel.make(torch.optim.AdamW, groups, fused=parallel.device_type == "cuda")
 
 
 def _muon(groups, cfg, parallel):
+    import torch
+
     muon, adamw = groups
     # The reference Muon (MARS/optimizers/muon.py, after modded-nanogpt) scales each update by
     # sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original". Its other differences from torch's Muon
@@ -378,6 +594,8 @@ def _muon(groups, cfg, parallel):
 
 
 def _moonlight(groups, cfg, parallel):
+    import torch
+
     muon, adamw = groups
     # The reference Moonlight sums its momentum where torch's averages it; Newton-Schulz normalises that
     # factor away (tests/test_optimizers.py holds the two to each other).
@@ -396,6 +614,8 @@ def _exact_mars_look_ahead(cfg):
 
 
 def _norm(tensors, device):
+    import torch
+
     return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros((), device=device)
 
 
@@ -408,6 +628,10 @@ def _moment_norms(optimizer, parallel, *, second_moment=False):
     each), the norms are of this rank's share (a DTensor's local rows), their squares summed over the ranks that
     hold one share each (parallel.sum_over_state_shards), which must then all call this. Nothing here reads a
     number back to the host."""
+    import torch
+
+    from marsgpt import metrics
+
     device = optimizer.param_groups[0]["params"][0].device
     states = [s for s in optimizer.state.values() if "exp_avg" in s]
     m = _norm([parallel.local(s["exp_avg"]) for s in states], device)
@@ -531,82 +755,3 @@ OPTIMIZERS = Registry(
     ),
     key="optimizer",
 )
-
-
-def build_optimizer(model, cfg, parallel):
-    """The optimizer cfg names, over model's parameters (already on their device), each torch optimizer inside
-    placed as the run's parallelism (parallel.Parallelism) places it."""
-    return build(OPTIMIZERS.entry(cfg), model, cfg, parallel)
-
-
-def schedule_lengths(cfg):
-    """(warmup_iters, lr_decay_iters) the schedule runs on: as configured, or with scale_schedule fitted to
-    max_iters -- the configured schedule taken as written for a run of lr_decay_iters steps, warmup scaled by
-    max_iters / lr_decay_iters and the decay ending at max_iters, so a paper config shortened for a test run
-    keeps its shape."""
-    if not cfg.scale_schedule or cfg.lr_decay_iters == 0:
-        return cfg.warmup_iters, cfg.lr_decay_iters
-    return round(cfg.warmup_iters * cfg.max_iters / cfg.lr_decay_iters), cfg.max_iters
-
-
-def scheduled_lr(it, cfg, peak):
-    """The lr at iteration `it` of a group whose peak lr is `peak`: the reference get_lr
-    (MARS/train_muon.py's, which takes each optimizer's base lr; train_mars.py's is the same for one).
-
-    cosine   -- linear warmup from 0 (peak * it / warmup_iters), cosine from peak down to min_lr
-                between warmup_iters and lr_decay_iters, min_lr after.
-    wsd      -- warmup, constant, then linear decay to min_lr over the last wsd_decay_frac of max_iters
-                (the reference's FineWeb trainers decay to 0 over the last 20%: min_lr=0, wsd_decay_frac=0.2).
-    constant -- warmup, then constant.
-    decay_lr=False -- constant peak from step 0, no warmup.
-    min_lr is absolute and the same for every group, as in the reference, whose Muon trainer decays both
-    of its optimizers to it. (MARS's 1-D tensors run at lr_1d / learning_rate times their group's lr.)
-    warmup_iters and lr_decay_iters are schedule_lengths' (scale_schedule fits them to max_iters).
-    """
-    if not cfg.decay_lr:
-        return peak
-    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
-    if it < warmup_iters:
-        return peak * it / warmup_iters
-    if cfg.schedule == "constant":
-        return peak
-    if cfg.schedule == "wsd":
-        decay_start = (1.0 - cfg.wsd_decay_frac) * cfg.max_iters
-        if it < decay_start:
-            return peak
-        remaining = max(0.0, (cfg.max_iters - it) / max(1.0, cfg.wsd_decay_frac * cfg.max_iters))
-        return cfg.min_lr + remaining * (peak - cfg.min_lr)
-    if it > lr_decay_iters:
-        return cfg.min_lr
-    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
-    return cfg.min_lr + coeff * (peak - cfg.min_lr)
-
-
-def schedule_warning(cfg):
-    """A warning when max_iters ends the run inside warmup or before the cosine decay ends (a paper config run
-    with --max_iters=100 would train at a few percent of its learning rate and say nothing), else None."""
-    if not cfg.decay_lr or cfg.scale_schedule or cfg.max_iters == 0 or cfg.eval_only:
-        return None
-    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
-    fix = "; --scale_schedule=True fits warmup and decay into max_iters"
-    if cfg.max_iters < warmup_iters:
-        top = (cfg.max_iters - 1) / warmup_iters
-        return (
-            f"warning: max_iters={cfg.max_iters:,} ends the run inside warmup_iters={warmup_iters:,}: the learning "
-            f"rate never rises above {top:.1%} of its peak{fix}"
-        )
-    if cfg.schedule == "cosine" and cfg.max_iters < lr_decay_iters:
-        done = (cfg.max_iters - 1 - warmup_iters) / (lr_decay_iters - warmup_iters)  # the last step's decay_ratio
-        return (
-            f"warning: max_iters={cfg.max_iters:,} stops the cosine decay (lr_decay_iters={lr_decay_iters:,}) at "
-            f"{max(done, 0):.0%} of its length: the last step's learning rate is still "
-            f"{0.5 * (1 + math.cos(math.pi * max(done, 0))):.0%} of the way from min_lr to its peak{fix}"
-        )
-    return None
-
-
-def set_lr(optimizer, it, cfg):
-    """Every group's lr at iteration `it`: the schedule from its 'initial_lr'."""
-    for group in optimizer.param_groups:
-        group["lr"] = scheduled_lr(it, cfg, group["initial_lr"])

@@ -59,15 +59,12 @@ def test_parameter_gradient_and_state_bytes_are_those_allocated(optimizer, bias)
     model = GPT(GPTConfig(**MODEL, bias=bias))
     opt = build_optimizer(model, cfg, Parallelism.single())
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
-    exact = not cfg.is_approx and cfg.optimizer.startswith("mars")
-    if exact:
+    if opt.look_ahead is not None:  # exact MARS: the look-ahead gradient first
         model(x, x)[1].backward()
-        opt.update_previous_grad()
+        opt.keep_look_ahead_gradient()
     model(x, x)[1].backward()
     opt.step()
-    if exact:
-        opt.update_last_grad()
-    states = opt.optimizers if hasattr(opt, "optimizers") else [opt]
+    states = opt.optimizers
     state = [t for o in states for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
     plan = memory_plan.plan(cfg, model_args=dict(MODEL, bias=bias))
     assert plan.parameter_bytes == tensor_bytes(model.parameters())
@@ -274,10 +271,10 @@ def test_a_sharded_save_adds_the_largest_state_tensor_rank_0_receives_through_it
     opt = build_optimizer(model, cfg, Parallelism.single())  # unsharded: the state each parameter has on whichever rank
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
     model(x, x)[1].backward()
-    if not cfg.is_approx:
-        opt.update_previous_grad()
+    if opt.look_ahead is not None:
+        opt.keep_look_ahead_gradient()
     opt.step()
-    inner = opt.optimizers if hasattr(opt, "optimizers") else [opt]
+    inner = opt.optimizers
     others = [  # the parameters ZeRO gives ranks 1..7, in each torch optimizer of the run
         p
         for o in inner
@@ -348,10 +345,10 @@ def test_fsdp2_ranks_hold_the_rows_torch_chunk_gives_them(optimizer, world_size)
     opt = build_optimizer(model, cfg, Parallelism.single())
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
     model(x, x)[1].backward()
-    if not cfg.is_approx and cfg.optimizer.startswith("mars"):
-        opt.update_previous_grad()
+    if opt.look_ahead is not None:
+        opt.keep_look_ahead_gradient()
     opt.step()
-    inner = opt.optimizers if hasattr(opt, "optimizers") else [opt]
+    inner = opt.optimizers
 
     def rows(t, rank):
         chunks = torch.chunk(t, world_size) if t.ndim else [t] * world_size

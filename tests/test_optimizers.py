@@ -21,10 +21,10 @@ from marsgpt.config import ConfigError, TrainConfig, load_config, print_help
 from marsgpt.optimizers import (
     OPTIMIZERS,
     ChainedOptimizer,
+    Registry,
     build_optimizer,
     group_hyperparameters,
     scheduled_lr,
-    set_lr,
 )
 from marsgpt.parallel import Parallelism
 from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, matrix_params, param_groups
@@ -52,16 +52,15 @@ def tiny_model(seed=0):
 
 
 def train_steps(model, optimizer, steps, seed=1):
-    """`steps` optimizer steps on one fixed batch (so the loss must fall); the losses."""
+    """`steps` steps of the trainer's optimizer (build_optimizer's) on one fixed batch (so the loss must fall); the
+    losses."""
     x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(seed))
     losses = []
     for _ in range(steps):
         _, loss = model(x, torch.roll(x, -1, dims=1))
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if isinstance(optimizer, MARS):
-            optimizer.update_last_grad()
+        optimizer.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -104,7 +103,7 @@ def built(model, cfg):
     """What build_optimizer makes of cfg: each torch optimizer's class and its groups, parameters by name."""
     optimizer = build_optimizer(model, cfg, Parallelism.single())
     names = {id(p): name for name, p in model.named_parameters()}
-    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    inner = optimizer.optimizers
     return [
         (
             type(o),
@@ -143,10 +142,14 @@ def test_every_parameter_is_in_exactly_one_group(cfg):
         assert sorted(grouped) == sorted(id(p) for p in model.parameters())
 
 
+def with_split(entry, split):
+    """A registry of one optimizer: `entry` with parameter groups split by `split`."""
+    return Registry(dataclasses.replace(entry, split=split), key="optimizer")
+
+
 def test_a_split_that_misses_or_repeats_a_parameter_is_refused():
     cfg = TrainConfig()
     entry, model = OPTIMIZERS.entry(cfg), tiny_model()
-    placement = Parallelism.single()
     wpe = model.transformer.wpe.weight
 
     def without_wpe(model, cfg):
@@ -166,9 +169,9 @@ def test_a_split_that_misses_or_repeats_a_parameter_is_refused():
         (foreign, "1 tensors not the model's"),
     ]:
         with pytest.raises(ValueError, match=message):
-            optimizers.build(dataclasses.replace(entry, split=split), model, cfg, placement)
+            build_optimizer(model, cfg, Parallelism.single(), with_split(entry, split))
     wpe.requires_grad_(False)  # a frozen parameter may stay out
-    frozen_out = optimizers.build(dataclasses.replace(entry, split=without_wpe), model, cfg, placement)
+    frozen_out = build_optimizer(model, cfg, Parallelism.single(), with_split(entry, without_wpe))
     assert all(p is not wpe for group in frozen_out.param_groups for p in group["params"])
 
 
@@ -278,26 +281,37 @@ def test_each_config_builds_the_optimizer_it_built_before_the_registry(optimizer
     the registry's optimizer and the one written out above end with the same state, bit for bit."""
     cfg = paper_config("small", optimizer, "--warmup_iters=2", *more)
     ours, before = tiny_model(), tiny_model()
-    runs = []
-    for model, opt in (
-        (ours, build_optimizer(ours, cfg, Parallelism.single())),
-        (before, construction_before_the_registry(before, cfg)),
-    ):
-        look_ahead = opt if OPTIMIZERS.entry(cfg).look_ahead(cfg) else None
-        generator = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(5)]
-        for it in range(4):
-            set_lr(opt, it, cfg)
-            if look_ahead is not None:
-                model(batches[it + 1], torch.roll(batches[it + 1], -1, dims=1))[1].backward()
-                look_ahead.update_previous_grad()
-                opt.zero_grad(set_to_none=True)
-            model(batches[it], torch.roll(batches[it], -1, dims=1))[1].backward()
-            optimizers.step(opt, look_ahead)
-            opt.zero_grad(set_to_none=True)
-        runs.append((model.state_dict(), opt.state_dict()))
-    assert (look_ahead is None) == cfg.is_approx
-    assert_same_state(runs[0], runs[1])
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(5)]
+
+    def loss(model, it):
+        return model(batches[it], torch.roll(batches[it], -1, dims=1))[1]
+
+    opt = build_optimizer(ours, cfg, Parallelism.single())
+    assert (opt.look_ahead is None) == cfg.is_approx
+    for it in range(4):  # the trainer's optimizer, as train.train_step drives it
+        opt.set_lr(it)
+        if opt.look_ahead is not None:
+            loss(ours, it + 1).backward()
+            opt.keep_look_ahead_gradient()
+            opt.zero_grad()
+        loss(ours, it).backward()
+        opt.step()
+        opt.zero_grad()
+    written_out = construction_before_the_registry(before, cfg)
+    for it in range(4):  # the one written out, through torch's and mars.MARS's own calls
+        for group in written_out.param_groups:
+            group["lr"] = scheduled_lr(it, cfg, group["initial_lr"])
+        if not cfg.is_approx:
+            loss(before, it + 1).backward()
+            written_out.update_previous_grad()
+            written_out.zero_grad(set_to_none=True)
+        loss(before, it).backward()
+        written_out.step()
+        if not cfg.is_approx:
+            written_out.update_last_grad()
+        written_out.zero_grad(set_to_none=True)
+    assert_same_state((ours.state_dict(), opt.state_dict()), (before.state_dict(), written_out.state_dict()))
 
 
 # --- the schedule
@@ -315,7 +329,7 @@ def test_every_group_follows_the_reference_get_lr(size, optimizer):
     else:
         peaks = [ref["learning_rate"]] * 2  # the two weight-decay groups
     for it in ITERS:
-        set_lr(opt, it, cfg)
+        opt.set_lr(it)
         expected = [reference_get_lr(it, peak, ref["min_lr"]) for peak in peaks]
         assert [g["lr"] for g in opt.param_groups] == pytest.approx(expected, rel=1e-12, abs=1e-18), it
         if optimizer == "mars":  # the 1-D tensors' AdamW: the scheduled lr x lr_1d / lr (optimizers/mars.py)
@@ -389,7 +403,7 @@ def test_mars_is_built_as_the_reference_builds_it():
     cfg = paper_config("small", "mars")
     model = tiny_model()
     opt = build_optimizer(model, cfg, Parallelism.single())
-    assert isinstance(opt, MARS)
+    assert isinstance(opt.torch_optimizer, MARS)
     reference_groups = param_groups(model, cfg.weight_decay)
     assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
         [id(p) for p in g["params"]] for g in reference_groups
@@ -425,7 +439,7 @@ def test_mars_keeps_its_last_gradient_in_the_configured_dtype():
 def test_adamw_uses_the_reference_groups_and_betas():
     model = tiny_model()
     opt = build_optimizer(model, paper_config("small", "adamw"), Parallelism.single())
-    assert type(opt) is torch.optim.AdamW
+    assert type(opt.torch_optimizer) is torch.optim.AdamW
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert all(g["betas"] == (0.9, 0.95) and g["initial_lr"] == 6e-4 and not g["fused"] for g in opt.param_groups)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
@@ -472,7 +486,7 @@ def test_muon_matrices_hidden_keeps_the_embeddings_and_head_in_adamw():
 def test_muon_chain_trains_and_zero_grads_both_parts():
     model = tiny_model()
     opt = build_optimizer(model, paper_config("small", "muon"), Parallelism.single())
-    assert isinstance(opt, ChainedOptimizer)
+    assert isinstance(opt.torch_optimizer, ChainedOptimizer)
     g = opt.optimizers[0].param_groups[0]
     assert (g["momentum"], g["nesterov"], g["adjust_lr_fn"]) == (0.95, True, "original")
     assert all(g["betas"] == (0.9, 0.95) for g in opt.optimizers[1].param_groups)
@@ -537,7 +551,7 @@ def test_mars_m_is_built_as_the_reference_trainer_builds_it():
     (the LayerNorm weights and embeddings decay too), momentum beta1."""
     model = gpt2_small()
     opt = build_optimizer(model, paper_config("small", "mars_m"), Parallelism.single())
-    assert isinstance(opt, MARS)
+    assert isinstance(opt.torch_optimizer, MARS)
     name_of = {id(p): n for n, p in model.named_parameters()}
     matrices, rest = ([name_of[id(p)] for p in g["params"]] for g in opt.param_groups)
     assert matrices == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
@@ -651,8 +665,8 @@ def test_state_dict_round_trip_continues_identically(size, optimizer):
     other_model.load_state_dict(model.state_dict())
     other_opt = build_optimizer(other_model, cfg, Parallelism.single())
     other_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as a checkpoint would: no shared tensors
-    set_lr(opt, 1000, cfg)
-    set_lr(other_opt, 1000, cfg)  # after load_state_dict: the group dicts it replaced
+    opt.set_lr(1000)
+    other_opt.set_lr(1000)  # after load_state_dict: the group dicts it replaced
     train_steps(model, opt, 2, seed=7)
     train_steps(other_model, other_opt, 2, seed=7)
     for a, b in zip(model.parameters(), other_model.parameters()):
@@ -693,10 +707,12 @@ def test_group_hyperparameters_apply_a_new_config_after_load_state_dict(size, op
     saved = copy.deepcopy(opt.state_dict())
     resumed = build_optimizer(model, new, Parallelism.single())
     fresh = hyperparameters(resumed)
-    resumed.load_state_dict(saved)
+    resumed.torch_optimizer.load_state_dict(copy.deepcopy(saved))
     assert hyperparameters(resumed) == hyperparameters(opt) != fresh  # the checkpoint's values came back
-    group_hyperparameters(resumed, OPTIMIZERS.entry(new), new)
+    group_hyperparameters(resumed.torch_optimizer, OPTIMIZERS.entry(new), new)
     assert hyperparameters(resumed) == fresh  # every key as a new optimizer built from `new` has it
+    resumed.load_state_dict(saved)  # the trainer's optimizer does both
+    assert hyperparameters(resumed) == fresh
     for p in model.parameters():  # and the state stays the checkpoint's
         assert resumed.state[p].keys() == opt.state[p].keys()
         assert all(
@@ -723,7 +739,7 @@ def test_group_hyperparameters_pair_groups_by_name_not_position(optimizer):
     """A checkpoint whose groups come in another order still gets each group's own settings."""
     cfg = paper_config("small", optimizer)
     expected = hyperparameters(build_optimizer(tiny_model(), cfg, Parallelism.single()))
-    opt = build_optimizer(tiny_model(), cfg, Parallelism.single())
+    opt = build_optimizer(tiny_model(), cfg, Parallelism.single()).torch_optimizer
     groups = opt.param_groups
     reordered = list(reversed(groups))
     if isinstance(opt, ChainedOptimizer):

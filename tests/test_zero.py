@@ -1,4 +1,4 @@
-"""ZeRO-1 (optimizers.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
+"""ZeRO-1 (zero.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
 process for every optimizer, about half the state on each rank (exactly what memory_plan plans), and a
 checkpoint format that moves between sharded and unsharded optimizers.
 
@@ -20,7 +20,7 @@ from bench.common import rendezvous
 from marsgpt import memory_plan
 from marsgpt.checkpoint import cpu_copy
 from marsgpt.config import TrainConfig
-from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer
+from marsgpt.optimizers import build_optimizer
 from marsgpt.parallel import Parallelism
 from marsgpt.runtime import Dist
 from model import GPT, GPTConfig
@@ -64,27 +64,22 @@ def state_bytes(optimizer):
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def train(model, optimizer, forward_backward, cfg, parallel):
-    """STEPS steps of train.py's protocol: the loss scaled by a GradScaler, as float16 runs do (by a power
-    of two: exact), clipping, and for exact MARS the next step's gradient first (to the MARS that holds this
-    rank's share under ZeRO-1)."""
-    look_ahead = parallel.rank_share(optimizer) if OPTIMIZERS.entry(cfg).look_ahead(cfg) else None
+def train(model, optimizer, forward_backward):
+    """STEPS steps of train.py's protocol with the trainer's optimizer: the loss scaled by a GradScaler, as float16
+    runs do (by a power of two: exact), clipping, and for exact MARS the next step's gradient first (to the MARS
+    that holds this rank's share under ZeRO-1)."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(STEPS):
-        if look_ahead is not None:
+        if optimizer.look_ahead is not None:
             forward_backward(step + 1, scaler)
-            for p in model.parameters():
-                p.grad.div_(scaler.get_scale())
-            look_ahead.update_previous_grad()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.unscale(scaler, look_ahead=True)
+            optimizer.keep_look_ahead_gradient()
+            optimizer.zero_grad()
         forward_backward(step, scaler)
-        scaler.unscale_(optimizer)
+        optimizer.unscale(scaler)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        if look_ahead is not None:
-            look_ahead.update_last_grad()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.step(scaler)
+        optimizer.zero_grad()
 
 
 def ddp_forward_backward(ddp_model, rank):
@@ -135,7 +130,7 @@ def gathering(optimizer):
         state = optimizer.state_dict()
     finally:
         dist.batch_isend_irecv = real
-    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    inner = optimizer.optimizers
     share = [t for opt in inner for t in tensors(opt.local.state_dict())]
     report = dict(messages=messages, share_bytes=[t.numel() * t.element_size() for t in share])
     if dist.get_rank() == 0:
@@ -166,7 +161,7 @@ def worker(rank, rendezvous_env, report_path):
         passes = {kind: ddp_forward_backward(DDP(models[kind]), rank) for kind in ("sharded", "ddp")}
         passes["single"] = one_process_forward_backward(models["single"])
         for kind in models:
-            train(models[kind], optimizers[kind], passes[kind], cfg, placements[kind])
+            train(models[kind], optimizers[kind], passes[kind])
         params = {kind: [p.detach().clone() for p in m.parameters()] for kind, m in models.items()}
         # as checkpoints hold them (the live state dicts share tensors with the optimizers, which train on)
         sharded_state = saved_and_loaded(optimizers["sharded"].state_dict())  # collective: rank 0's is all
@@ -185,8 +180,8 @@ def worker(rank, rendezvous_env, report_path):
             model = copy.deepcopy(models[original])
             optimizer = build_optimizer(model, cfg, placement(cfg, rank, shard))
             optimizer.load_state_dict(state)
-            train(model, optimizer, ddp_forward_backward(DDP(model), rank), cfg, placement(cfg, rank, shard))
-            train(models[original], optimizers[original], passes[original], cfg, placements[original])
+            train(model, optimizer, ddp_forward_backward(DDP(model), rank))
+            train(models[original], optimizers[original], passes[original])
             continued[kind] = [
                 (p.detach().clone(), q.detach().clone())
                 for p, q in zip(model.parameters(), models[original].parameters())

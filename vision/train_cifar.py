@@ -222,9 +222,9 @@ def model_args(cfg, num_classes):
 
 
 def build_optimizer(model, cfg):
-    """The optimizer cfg names, over model's parameters (on their device)."""
+    """The optimizer cfg names, over model's parameters (on their device): an optimizers.TrainingOptimizer."""
     device_type = next(model.parameters()).device.type
-    return optimizers.build(CIFAR_OPTIMIZERS.entry(cfg), model, cfg, Parallelism.single(device_type))
+    return optimizers.build_optimizer(model, cfg, Parallelism.single(device_type), CIFAR_OPTIMIZERS)
 
 
 def lr_factor(epoch, cfg):
@@ -258,7 +258,7 @@ class Run:
     data: CifarData
     model: torch.nn.Module
     model_args: dict
-    optimizer: torch.optim.Optimizer
+    optimizer: optimizers.TrainingOptimizer
     rng: RNGState
     saved_epoch: int = 0  # the epoch out_dir's checkpoint holds (0: none written or resumed yet)
 
@@ -322,7 +322,7 @@ def setup(cfg):
     progress = Progress()
     if ckpt is not None:
         # the moments and step counts are the checkpoint's, the hyperparameters this configuration's
-        optimizers.load_state(run.optimizer, ckpt["optimizer"], CIFAR_OPTIMIZERS.entry(cfg), cfg)
+        run.optimizer.load_state_dict(ckpt["optimizer"])
         run.rng.load_state_dict(ckpt["rng"])
         progress.load_state_dict(ckpt["progress"])
         run.saved_epoch = progress.epoch
@@ -357,7 +357,7 @@ def train_epoch(run, epoch, progress):
         for step, (images, labels) in enumerate(run.data.train_batches(cfg.seed, epoch, cfg.batch_size), 1):
             logits = model(images)
             loss = F.cross_entropy(logits, labels)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             progress.iter_num += 1
