@@ -16,9 +16,9 @@ of one optimizer step across ALL ranks. Micro-batch k of step s is TokenData.get
 runs; rank r takes k = r, r + world_size, ... . So the windows, and up to float rounding the model, do not
 depend on the number of GPUs, and a run can resume on a different number of GPUs.
 
-Exact resume: checkpoints are written at step boundaries, holding everything the next steps depend on
-(checkpoint_parts below), including which evaluations of their step are done; batches and dropout masks
-are pure functions of (seed, step, micro-batch); evaluation windows are fixed. A run killed at any moment
+Exact resume: checkpoints are written at step boundaries, holding everything the next steps depend on (the
+parts setup hands to the run directory), including which evaluations of their step are done; batches and
+dropout masks are pure functions of (seed, step, micro-batch); evaluation windows are fixed. A run killed at any moment
 and restarted with --init_from=resume ends with the same losses and parameters as one left alone (bit for
 bit on CPU; on CUDA with --deterministic=True, see runtime.set_deterministic).
 """
@@ -41,7 +41,7 @@ from marsgpt.memory_plan import MemoryPlan
 from marsgpt.metrics import LogWindow, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS, TrainingOptimizer, build_optimizer
 from marsgpt.parallel import Parallelism
-from marsgpt.run_dir import CHECKPOINT_PARTS, Part, RunDir, RunStopped, StopSignals
+from marsgpt.run_dir import RunDir, RunStopped, StopSignals
 from marsgpt.runtime import (
     SetupError,
     agree,
@@ -95,9 +95,7 @@ class Run:
     optimizer: TrainingOptimizer
     scaler: torch.amp.GradScaler
     autocast: object
-    rng: RNGState
     train_data: TokenData
-    val_data: TokenData
     val_batches: list  # this rank's share of the fixed evaluation windows
     train_batches: list
     hellaswag_examples: list | None
@@ -111,69 +109,64 @@ class Run:
         return self.cfg.batch_size * self.cfg.gradient_accumulation_steps * self.cfg.block_size
 
 
-def checkpoint_parts(run, progress):
-    """Each checkpoint part's object: what it saves (state_dict) and how a resume restores it (load_state_dict):
-    the optimizer under this run's hyperparameters, the GradScaler where float16 enables it."""
-
-    def load_scaler(state):
-        if run.scaler.is_enabled() and state:
-            run.scaler.load_state_dict(state)
-
-    rng = Part(run.rng.state_dict, lambda state: run.rng.load_state_dict(state, run.dist.world_size))
-    window = Part(run.window.state_dict, lambda state: run.window.load_state_dict(state, run.dist.world_size))
-    objects = (run.model, run.optimizer, Part(run.scaler.state_dict, load_scaler), rng, progress, window)
-    return dict(zip(CHECKPOINT_PARTS, objects, strict=True))
-
-
 def setup(cfg, dist_info, directory=None):
-    """(Run, Progress, resumed): everything checked and built, out_dir held (`directory`, a run_dir.RunDir;
-    main's handles the stop signals); nothing trained yet."""
+    """(Run, Progress, resumed): everything checked and built, and a resumed run's every part restored, before the
+    first change to out_dir (`directory`, a run_dir.RunDir, held; main's handles the stop signals); nothing
+    trained yet."""
     parallel = Parallelism.of(cfg, dist_info)
     directory = directory or RunDir(cfg, dist_info)
     train_data, val_data, vocab_size = agree(dist_info, lambda: launch.load_data(cfg), USER_ERRORS)
     cfg, start, ckpt = launch.resolve_run(cfg, dist_info, directory, train_data.vocabulary, parallel)
     hellaswag_examples = launch.setup_hellaswag(cfg, train_data, dist_info)
     model, model_args = agree(dist_info, lambda: launch.build_model(cfg, vocab_size, ckpt), USER_ERRORS)
-    if dist_info.is_master:
-        changes = launch.config_changes(ckpt["config"], cfg, OPTIMIZERS) if ckpt else []
-        directory.prepare(cfg, start, ckpt, changes)
     set_deterministic(cfg.deterministic, dist_info.device_type)
     model.to(dist_info.device)
     model.activation_checkpointing = cfg.activation_checkpointing
     autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
     compile_model = resolve_compile(cfg.compile, dist_info.device_type)
-    train_model = parallel.wrap(model, compile_model, resolve_dtype(cfg.dtype, dist_info.device_type))
-    optimizer = build_optimizer(model, cfg, parallel)
-    progress = Progress()
-
     run = Run(
-        val_batches=launch.eval_windows(cfg, val_data, dist_info),
         cfg=cfg,
         dist=dist_info,
         parallel=parallel,
         model=model,
-        train_model=train_model,
-        train_batches=launch.eval_windows(cfg, train_data, dist_info),
+        train_model=parallel.wrap(model, compile_model, resolve_dtype(cfg.dtype, dist_info.device_type)),
         compiled=compile_model,
         model_args=model_args,
-        optimizer=optimizer,
+        optimizer=build_optimizer(model, cfg, parallel),
         scaler=scaler,
         autocast=autocast,
-        rng=RNGState(dist_info.rank, launch.gather_rng(dist_info)),
         train_data=train_data,
-        val_data=val_data,
-        metrics=None,
-        window=LogWindow(device=dist_info.device, rank=dist_info.rank, gather=launch.gather_by_rank(dist_info)),
+        val_batches=launch.eval_windows(cfg, val_data, dist_info),
+        train_batches=launch.eval_windows(cfg, train_data, dist_info),
         hellaswag_examples=hellaswag_examples,
+        metrics=None,
+        window=LogWindow(
+            device=dist_info.device,
+            rank=dist_info.rank,
+            world_size=dist_info.world_size,
+            gather=launch.gather_by_rank(dist_info),
+        ),
         directory=directory,
         memory_plan=memory_plan.plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
+    progress = Progress()
+    # What a checkpoint holds: each stateful part, restored by its own load_state_dict (checkpoint.ModelState's
+    # places the weights as the parallelism keeps them), and the values every checkpoint records beside them.
+    parts = dict(
+        model=checkpoint.ModelState(model, parallel.place_state, checkpoint.checkpoint_path(cfg.out_dir)),
+        optimizer=run.optimizer,
+        scaler=checkpoint.ScalerState(scaler),
+        rng=RNGState(dist_info.rank, dist_info.world_size, launch.gather_rng(dist_info)),
+        progress=progress,
+        log_window=run.window,
+    )
     extras = dict(model_args=model_args, config=config_to_dict(cfg), vocabulary=train_data.vocabulary)
-    directory.register(cfg, checkpoint_parts(run, progress), extras, parallel)
+    directory.register(cfg, parts, extras, parallel)
     if ckpt is not None:
-        # launch.build_model loaded the weights as it built the model, unless they are in a sharded checkpoint's
-        # files, which a sharded model reads its rows of
-        directory.restore(ckpt, skip=() if checkpoint.has_shards(ckpt) else ("model",))
+        agree(dist_info, lambda: directory.restore(ckpt, start.path), USER_ERRORS)
+    if dist_info.is_master:
+        changes = launch.config_changes(ckpt["config"], cfg, OPTIMIZERS) if ckpt else []
+        directory.prepare(cfg, start, ckpt, changes)
     run.metrics = directory.metrics = launch.open_metrics(cfg, dist_info, progress, start, ckpt)
     return run, progress, ckpt is not None
 

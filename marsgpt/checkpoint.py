@@ -214,6 +214,11 @@ def verify(path):
     return trailer
 
 
+class MissingPart(CheckpointError):
+    """A checkpoint lacks a part the run cannot start without: a part's load_state_dict(None) raises it
+    (run_dir.RunDir.restore offers None for a part the checkpoint does not hold, and names every such part)."""
+
+
 class DataclassState:
     """state_dict()/load_state_dict() for a dataclass of plain values (a run's progress counters), so it is
     a checkpoint part like the model and the optimizer."""
@@ -223,6 +228,8 @@ class DataclassState:
 
     def load_state_dict(self, state):
         """Every field the state holds; a field added since the checkpoint was written keeps its value."""
+        if state is None:
+            raise MissingPart(type(self).__name__)
         for f in dataclasses.fields(self):
             if f.name in state:
                 setattr(self, f.name, state[f.name])
@@ -570,6 +577,45 @@ def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The parts of a run that are not stateful objects of their own as a checkpoint holds them: the model (its
+# weights checked and placed), the GradScaler, the random number generators.
+
+
+class ModelState:
+    """A model as a checkpoint part: its state_dict, and a load_state_dict that places the checkpoint's tensors
+    where the model keeps them (`place`: parallel.Parallelism.place_state, FSDP2's rows of a one-file checkpoint's
+    whole tensors) and names the first key whose presence or shape does not match (load_model_state; `path` is
+    the checkpoint the message names)."""
+
+    def __init__(self, model, place, path):
+        self.model, self.place, self.path = model, place, path
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, state):
+        if state is None:
+            raise MissingPart("model")
+        load_model_state(self.model, self.place(state), self.path)
+
+
+class ScalerState:
+    """A torch.amp.GradScaler as a checkpoint part, restored where float16 enables it: a run resumed in bfloat16 or
+    float32 drops a float16 run's scale, and one resumed in float16 from a run without a scaler starts afresh."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+
+    def state_dict(self):
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state):
+        if state is None:
+            raise MissingPart("scaler")
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
+
+
 # Random number generator states, in forms weights_only loading accepts (numpy's array becomes a tensor).
 
 
@@ -578,12 +624,13 @@ class RNGState:
 
     Each rank's CUDA generators differ (they are seeded per device), so state_dict() takes every rank's
     (gathered by the caller: `cuda_by_rank`) and load_state_dict() gives each rank its own when the world
-    size is the same; on a different world size the CUDA generators keep their fresh seeds. Nothing in
-    training draws from them between checkpoints except dropout, which is reseeded every micro-batch.
+    size (this run's `world_size` ranks) is the same; on a different world size the CUDA generators keep their
+    fresh seeds. Nothing in training draws from them between checkpoints except dropout, which is reseeded every
+    micro-batch.
     """
 
-    def __init__(self, rank=0, gather=None):
-        self.rank = rank
+    def __init__(self, rank=0, world_size=1, gather=None):
+        self.rank, self.world_size = rank, world_size
         self.gather = gather or (lambda state: [state])  # this rank's CUDA state -> every rank's
 
     def state_dict(self):
@@ -602,7 +649,9 @@ class RNGState:
             "cuda_by_rank": self.gather(cuda),
         }
 
-    def load_state_dict(self, state, world_size=1):
+    def load_state_dict(self, state):
+        if state is None:
+            raise MissingPart("rng")
         version, internal, gauss_next = state["python"]
         random.setstate((version, tuple(internal), gauss_next))
         np_state = state["numpy"]
@@ -617,7 +666,7 @@ class RNGState:
         )
         torch.set_rng_state(state["torch"])
         cuda_by_rank = state.get("cuda_by_rank", [])
-        if len(cuda_by_rank) == world_size and torch.cuda.is_available():
+        if len(cuda_by_rank) == self.world_size and torch.cuda.is_available():
             mine = cuda_by_rank[self.rank]
             if len(mine) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(mine)

@@ -25,7 +25,7 @@ from marsgpt.checkpoint import CheckpointError
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
 from marsgpt.metrics import MetricsError, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS
-from marsgpt.run_dir import CHECKPOINT_PARTS, DATA_FINGERPRINT, METRICS_SIZE, NEWER_PARTS, RunDirError
+from marsgpt.run_dir import DATA_FINGERPRINT, METRICS_SIZE, RunDirError
 from marsgpt.runtime import SetupError, agree, decide_on_master
 from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
@@ -105,21 +105,20 @@ def data_change(cfg, path, ckpt, data):
 
 
 def load_resume_checkpoint(cfg, path, dist_info, vocabulary, whole):
-    """The checkpoint at `path`, checked for every part, for keys the configuration may not change and for the
-    data's vocabulary. Rank 0 verified its checksum while choosing it; the other ranks verify it here. A sharded
-    checkpoint's tensors are read whole here (`whole`) for an unsharded run; a sharded run reads its rows of them
-    later (run_dir.RunDir.restore), once its model is sharded."""
+    """The checkpoint at `path`, checked for keys the configuration may not change and for the data's vocabulary
+    (its parts are checked as they are restored). Rank 0 verified its checksum while choosing it; the other ranks
+    verify it here. A sharded checkpoint's tensors are read whole here (`whole`) for an unsharded run; a sharded
+    run reads its rows of them later (run_dir.RunDir.restore), once its model is sharded."""
     ckpt = checkpoint.load_checkpoint(
         path,
         mmap=dist_info.device_type == "cuda",
         verify_checksum=not dist_info.is_master,
         whole=whole,
     )
-    missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt and part not in NEWER_PARTS]
-    if missing:
+    if "config" not in ckpt:  # its parts are checked as they are restored (run_dir.RunDir.restore)
         raise CheckpointError(
-            f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
-            f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
+            f"{path} lacks config: it was not written by this train.py, so it cannot be resumed (init_from=resume); "
+            "start a new run from its weights instead"
         )
     changed = fixed_changes(ckpt["config"], cfg, OPTIMIZERS)
     if changed:
@@ -174,7 +173,8 @@ def config_changes(saved, cfg, registry):
 
 
 def build_model(cfg, vocab_size, ckpt):
-    """(GPT, model_args) for init_from: a fresh model, the checkpoint's weights, or OpenAI's GPT-2.
+    """(GPT, model_args) for init_from: a fresh model, one shaped as the checkpoint's (a resume restores its weights
+    as it restores every part: run_dir.RunDir.restore), or OpenAI's GPT-2 with its weights.
 
     A resumed model has the shape the checkpoint was saved with: the configuration's for a run started from
     scratch (load_resume_checkpoint has checked that it still is), OpenAI's (bias, vocabulary, size) for one
@@ -204,10 +204,7 @@ def build_model(cfg, vocab_size, ckpt):
                 f"the dataset {cfg.dataset} has {vocab_size}; resume on data with the same vocabulary"
             )
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = GPT(GPTConfig(**model_args))
-    if ckpt is not None and not checkpoint.has_shards(ckpt):  # a sharded one: each rank reads its rows once sharded
-        checkpoint.load_model_state(model, ckpt["model"], ckpt_path)
-    return model, model_args
+    return GPT(GPTConfig(**model_args)), model_args
 
 
 def eval_windows(cfg, data, dist_info):

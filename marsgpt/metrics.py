@@ -229,7 +229,8 @@ class LogWindow:
     A checkpoint part, the metrics' cursor within a train line: a run resumed between two train lines averages
     the same steps' losses into the next one as the run left alone. Each rank's sum is its own (the train line
     all-reduces them), so state_dict() takes every rank's (gathered by `gather`, a collective under DDP) and
-    load_state_dict() gives each rank its own when the world size is the same, else the total to rank 0.
+    load_state_dict() gives each rank its own when the world size (this run's world_size ranks) is the same, else
+    the total to rank 0.
     The timing restarts with the process, and so does the pace that progress() measures."""
 
     loss_sum: torch.Tensor | None = None
@@ -238,6 +239,7 @@ class LogWindow:
     t0: float = dataclasses.field(default_factory=time.perf_counter)
     device: str = "cpu"
     rank: int = 0
+    world_size: int = 1
     gather: object = None  # this rank's loss sum -> every rank's
     first_line: tuple | None = None  # (iter, time) of this process's first train line: where its pace starts
 
@@ -268,10 +270,14 @@ class LogWindow:
         mine = 0.0 if self.loss_sum is None else self.loss_sum.item()  # a float32 value: exact as a float
         return {"loss_sums": self.gather(mine) if self.gather else [mine], "losses": self.losses}
 
-    def load_state_dict(self, state, world_size=1):
-        sums = state["loss_sums"]
-        mine = sums[self.rank] if len(sums) == world_size else sum(sums) if self.rank == 0 else 0.0
+    def load_state_dict(self, state):
+        """The window a checkpoint holds; None (a checkpoint written before the window was one of its parts, always
+        right after an evaluation, where the window is empty): an empty window."""
         self.restart()
+        if state is None:
+            return
+        sums = state["loss_sums"]
+        mine = sums[self.rank] if len(sums) == self.world_size else sum(sums) if self.rank == 0 else 0.0
         self.losses = state["losses"]
         if self.losses:
             self.loss_sum = torch.tensor(mine, dtype=torch.float32, device=self.device)

@@ -80,11 +80,6 @@ def kept_name(iteration):
 # What a checkpoint records beside its parts: the data's fingerprint (tokens.fingerprint), and metrics.jsonl's size
 # once synced as the checkpoint was written (MetricsLog.sync). config.json records the fingerprint too.
 DATA_FINGERPRINT, METRICS_SIZE = "data_fingerprint", "metrics_size"
-# The parts of a run a checkpoint holds, by name (train.checkpoint_parts maps them to the run's objects).
-CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress", "log_window")
-# Parts added since the first checkpoints: an older checkpoint resumes them fresh (the log window was empty
-# wherever those were written, right after an evaluation).
-NEWER_PARTS = ("log_window",)
 
 # The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
 # unless told to, or unless the run never completed a checkpoint (no checkpoints.jsonl).
@@ -547,14 +542,6 @@ class Requests:
     lock_lost: bool = False  # another launch took out_dir's lock (rank 0)
 
 
-class Part:
-    """A checkpoint part made of two functions, for an object whose own load_state_dict is not how a resume
-    restores it (the optimizer under new hyperparameters, the GradScaler only where float16 enables it)."""
-
-    def __init__(self, state_dict, load_state_dict):
-        self.state_dict, self.load_state_dict = state_dict, load_state_dict
-
-
 # ---------------------------------------------------------------------------------------------------
 # The run's directory, as train.py uses it.
 
@@ -639,11 +626,11 @@ class RunDir:
 
     def register(self, cfg, parts, extras, parallel):
         """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
-        state_dict() and load_state_dict(state); the model part a torch.nn.Module), handed over once, and the
-        plain values every checkpoint records beside them. `parallel`: the run's parallel.Parallelism; where it
-        writes sharded checkpoints (FSDP2's DTensors) every rank writes its rows of each checkpoint
-        (shards.ShardedCheckpointWriter), the background writes' collectives on a gloo process group of their own
-        (a collective, made here)."""
+        state_dict() and load_state_dict(state); the model's a checkpoint.ModelState), handed over once: what a
+        checkpoint holds is these and the plain values every checkpoint records beside them (`extras`).
+        `parallel`: the run's parallel.Parallelism; where it writes sharded checkpoints (FSDP2's DTensors) every
+        rank writes its rows of each checkpoint (shards.ShardedCheckpointWriter), the background writes'
+        collectives on a gloo process group of their own (a collective, made here)."""
         self.cfg, self.parts, self.extras, self.parallel = cfg, parts, extras, parallel
         self.sharded = parallel.writes_sharded_checkpoints
         if self.sharded:
@@ -652,14 +639,29 @@ class RunDir:
                 self.dist.rank, group, shards.new_token(group), on_saved=self._saved, on_error=self._write_failed
             )
 
-    def restore(self, ckpt, skip=()):
-        """Load every part but those in `skip` (the model, which launch.build_model built from the checkpoint). A
-        sharded checkpoint's tensors are read here, into what the run's parallelism makes of each (empty_like: this
-        rank's rows of a DTensor under FSDP2; an unsharded run's checkpoint.load_checkpoint read them whole)."""
+    def restore(self, ckpt, path):
+        """Load every part from the checkpoint `ckpt` (read from `path`). A part it does not hold is given None: a
+        part added since older checkpoints were written starts afresh in its own load_state_dict, and any other
+        raises checkpoint.MissingPart; the checkpoint is then refused, naming every part it lacks, before any part
+        changes. A sharded checkpoint's tensors are read here, into what the run's parallelism makes of each
+        (empty_like: this rank's rows of a DTensor under FSDP2; an unsharded run's load_checkpoint read them
+        whole)."""
+        missing = []
+        for name, part in self.parts.items():
+            if name not in ckpt:
+                try:
+                    part.load_state_dict(None)
+                except checkpoint.MissingPart:
+                    missing.append(name)
+        if missing:
+            raise CheckpointError(
+                f"{path} lacks {', '.join(missing)}: it was not written by this train.py, so it cannot be resumed "
+                "(init_from=resume); start a new run from its weights instead"
+            )
         if checkpoint.has_shards(ckpt):
             ckpt = checkpoint.read_shards(ckpt, self.parallel.empty_like)
         for name, part in self.parts.items():
-            if name not in skip and (name in ckpt or name not in NEWER_PARTS):
+            if name in ckpt:
                 part.load_state_dict(ckpt[name])
         self.saved_iter = checkpoint.iteration(ckpt)
 
@@ -753,7 +755,8 @@ class RunDir:
             return f"the last {progress.bad_steps} step(s) were skipped as non-finite"
         if val_loss is not None and not math.isfinite(val_loss):
             return f"the validation loss is {val_loss}"
-        largest = torch.nn.utils.get_total_norm(list(self.parts["model"].parameters()), norm_type=math.inf)
+        weights = list(self.parts["model"].model.parameters())
+        largest = torch.nn.utils.get_total_norm(weights, norm_type=math.inf)
         if not math.isfinite(largest.item()):
             return "the weights are not finite"
         return None

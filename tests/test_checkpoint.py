@@ -289,9 +289,9 @@ def test_rng_part_holds_every_rank_s_cuda_state_and_gives_each_rank_its_own(monk
     per_rank = [[torch.tensor([10 + r], dtype=torch.uint8)] for r in range(3)]
     saved = checkpoint.RNGState(rank=0, gather=lambda mine: per_rank).state_dict()
     assert [s[0].item() for s in saved["cuda_by_rank"]] == [10, 11, 12]
-    checkpoint.RNGState(rank=2).load_state_dict(saved, world_size=3)
+    checkpoint.RNGState(rank=2, world_size=3).load_state_dict(saved)
     assert restored == [12]
-    checkpoint.RNGState(rank=1).load_state_dict(saved, world_size=2)  # another world size: fresh seeds kept
+    checkpoint.RNGState(rank=1, world_size=2).load_state_dict(saved)  # another world size: fresh seeds kept
     assert restored == [12]
 
 

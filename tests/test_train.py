@@ -454,6 +454,20 @@ def test_world_size_must_divide_the_global_batch(data_path, tmp_path, monkeypatc
     )
 
 
+def test_a_checkpoint_from_before_a_part_was_added_resumes_it_afresh(data_path, tmp_path):
+    """A part added since older checkpoints were written starts afresh in its own load_state_dict: a checkpoint
+    without the log window (written, as every such one was, right after an evaluation) resumes and trains on."""
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, max_iters=4, eval_interval=4))
+    path = os.path.join(out, "ckpt.pt")
+    ckpt = checkpoint.load_checkpoint(path)
+    del ckpt["log_window"]
+    checkpoint.save_checkpoint(path, ckpt)
+    run_ok(tiny_args(data_path, out, max_iters=6, eval_interval=4, init_from="resume"))
+    assert checkpoint.load_checkpoint(out)["progress"]["iter_num"] == 6
+    assert [r["iter"] for r in read_metrics(out) if "train/loss" in r] == list(range(1, 7))
+
+
 def test_shape_mismatch_names_the_tensor(tmp_path):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=40))
     state = {k: v[..., :1] if k == "transformer.h.0.mlp.c_fc.weight" else v for k, v in model.state_dict().items()}
