@@ -1,19 +1,22 @@
-"""How a training run starts: what a resume must keep and may change, and the parts train.py builds from the
-configuration before its first step.
+"""How a training run starts: the run's state (Progress, Run) and setup, which builds it from the configuration
+before its first step -- what a resume must keep and may change, the data, the model, the optimizer, the parts a
+checkpoint holds -- and how it ends: the exit status of whatever ended it (exit_status).
 
 What init_from means for out_dir -- its lock, which checkpoint a resume continues, when a fresh start is
 refused -- is marsgpt/run_dir.py's; rank 0 decides it, and every rank then loads the checkpoint chosen and
 checks it here (resolve_run). A resume applies the configuration it is given: changed
 hyperparameters (learning rates, weight decays, betas, clip, ...) take effect, each printed as
 `resume: key old -> new`; keys that cannot change mid-run (config's fixed keys: the model shape, the
-optimizer and its MARS variant) are refused, and a key the run's optimizer does not read is neither.
+optimizer) are refused, and a key the run's optimizer does not read is neither.
 
 Every check on the user's input happens before the first step and before any file in out_dir changes.
 Whatever a rank reads from disk or the network is agreed on by all ranks (runtime.agree), so a rank that
 cannot read it makes every rank exit with the same error instead of a hang.
 """
 
+import contextlib
 import dataclasses
+import math
 import os
 import sys
 
@@ -21,18 +24,153 @@ import torch
 import torch.distributed as dist
 
 from marsgpt import checkpoint, memory_plan, metrics, optimizers, tokens
-from marsgpt.checkpoint import CheckpointError
+from marsgpt.checkpoint import CheckpointError, RNGState
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
-from marsgpt.metrics import MetricsError, MetricsLog
-from marsgpt.optimizers import OPTIMIZERS
-from marsgpt.run_dir import DATA_FINGERPRINT, METRICS_SIZE, RunDirError
-from marsgpt.runtime import SetupError, agree, decide_on_master
+from marsgpt.memory_plan import MemoryPlan, plan_memory
+from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
+from marsgpt.optimizers import OPTIMIZERS, TrainingOptimizer, build_optimizer
+from marsgpt.parallel import Parallelism
+from marsgpt.run_dir import DATA_FINGERPRINT, METRICS_SIZE, RunDir, RunDirError, RunStopped
+from marsgpt.runtime import (
+    Dist,
+    SetupError,
+    agree,
+    decide_on_master,
+    is_collective_timeout,
+    resolve_compile,
+    resolve_dtype,
+    set_deterministic,
+    setup_precision,
+)
 from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
 
 # The errors a user's input, a missing or damaged file or an unusable out_dir can cause: each is one `error:`
 # line and exit status 2.
 USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError, RunDirError, MetricsError)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run: what it carries from step to step, the objects it is built from, and setup, which builds them.
+
+
+@dataclasses.dataclass
+class Progress(checkpoint.DataclassState):
+    """What the loop carries from step to step (a checkpoint part)."""
+
+    iter_num: int = 0  # also the data's position: batches are a function of the step
+    evaluated_iter: int = -1  # the step whose evaluations are done and recorded (the metrics' cursor)
+    best_val_loss: float = math.inf
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    bad_steps: int = 0  # consecutive skipped steps
+    skipped_steps: int = 0
+    clip_count: int = 0
+    wandb_run_id: str = ""
+
+    def load_state_dict(self, state: dict | None) -> None:
+        super().load_state_dict(state)
+        if "evaluated_iter" not in state:  # written before the field: always right after its step's evaluation
+            self.evaluated_iter = self.iter_num
+        self.bad_steps = 0  # a resume (with a lower learning rate, say) starts with a clean count
+
+    def stamp(self, time_s: float) -> dict:
+        """The x axes of a record made now."""
+        return metrics.stamp(self.iter_num, self.tokens, time_s)
+
+
+@dataclasses.dataclass
+class Run:
+    """The objects one training run is built from (setup builds them; train.py's loop runs them)."""
+
+    cfg: TrainConfig
+    dist: Dist
+    parallel: Parallelism  # how the run is spread over its ranks: DDP, ZeRO-1 or FSDP2
+    model: torch.nn.Module  # the GPT (its blocks compiled, under FSDP2 sharded, in place): what evaluation runs
+    train_model: torch.nn.Module  # what the training forward goes through: the model, or DDP's wrapper of it
+    compiled: bool  # torch.compile: each block and the loss (model.GPT.compile_blocks)
+    model_args: dict
+    optimizer: TrainingOptimizer
+    scaler: torch.amp.GradScaler
+    autocast: contextlib.AbstractContextManager
+    train_data: TokenData
+    val_batches: list  # this rank's share of the fixed evaluation windows
+    train_batches: list
+    hellaswag_examples: list | None
+    metrics: MetricsLog | None
+    window: LogWindow  # the steps since the last train line
+    directory: RunDir
+    memory_plan: MemoryPlan | None = None  # rank 0's, printed by describe()
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.gradient_accumulation_steps * self.cfg.block_size
+
+
+def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) -> tuple[Run, Progress, bool]:
+    """(Run, Progress, resumed): everything checked and built, and a resumed run's every part restored, before the
+    first change to out_dir (`directory`, a run_dir.RunDir, held; main's handles the stop signals); nothing
+    trained yet."""
+    parallel = Parallelism.of(cfg, dist_info)
+    directory = directory or RunDir(cfg, dist_info)
+    train_data, val_data, vocab_size = agree(dist_info, lambda: load_data(cfg), USER_ERRORS)
+    cfg, start, ckpt = resolve_run(cfg, dist_info, directory, train_data.vocabulary, parallel)
+    hellaswag_examples = setup_hellaswag(cfg, train_data, dist_info)
+    model, model_args = agree(dist_info, lambda: build_model(cfg, vocab_size, ckpt), USER_ERRORS)
+    set_deterministic(cfg.deterministic, dist_info.device_type)
+    model.to(dist_info.device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
+    compile_model = resolve_compile(cfg.compile, dist_info.device_type)
+    run = Run(
+        cfg=cfg,
+        dist=dist_info,
+        parallel=parallel,
+        model=model,
+        train_model=parallel.wrap(model, compile_model, resolve_dtype(cfg.dtype, dist_info.device_type)),
+        compiled=compile_model,
+        model_args=model_args,
+        optimizer=build_optimizer(model, cfg, parallel),
+        scaler=scaler,
+        autocast=autocast,
+        train_data=train_data,
+        val_batches=eval_windows(cfg, val_data, dist_info),
+        train_batches=eval_windows(cfg, train_data, dist_info),
+        hellaswag_examples=hellaswag_examples,
+        metrics=None,
+        window=LogWindow(
+            device=dist_info.device,
+            rank=dist_info.rank,
+            world_size=dist_info.world_size,
+            gather=gather_by_rank(dist_info),
+        ),
+        directory=directory,
+        memory_plan=plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
+    )
+    progress = Progress()
+    # What a checkpoint holds: each stateful part, restored by its own load_state_dict (checkpoint.ModelState's
+    # places the weights as the parallelism keeps them), and the values every checkpoint records beside them.
+    parts = dict(
+        model=checkpoint.ModelState(model, parallel.place_state, checkpoint.checkpoint_path(cfg.out_dir)),
+        optimizer=run.optimizer,
+        scaler=checkpoint.ScalerState(scaler),
+        rng=RNGState(dist_info.rank, dist_info.world_size, gather_rng(dist_info)),
+        progress=progress,
+        log_window=run.window,
+    )
+    extras = dict(model_args=model_args, config=config_to_dict(cfg), vocabulary=train_data.vocabulary)
+    directory.register(cfg, parts, extras, parallel)
+    if ckpt is not None:
+        agree(dist_info, lambda: directory.restore(ckpt, start.path), USER_ERRORS)
+    if dist_info.is_master:
+        changes = config_changes(ckpt["config"], cfg, OPTIMIZERS) if ckpt else []
+        directory.prepare(cfg, start, ckpt, changes)
+    run.metrics = directory.metrics = open_metrics(cfg, dist_info, progress, start, ckpt)
+    return run, progress, ckpt is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# What setup builds a run from.
 
 
 def load_data(cfg):
@@ -241,7 +379,7 @@ def open_metrics(cfg, dist_info, progress, start, ckpt):
     if lost and progress.evaluated_iter == progress.iter_num:
         progress.evaluated_iter = -1
     if dist_info.is_master:
-        at = {metrics.ITER: progress.iter_num, metrics.TOKENS: progress.tokens, metrics.TIME_S: progress.elapsed_s}
+        at = metrics.stamp(progress.iter_num, progress.tokens, progress.elapsed_s)
         for line in log.repairs:
             print(f"note: {line}", flush=True)
         if lost:
@@ -346,3 +484,41 @@ def describe(run, progress):
             f"note: mfu is logged as null: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name()} "
             "(model.PEAK_BF16_FLOPS)"
         )
+
+
+# ---------------------------------------------------------------------------------------------------
+# How a run ends: the exit status of whatever ended it.
+
+TIMED_OUT = 1  # the exit status after a collective timed out
+
+
+def exit_status(error, cfg, dist_info, directory, progress):
+    """The exit status for the exception that ended train.main (`directory`, `progress`: the run's, None before
+    they exist), after its one line on stderr; None for an exception that is not one of this repository's (it
+    keeps its traceback)."""
+    master = dist_info is None or dist_info.is_master
+    if isinstance(error, USER_ERRORS):
+        # a setup decision every rank took together fails on every rank: rank 0 says it once
+        if master or not isinstance(error, SetupError):
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+    if isinstance(error, RunStopped):  # a signal, divergence, a failed write: rank 0 knows the checkpoints
+        if error.line:
+            print(error.line, file=sys.stderr)
+        return error.status
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C (torchrun passes it to every rank): one line, no traceback
+        if master and directory is None:  # while reading the configuration or joining the ranks
+            print("interrupted before the run started", file=sys.stderr)
+        elif master:
+            directory.wait_for_writes("interrupted")  # a save in flight is the newest checkpoint
+            where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
+            print(f"interrupted {where}; {directory.resume_advice()}", file=sys.stderr)
+        return 130
+    if is_collective_timeout(error, dist_info):
+        print(
+            f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
+            f"(another rank died or hangs); {directory.resume_advice()}",
+            file=sys.stderr,
+        )
+        return TIMED_OUT
+    return None

@@ -283,6 +283,55 @@ class LogWindow:
             self.loss_sum = torch.tensor(mine, dtype=torch.float32, device=self.device)
 
 
+def stamp(iter_num: int, tokens: int, time_s: float) -> dict:
+    """The x axes every record carries."""
+    return {ITER: iter_num, TOKENS: tokens, TIME_S: time_s}
+
+
+@dataclasses.dataclass
+class TrainLine:
+    """A train line: how the steps since the previous one went (`at`: their last step's stamp), as the record
+    metrics.jsonl holds and the line printed for it."""
+
+    at: dict
+    loss: float  # the mean loss of the window's steps that were not skipped (NaN: none was)
+    lr: float
+    grad_norm: float  # the last step's, before clipping
+    clip_rate: float  # the fraction of the run's steps so far that were clipped
+    param_norm: float
+    skipped_steps: int  # in the run so far
+    tokens_per_sec: float
+    step_s: float  # the window's seconds per step
+    mfu: tuple  # (PaLM's, llm.c's) model FLOPs utilisation as fractions, each None off a GPU of known peak
+    state_norms: dict  # {name: value}: the optimizer's (optimizers.TrainingOptimizer.state_norms)
+
+    def record(self) -> dict:
+        mfu, mfu_llmc = (None if m is None else m * 100 for m in self.mfu)
+        return {
+            **self.at,
+            TRAIN_LOSS: self.loss,
+            LR: self.lr,
+            GRAD_NORM: self.grad_norm,
+            CLIP_RATE: self.clip_rate,
+            TOKENS_PER_SEC: self.tokens_per_sec,
+            STEP_MS: self.step_s * 1000,
+            MFU: mfu,
+            MFU_LLMC: mfu_llmc,
+            PARAM_NORM: self.param_norm,
+            SKIPPED_STEPS: self.skipped_steps,
+            **self.state_norms,
+        }
+
+    def text(self, progress: str) -> str:
+        """'iter 250: loss 2.1234, lr ..., 12.3 ms/step, ... tok/s, mfu ...; <progress>' (LogWindow.progress)."""
+        mfu, mfu_llmc = self.mfu
+        mfu_text = "" if mfu is None else f", mfu {mfu * 100:.1f}% (llm.c's count {mfu_llmc * 100:.1f}%)"
+        return (
+            f"iter {self.at[ITER]}: loss {self.loss:.4f}, lr {self.lr:.3e}, grad_norm {self.grad_norm:.3f}, "
+            f"{self.step_s * 1000:.1f} ms/step, {self.tokens_per_sec:,.0f} tok/s{mfu_text}; {progress}"
+        )
+
+
 CUT_SHORT = "cut short"  # a last line without its newline
 
 

@@ -667,26 +667,22 @@ class RunDir:
 
     # --- every step
 
-    def with_requests(self, values):
-        """`values` (the step's norms, on the device) with every rank's requests appended for the step's one host
-        read; receive() takes them back. Under DDP each rank's requests (Requests: a signal, and rank 0's
-        clock, failed write and lost lock) are 4 numbers all-reduced (max) so that they reach every rank at the
-        same step: one all-reduce of 4 numbers per step, read with the step's own synchronisation."""
-        if not self.dist.ddp:
-            return values
-        flags = torch.tensor([float(v) for v in self._my_requests()], device=values.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return torch.cat([values.flatten(), flags])
-
-    def receive(self, read):
-        """The step's values read back (a list), without the requests with_requests appended, which are kept
-        as the agreed requests for the next step boundary."""
+    def read_with_requests(self, values):
+        """The step's values (its norms, on the device) read back to the host, the step's one synchronisation, with
+        every rank's requests agreed on the way and kept for the next step boundary (check_requests,
+        save_if_due). Under DDP each rank's requests (Requests: a signal, and rank 0's clock, failed write and lost
+        lock) are 4 numbers appended to the values and all-reduced (max), so they reach every rank at the same
+        step: one all-reduce of 4 numbers per step, read with the step's own values."""
         if self.dist.ddp:
-            read, requests = read[: -len(dataclasses.fields(Requests))], read[-len(dataclasses.fields(Requests)) :]
+            flags = torch.tensor([float(v) for v in self._my_requests()], device=values.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            read = torch.cat([values.flatten(), flags]).tolist()
+            values, requests = read[: -len(flags)], read[-len(flags) :]
         else:
+            values = values.tolist()
             requests = self._my_requests()
         self.agreed = Requests(int(requests[0]), bool(requests[1]), bool(requests[2]), bool(requests[3]))
-        return read
+        return values
 
     def _my_requests(self):
         master = self.dist.is_master

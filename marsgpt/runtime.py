@@ -128,6 +128,20 @@ def setup_distributed(cfg):
     return info
 
 
+def is_collective_timeout(error: BaseException, dist_info: Dist | None) -> bool:
+    """Whether `error` is a gloo collective that waited ddp_timeout_s in vain. (A timed-out NCCL collective never
+    raises one: its watchdog ends the process, as setup_distributed chooses; docs/training.md says why.)"""
+    timed_out = isinstance(error, RuntimeError) and "timed out" in str(error).lower()
+    return timed_out and dist_info is not None and dist_info.ddp
+
+
+def leave_process_group(dist_info: Dist | None, timed_out: bool) -> None:
+    """Destroy the process group a torchrun launch joined, unless a collective timed out: then it cannot be torn
+    down (destroying it waits on the dead peer) and exit_process leaves at once."""
+    if dist_info is not None and dist_info.ddp and dist.is_initialized() and not timed_out:
+        dist.destroy_process_group()
+
+
 # A cgroup's CPU quota and period, as cgroup v2 and v1 give them (in a container, its own cgroup is mounted here).
 CPU_QUOTA_FILES = (
     ("/sys/fs/cgroup/cpu.max",),

@@ -16,7 +16,7 @@ from train_helpers import ROOT, diverging_from, make_char_data, tiny_args
 import train
 from bench.common import rendezvous
 from marsgpt import checkpoint, memory_plan, runtime
-from marsgpt.optimizers import scheduled_lr
+from marsgpt.optimizers import build_optimizer, scheduled_lr
 from marsgpt.parallel import Parallelism
 from marsgpt.tokens import TokenData, write_shard
 from model import GPT, GPTConfig, model_args_from_config
@@ -122,7 +122,7 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     order = dict(
         zip(
             group_params,
-            [p for g in train.build_optimizer(model, cfg, Parallelism.single()).param_groups for p in g["params"]],
+            [p for g in build_optimizer(model, cfg, Parallelism.single()).param_groups for p in g["params"]],
         )
     )
     by_param = {id(p): n for n, p in model.named_parameters()}
