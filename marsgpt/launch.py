@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,9 +29,9 @@ from marsgpt.checkpoint import CheckpointError, RNGState
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
 from marsgpt.memory_plan import MemoryPlan, plan_memory
 from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
-from marsgpt.optimizers import OPTIMIZERS, TrainingOptimizer, build_optimizer
+from marsgpt.optimizers import OPTIMIZERS, Registry, TrainingOptimizer, build_optimizer
 from marsgpt.parallel import Parallelism
-from marsgpt.run_dir import DATA_FINGERPRINT, METRICS_SIZE, RunDir, RunDirError, RunStopped
+from marsgpt.run_dir import DATA_FINGERPRINT, METRICS_SIZE, RunDir, RunDirError, RunStopped, Start
 from marsgpt.runtime import (
     Dist,
     SetupError,
@@ -173,7 +174,7 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
 # What setup builds a run from.
 
 
-def load_data(cfg):
+def load_data(cfg: TrainConfig) -> tuple[TokenData, TokenData, int]:
     data_dir = os.path.join(cfg.data_path, cfg.dataset)
     train_data, val_data = TokenData(data_dir, "train"), TokenData(data_dir, "val")
     vocab_size = model_vocab_size(train_data)
@@ -187,7 +188,9 @@ def load_data(cfg):
 HASH_NOTE_BYTES = 1 << 30
 
 
-def resolve_run(cfg, dist_info, directory, vocabulary, parallel):
+def resolve_run(
+    cfg: TrainConfig, dist_info: Dist, directory: RunDir, vocabulary: str, parallel: Parallelism
+) -> tuple[TrainConfig, Start, dict | None]:
     """(cfg with init_from decided, the run_dir.Start, the checkpoint to resume or None), agreed on by every
     rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), every rank fingerprints the data (the
     Start's `data`), then every rank loads the checkpoint rank 0 chose and checks it against this launch's
@@ -212,7 +215,7 @@ def resolve_run(cfg, dist_info, directory, vocabulary, parallel):
     return cfg, start, ckpt
 
 
-def data_fingerprint(cfg, is_master):
+def data_fingerprint(cfg: TrainConfig, is_master: bool) -> dict:
     """tokens.fingerprint of the run's dataset, with a note (rank 0's) when making it read much of the data."""
     data_dir = os.path.join(cfg.data_path, cfg.dataset)
     data, hashed = tokens.fingerprint(data_dir)
@@ -226,7 +229,7 @@ def data_fingerprint(cfg, is_master):
     return data
 
 
-def data_change(cfg, path, ckpt, data):
+def data_change(cfg: TrainConfig, path: str, ckpt: dict, data: dict) -> str:
     """How the data changed since the checkpoint at `path` was written ('' when it did not, or the checkpoint
     predates fingerprints); CheckpointError naming the change unless allow_data_change."""
     if DATA_FINGERPRINT not in ckpt:
@@ -242,7 +245,7 @@ def data_change(cfg, path, ckpt, data):
     return ", ".join(changes)
 
 
-def load_resume_checkpoint(cfg, path, dist_info, vocabulary, whole):
+def load_resume_checkpoint(cfg: TrainConfig, path: str, dist_info: Dist, vocabulary: str, whole: bool) -> dict:
     """The checkpoint at `path`, checked for keys the configuration may not change and for the data's vocabulary
     (its parts are checked as they are restored). Rank 0 verified its checksum while choosing it; the other ranks
     verify it here. A sharded checkpoint's tensors are read whole here (`whole`) for an unsharded run; a sharded
@@ -275,7 +278,7 @@ def load_resume_checkpoint(cfg, path, dist_info, vocabulary, whole):
     return ckpt
 
 
-def fixed_changes(saved, cfg, registry):
+def fixed_changes(saved: dict, cfg: object, registry: Registry) -> list[tuple]:
     """(key, saved value, new value) for each key of cfg's class declared fixed=True that cfg changes from the
     checkpoint's configuration `saved`: the resume rule. Every other key may change (config_changes names
     them), and so may a fixed key the run's optimizer (in `registry`, an optimizers.Registry) does not read
@@ -290,14 +293,14 @@ def fixed_changes(saved, cfg, registry):
     return changes
 
 
-def saved_value(saved, key, new):
+def saved_value(saved: dict, key: str, new: object) -> object:
     """A key's value in a checkpoint's configuration, as comparable with the new value `new` (a tuple, when
     it is one); `new` itself when the checkpoint predates the key."""
     old = saved.get(key, new)
     return tuple(old) if isinstance(new, tuple) else old
 
 
-def config_changes(saved, cfg, registry):
+def config_changes(saved: dict, cfg: object, registry: Registry) -> list[str]:
     """`resume: key old -> new` for every key the resumed run's configuration changes (a key the run's
     optimizer, in `registry`, does not read says so)."""
     saved, unused = current_keys(saved, type(cfg)), registry.unused_keys(cfg)
@@ -310,7 +313,7 @@ def config_changes(saved, cfg, registry):
     return lines
 
 
-def build_model(cfg, vocab_size, ckpt):
+def build_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None) -> tuple[GPT, dict]:
     """(GPT, model_args) for init_from: a fresh model, one shaped as the checkpoint's (a resume restores its weights
     as it restores every part: run_dir.RunDir.restore), or OpenAI's GPT-2 with its weights.
 
@@ -345,13 +348,13 @@ def build_model(cfg, vocab_size, ckpt):
     return GPT(GPTConfig(**model_args)), model_args
 
 
-def eval_windows(cfg, data, dist_info):
+def eval_windows(cfg: TrainConfig, data: TokenData, dist_info: Dist) -> list:
     """This rank's share of the fixed evaluation windows: every world_size-th (train.evaluate all-reduces)."""
     batches = data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.windows_per_stream)
     return batches[dist_info.rank :: dist_info.world_size]
 
 
-def open_metrics(cfg, dist_info, progress, start, ckpt):
+def open_metrics(cfg: TrainConfig, dist_info: Dist, progress: Progress, start: Start, ckpt: dict | None) -> MetricsLog:
     """The run's MetricsLog (metrics.jsonl and wandb on rank 0); a resumed run continues its records (an
     eval_only launch, which trains nothing, cuts none) and its wandb run (or the one --wandb_run_id names),
     whose id progress then carries.
@@ -390,7 +393,7 @@ def open_metrics(cfg, dist_info, progress, start, ckpt):
     return log
 
 
-def setup_hellaswag(cfg, train_data, dist_info):
+def setup_hellaswag(cfg: TrainConfig, train_data: TokenData, dist_info: Dist) -> list | None:
     """HellaSwag examples when hellaswag_interval asks for them and they can be scored, else None.
 
     Rank 0 finds or downloads the file; every rank then reads it and loads the GPT-2 tokenizer the evaluation
@@ -420,13 +423,13 @@ def setup_hellaswag(cfg, train_data, dist_info):
     return None
 
 
-def gather_rng(dist_info):
+def gather_rng(dist_info: Dist) -> Callable | None:
     """RNGState's gather: every rank's CUDA generator states (a collective under DDP on CUDA); None, RNGState's
     default (this rank's alone), otherwise."""
     return gather_by_rank(dist_info) if torch.cuda.is_available() else None
 
 
-def gather_by_rank(dist_info):
+def gather_by_rank(dist_info: Dist) -> Callable | None:
     """A function from this rank's value to every rank's, in rank order (a collective), under DDP; else None."""
     if not dist_info.ddp:
         return None
@@ -439,7 +442,7 @@ def gather_by_rank(dist_info):
     return gather
 
 
-def describe(run, progress):
+def describe(run: Run, progress: Progress) -> None:
     """Print the effective configuration and the token budget."""
     cfg = run.cfg
     micro_batches = cfg.gradient_accumulation_steps // run.dist.world_size
@@ -492,7 +495,13 @@ def describe(run, progress):
 TIMED_OUT = 1  # the exit status after a collective timed out
 
 
-def exit_status(error, cfg, dist_info, directory, progress):
+def exit_status(
+    error: BaseException,
+    cfg: TrainConfig | None,
+    dist_info: Dist | None,
+    directory: RunDir | None,
+    progress: Progress | None,
+) -> int | None:
     """The exit status for the exception that ended train.main (`directory`, `progress`: the run's, None before
     they exist), after its one line on stderr; None for an exception that is not one of this repository's (it
     keeps its traceback)."""

@@ -208,7 +208,7 @@ def build_optimizer(
     return TrainingOptimizer(entry, entry.build(groups, cfg, parallel), cfg, parallel)
 
 
-def closure_loss(closure):
+def closure_loss(closure: Callable | None) -> object:
     """torch.optim's step(closure) protocol: the loss closure() returns, computed with gradients on."""
     if closure is None:
         return None
@@ -225,28 +225,28 @@ class ChainedOptimizer:
         self.optimizers = list(optimizers)
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list:
         # Recomputed on each access: load_state_dict replaces the group dicts inside each optimizer.
         return [group for opt in self.optimizers for group in opt.param_groups]
 
     @property
-    def state(self):
+    def state(self) -> dict:
         return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
-    def step(self, closure=None):
+    def step(self, closure: Callable | None = None) -> object:
         loss = closure_loss(closure)
         for opt in self.optimizers:
             opt.step()
         return loss
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict["optimizers"]
         if len(saved) != len(self.optimizers):
             raise ValueError(f"state_dict holds {len(saved)} optimizers, this one chains {len(self.optimizers)}")
@@ -258,15 +258,15 @@ class ChainedOptimizer:
 # The registry: a trainer's optimizers, each an entry that says everything about it.
 
 
-def no_look_ahead(cfg):
+def no_look_ahead(cfg: object) -> bool:
     return False
 
 
-def no_state_norms(optimizer, parallel):
+def no_state_norms(optimizer: object, parallel: Parallelism) -> dict:
     return {}
 
 
-def no_check(cfg):
+def no_check(cfg: object) -> str | None:
     return None
 
 
@@ -313,31 +313,31 @@ class Registry:
         self.entries = tuple(dataclasses.replace(entry, unused_keys=read - entry.keys) for entry in entries)
         self._by_name = {entry.name: entry for entry in self.entries}
 
-    def entry(self, cfg):
+    def entry(self, cfg: object) -> OptimizerEntry:
         """The entry cfg names."""
         name = getattr(cfg, self.key)
         if name not in self._by_name:
             raise ValueError(f"{self.key}={name!r} is none of: {', '.join(self._by_name)}")
         return self._by_name[name]
 
-    def descriptions(self):
+    def descriptions(self) -> dict[str, str]:
         """{name: its one-line description}: the key's values and its --help."""
         return {entry.name: entry.description for entry in self.entries}
 
-    def selected_by(self, cfg):
+    def selected_by(self, cfg: object) -> str:
         """How cfg names its optimizer: 'optimizer=muon'."""
         return f"{self.key}={getattr(cfg, self.key)}"
 
-    def check(self, cfg):
+    def check(self, cfg: object) -> str | None:
         """None, or why cfg's other keys do not go with the optimizer it names."""
         return self.entry(cfg).check(cfg)
 
-    def unused_keys(self, cfg):
+    def unused_keys(self, cfg: object) -> frozenset:
         """The keys some optimizer here reads and cfg's does not: a resume may change them, and a note names
         those set away from their defaults."""
         return self.entry(cfg).unused_keys
 
-    def ignored_settings(self, cfg, defaults):
+    def ignored_settings(self, cfg: object, defaults: object) -> str | None:
         """A note naming the keys set away from their `defaults` (a configuration) that cfg's optimizer does not
         read, or None. A key the entry calls an alias is exempt where it has the value of the key it stands for
         (Muon's learning_rate = muon_adamw_lr in the paper configs: the reference's name for the AdamW part's lr)."""
@@ -353,11 +353,11 @@ class Registry:
         hint = f" ({entry.unused_hint})" if entry.unused_hint else ""
         return f"note: {self.selected_by(cfg)} does not use {', '.join(ignored)}{hint}"
 
-    def reference_values(self, key):
+    def reference_values(self, key: str) -> list[str]:
         """The values the reference's key `key` takes here, in the entries' order."""
         return list(dict.fromkeys(e.reference_keys[key] for e in self.entries if key in e.reference_keys))
 
-    def from_reference_keys(self, current, given):
+    def from_reference_keys(self, current: str, given: dict[str, str]) -> str:
         """The name of the optimizer the reference's keys `given` ({key: value}) name, where the run so far names
         `current`: the reference's keys of `current`, updated with `given`, and the first entry whose reference
         keys they match (a key they leave out matches any value: the reference's default is the first entry's).
@@ -388,7 +388,7 @@ def _check_split(entry, model, parts):
         )
 
 
-def group_hyperparameters(optimizer, entry, cfg):
+def group_hyperparameters(optimizer: object, entry: OptimizerEntry, cfg: object) -> None:
     """Write every hyperparameter cfg sets into optimizer's groups, each group by its name, after
     load_state_dict restored the checkpoint's: lr and 'initial_lr' (the peak), weight decays, betas, MARS's
     gamma and 1-D settings. The schedule then sets the lr. Optimizer-internal constants (eps, Muon's
@@ -415,7 +415,7 @@ def group_hyperparameters(optimizer, entry, cfg):
 # The learning-rate schedule.
 
 
-def schedule_lengths(cfg):
+def schedule_lengths(cfg: object) -> tuple[int, int]:
     """(warmup_iters, lr_decay_iters) the schedule runs on: as configured, or with scale_schedule fitted to
     max_iters -- the configured schedule taken as written for a run of lr_decay_iters steps, warmup scaled by
     max_iters / lr_decay_iters and the decay ending at max_iters, so a paper config shortened for a test run
@@ -425,7 +425,7 @@ def schedule_lengths(cfg):
     return round(cfg.warmup_iters * cfg.max_iters / cfg.lr_decay_iters), cfg.max_iters
 
 
-def scheduled_lr(it, cfg, peak):
+def scheduled_lr(it: int, cfg: object, peak: float) -> float:
     """The lr at iteration `it` of a group whose peak lr is `peak`: the reference get_lr
     (MARS/train_muon.py's, which takes each optimizer's base lr; train_mars.py's is the same for one).
 
@@ -459,7 +459,7 @@ def scheduled_lr(it, cfg, peak):
     return cfg.min_lr + coeff * (peak - cfg.min_lr)
 
 
-def schedule_warning(cfg):
+def schedule_warning(cfg: object) -> str | None:
     """A warning when max_iters ends the run inside warmup or before the cosine decay ends (a paper config run
     with --max_iters=100 would train at a few percent of its learning rate and say nothing), else None."""
     if not cfg.decay_lr or cfg.scale_schedule or cfg.max_iters == 0 or cfg.eval_only:

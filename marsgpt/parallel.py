@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from marsgpt import fsdp
+from marsgpt.config import TrainConfig
 from marsgpt.runtime import Dist, SetupError
 from marsgpt.zero import ShardedOptimizer
 
@@ -33,7 +34,7 @@ class Parallelism:
     mesh: object = None  # FSDP2's DeviceMesh, made when wrap() shards the model
 
     @classmethod
-    def of(cls, cfg, dist_info: Dist) -> "Parallelism":
+    def of(cls, cfg: TrainConfig, dist_info: Dist) -> "Parallelism":
         """The run cfg configures on the ranks of dist_info; SetupError (every rank alike) when HSDP's replica groups
         do not divide them."""
         if cfg.zero_stage == 3 and dist_info.world_size % cfg.hsdp_replicas:
@@ -45,7 +46,7 @@ class Parallelism:
         return cls(dist_info, cfg.zero_stage, cfg.hsdp_replicas, cfg.gradient_sync)
 
     @classmethod
-    def planned(cls, cfg, world_size: int, torchrun: bool) -> "Parallelism":
+    def planned(cls, cfg: TrainConfig, world_size: int, torchrun: bool) -> "Parallelism":
         """cfg's run on world_size ranks, launched by torchrun or not, as the memory plan sees it: no process group,
         nothing placed on a device."""
         planned = Dist(ddp=torchrun, world_size=world_size, device="meta")
@@ -150,7 +151,7 @@ class Parallelism:
 
     # --- the optimizer
 
-    def make(self, optimizer_class: type, groups: list, **options) -> object:
+    def make(self, optimizer_class: type, groups: list, **options: object) -> object:
         """optimizer_class over `groups` as this run places it: a ShardedOptimizer of it under ZeRO-1, its
         owner-computing class under FSDP2 where it has one (fsdp.OWNER_CLASSES), else itself."""
         if self.shards_optimizer_state:

@@ -5,6 +5,7 @@ sharded; its checkpoints are in the unsharded optimizer's own format, so a run r
 sharded or not.
 """
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -31,33 +32,33 @@ class ShardedOptimizer:
     Exact MARS's look-ahead calls go to `local`, the rank's own MARS.
     """
 
-    def __init__(self, params, optimizer_class, **defaults):
+    def __init__(self, params: list, optimizer_class: type, **defaults: object):
         # imported here: torch.distributed.optim adds seconds to every start, and only sharded runs need it
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         self.zero = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **defaults)
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list:
         return self.zero.param_groups
 
     @property
-    def local(self):
+    def local(self) -> torch.optim.Optimizer:
         """This rank's optimizer_class over its share of the parameters."""
         return self.zero.optim
 
     @property
-    def state(self):
+    def state(self) -> dict:
         """The state this rank holds: its share's."""
         return self.local.state
 
-    def step(self, closure=None):
+    def step(self, closure: Callable | None = None) -> object:
         return self.zero.step(closure)
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self):
+    def state_dict(self) -> dict | None:
         """Collective: on rank 0 every rank's share in the unsharded format, on the other ranks None.
 
         Each state tensor reaches rank 0's host once, one tensor at a time: over gloo straight into its host
@@ -99,7 +100,7 @@ class ShardedOptimizer:
             group.update({k: str(v).removeprefix("torch.") for k, v in group.items() if isinstance(v, torch.dtype)})
         return checkpoint.hand_over(state)  # private host copies: the checkpoint writer need not copy them again
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict) -> None:
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("the saved optimizer state has different parameter groups than this optimizer")
@@ -117,14 +118,14 @@ class ShardedOptimizer:
         self.local.load_state_dict({"state": local_state, "param_groups": local_groups})
 
 
-def transfer(op, tensor, peer, group):
+def transfer(op: Callable, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
     """One isend or irecv of `tensor` with global rank `peer`, finished. Through batch_isend_irecv, which on
     NCCL uses the group's communicator; a plain send or recv would open a new one for each pair of ranks."""
     for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]):
         work.wait()
 
 
-def received(like, source, group, device):
+def received(like: torch.Tensor, source: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
     """A host tensor shaped like the meta tensor `like`, received from global rank `source` into a buffer on
     `device` (the buffer itself when that is the CPU)."""
     buffer = torch.empty(like.shape, dtype=like.dtype, device=device)
