@@ -223,9 +223,9 @@ class TrainConfig:
     mars_fused: bool = key(
         False,
         "MARS: its compiled step (mars.MARS(fused=True): torch.compile, with a C++ compiler on CPU, Triton on "
-        "CUDA; the first step compiles for seconds). Faster on a CPU: MARS-AdamW's step 1.85x fused AdamW's "
-        "against 2.69x (python -m bench.run_all --quick --only mars, docs/mars.md); on CUDA "
-        "scripts/gpu_check.sh's optimizer row says which path to take",
+        "CUDA; the first step compiles for seconds). Which path is faster on this machine: python -m bench.run_all "
+        "--quick --only mars on a CPU (docs/mars.md has measured figures), scripts/gpu_check.sh's optimizer row on "
+        "CUDA",
     )
     # --- Muon baseline: torch.optim.Muon on matrices, AdamW on the rest (defaults: the reference's)
     muon_lr: float = key(2e-2, "Muon: lr of the matrices", non_negative)
