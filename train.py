@@ -176,6 +176,11 @@ def evaluate(run: Run, batches: list) -> float:
     return run.parallel.all_reduce_sum(loss_sum).item() / run.cfg.eval_iters
 
 
+def stamp(progress: Progress, time_s: float) -> dict:
+    """The x axes of a record made at this step boundary."""
+    return metrics.stamp(progress.iter_num, progress.tokens, time_s)
+
+
 def step_mfu(run: Run, step_s: float) -> tuple[float | None, float | None]:
     """(PaLM's, llm.c's) model FLOPs utilisation of steps of step_s seconds each (model.GPT.flops_per_token), or
     None each off a GPU of known peak. Exact MARS's look-ahead adds a forward and backward pass per step."""
@@ -198,7 +203,7 @@ def log_train(run: Run, progress: Progress, window: LogWindow, result: StepResul
     step_s = (time.perf_counter() - window.t0) / window.steps
     values = torch.stack([v.float() for v in (loss, param_norm, *state_norms.values())]).tolist()
     line = metrics.TrainLine(
-        at=progress.stamp(time_s),
+        at=stamp(progress, time_s),
         loss=values[0],
         lr=run.optimizer.lr,
         grad_norm=result.grad_norm,
@@ -228,7 +233,7 @@ def evaluate_all(run: Run, progress: Progress, time_s: float) -> float | None:
         eval_s = time.perf_counter() - t0  # a compiled model's first evaluation includes compiling its graph
         if master:
             print(f"step {it}: train loss {train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
-            entry = {**progress.stamp(time_s), metrics.VAL_LOSS: val_loss, metrics.EVAL_TRAIN_LOSS: train_loss}
+            entry = {**stamp(progress, time_s), metrics.VAL_LOSS: val_loss, metrics.EVAL_TRAIN_LOSS: train_loss}
             if run.compiled:
                 entry[metrics.EVAL_S] = eval_s
             if record:
@@ -252,7 +257,7 @@ def evaluate_all(run: Run, progress: Progress, time_s: float) -> float | None:
                 f"acc {result['acc']:.4f}, acc_norm_tokens {result['acc_norm_tokens']:.4f} (n={result['n']})",
                 flush=True,
             )
-            run.metrics.write({**progress.stamp(time_s), metrics.HELLASWAG: result["acc_norm"]})
+            run.metrics.write({**stamp(progress, time_s), metrics.HELLASWAG: result["acc_norm"]})
     progress.evaluated_iter = it
     return val_loss
 
@@ -299,7 +304,7 @@ def step_and_log(
     progress.clip_count += result.clipped
     window.add(result.loss, result.skipped)
     if first and run.compiled and run.dist.is_master:
-        run.metrics.write({**progress.stamp(time_s()), metrics.FIRST_STEP_S: time.perf_counter() - t0})
+        run.metrics.write({**stamp(progress, time_s()), metrics.FIRST_STEP_S: time.perf_counter() - t0})
     if result.skipped:
         record_skip(run, progress, result, time_s())
     else:
@@ -321,7 +326,7 @@ def record_skip(run: Run, progress: Progress, result: StepResult, time_s: float)
             f"({progress.bad_steps} in a row, {progress.skipped_steps} in the run)",
             flush=True,
         )
-        run.metrics.write({**progress.stamp(time_s), metrics.SKIPPED_STEPS: progress.skipped_steps})
+        run.metrics.write({**stamp(progress, time_s), metrics.SKIPPED_STEPS: progress.skipped_steps})
     if progress.bad_steps >= run.cfg.max_bad_steps:
         raise run.directory.diverged(progress)
 

@@ -75,10 +75,6 @@ class Progress(checkpoint.DataclassState):
             self.evaluated_iter = self.iter_num
         self.bad_steps = 0  # a resume (with a lower learning rate, say) starts with a clean count
 
-    def stamp(self, time_s: float) -> dict:
-        """The x axes of a record made now."""
-        return metrics.stamp(self.iter_num, self.tokens, time_s)
-
 
 @dataclasses.dataclass
 class Run:
@@ -101,11 +97,8 @@ class Run:
     metrics: MetricsLog | None
     window: LogWindow  # the steps since the last train line
     directory: RunDir
+    tokens_per_step: int  # batch_size x gradient_accumulation_steps (over all ranks) x block_size
     memory_plan: MemoryPlan | None = None  # rank 0's, printed by describe()
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.batch_size * self.cfg.gradient_accumulation_steps * self.cfg.block_size
 
 
 def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) -> tuple[Run, Progress, bool]:
@@ -146,6 +139,7 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
             gather=gather_by_rank(dist_info),
         ),
         directory=directory,
+        tokens_per_step=cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size,
         memory_plan=plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
     progress = Progress()

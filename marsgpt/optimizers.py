@@ -634,8 +634,8 @@ def _moment_norms(optimizer, parallel, *, second_moment=False):
 
     device = optimizer.param_groups[0]["params"][0].device
     states = [s for s in optimizer.state.values() if "exp_avg" in s]
-    m = _norm([parallel.local(s["exp_avg"]) for s in states], device)
-    v = _norm([parallel.local(s["exp_avg_sq"]) for s in states if "exp_avg_sq" in s], device)
+    m = _norm(parallel.local_shards([s["exp_avg"] for s in states]), device)
+    v = _norm(parallel.local_shards([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]), device)
     if parallel.state_is_sharded:
         m, v = parallel.sum_over_state_shards(torch.stack([m, v]).float() ** 2).sqrt()
     norms = {metrics.MOMENTUM_NORM: m.float()}

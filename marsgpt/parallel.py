@@ -123,7 +123,7 @@ class Parallelism:
     def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         """A DTensor's whole value on every rank (a norm of FSDP2's sharded tensors, which is Replicate: nothing to
         send), else the tensor."""
-        return fsdp.whole(tensor)
+        return fsdp.whole(tensor) if self.shards_parameters else tensor
 
     @property
     def norms_are_collective(self) -> bool:
@@ -164,9 +164,9 @@ class Parallelism:
         """The torch optimizer make() made that holds this rank's state: ZeRO-1's share of it, else itself."""
         return optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer
 
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a tensor FSDP2 shards (a view), else the tensor."""
-        return fsdp.local(tensor)
+    def local_shards(self, tensors: list) -> list:
+        """This rank's rows of each of `tensors` under FSDP2 (views of the DTensors), else the tensors."""
+        return [fsdp.local(t) for t in tensors] if self.shards_parameters else list(tensors)
 
     def sum_over_state_shards(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed, in place, over the ranks that hold one share each of the sharded optimizer state: every
