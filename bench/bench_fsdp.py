@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mars
 from bench.common import print_table, row
 from mars import MARS
-from marsgpt.optimizers import ShardedMuon
+from marsgpt.fsdp import ShardedMuon
 from model import GPT, GPTConfig, hidden_matrix_params
 
 SIZES = {
@@ -45,7 +45,7 @@ SIZES = {
 # scripts/gpu_check.py's fsdp row: GPT-2 small's shapes, one rank per GPU over NCCL (measure(), under torchrun)
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False)
 RULES = ("mars-adamw", "mars-lion", "mars-m")
-# Muon on the blocks' matrices two ways: the trainer's (marsgpt.optimizers.ShardedMuon: each matrix whole at an
+# Muon on the blocks' matrices two ways: the trainer's (marsgpt.fsdp.ShardedMuon: each matrix whole at an
 # owner, MARS's scheme) and torch.optim.Muon as it runs on DTensors by itself (DTensor's dispatch)
 MUONS = ("muon-owners", "muon-dtensor")
 BATCH = 2  # sequences per rank

@@ -153,7 +153,7 @@ def cpu_rows(quick, tmp):
         ref_run, _ = build_run(argv + [f"--out_dir={os.path.join(tmp, 'reference-' + str(explicit))}"])
         if explicit:
             with_explicit_attention(ref_run.model)
-        loops[name] = ReferenceStyleLoop(ref_run.model, ref_run.optimizer, ref_run.cfg, data_path)
+        loops[name] = ReferenceStyleLoop(ref_run.model, ref_run.optimizer.torch_optimizer, ref_run.cfg, data_path)
     ours, theirs = [], {name: [] for name in loops}
     time_ours(run, progress, LOG_INTERVAL)  # warm-up
     for loop in loops.values():

@@ -27,24 +27,30 @@ MICRO_BATCH = {"small": 30, "medium": 15, "large": 5, "xl": 5}
 MIN_LR = {"small": 3e-5, "medium": 6e-5, "large": 1e-5, "xl": 1e-5}
 
 # Each optimizer's settings, the same at every size.
-OPTIMIZERS = {
-    "adamw": dict(optimizer_name="adamw", weight_decay=1e-1, beta1=0.9, beta2=0.95),
-    "mars": dict(optimizer_name="mars", mars_type="mars-adamw", weight_decay=1e-2, beta1=0.95, beta2=0.99),
+OPTIMIZER_SETTINGS = {
+    "adamw": dict(optimizer="adamw", weight_decay=1e-1, beta1=0.9, beta2=0.95),
+    "mars": dict(optimizer="mars-adamw", weight_decay=1e-2, beta1=0.95, beta2=0.99),
     # As MARS/train_muon.py: Muon (weight decay 0) on every 2-D tensor, the token and position embeddings
     # and the tied head included (muon_matrices="all"); AdamW on the 1-D tensors at this weight_decay;
     # both on the cosine schedule down to the same min_lr.
-    "muon": dict(optimizer_name="muon", muon_matrices="all", weight_decay=1e-1, beta1=0.9, beta2=0.95),
+    "muon": dict(optimizer="muon", muon_matrices="all", weight_decay=1e-1, beta1=0.9, beta2=0.95),
     # Not the paper's: the reference tunes only MARS-AdamW. Untuned starting points that need a sweep of
     # their own: Lion's sign update wants a ~10x smaller lr and ~10x larger weight decay (Lion paper); the
     # orthogonalised update takes the Muon baseline's lr and weight decay (2e-2, 0).
-    "mars_lion": dict(optimizer_name="mars", mars_type="mars-lion", weight_decay=1e-1, beta1=0.95, beta2=0.99),
-    "mars_shampoo": dict(optimizer_name="mars", mars_type="mars-shampoo", weight_decay=0.0, beta1=0.95, beta2=0.99),
+    "mars_lion": dict(optimizer="mars-lion", weight_decay=1e-1, beta1=0.95, beta2=0.99),
+    "mars_shampoo": dict(optimizer="mars-shampoo", weight_decay=0.0, beta1=0.95, beta2=0.99),
     # MARS_M/: every tensor at learning_rate and weight_decay (the blocks' matrices MARS-M or Muon, the rest
     # AdamW with betas_1d (0.9, 0.95)), momentum beta1. MARS-M's weight decay is its configs' 1e-2 at every
     # size, which is what ran; its README's table says 1e-1.
-    "mars_m": dict(optimizer_name="mars", mars_type="mars-m", weight_decay=1e-2, beta1=0.95, beta2=0.99),
-    "moonlight": dict(optimizer_name="moonlight", weight_decay=1e-1, beta1=0.95, beta2=0.99),
+    "mars_m": dict(optimizer="mars-m", weight_decay=1e-2, beta1=0.95, beta2=0.99),
+    "moonlight": dict(optimizer="moonlight", weight_decay=1e-1, beta1=0.95, beta2=0.99),
 }
+
+
+def muon_lrs(muon_lr, adamw_lr):
+    """Muon's peak lrs: its own, and its AdamW part's, which the reference's Muon trainer calls learning_rate."""
+    return dict(muon_lr=muon_lr, muon_adamw_lr=adamw_lr, learning_rate=adamw_lr)
+
 
 # Peak learning rates by (optimizer, size). MARS: lr of the 2-D tensors and AdamW's lr_1d of the others;
 # Muon: its own and its AdamW part's.
@@ -57,10 +63,10 @@ LEARNING_RATES = {
     ("mars", "medium"): dict(learning_rate=3e-3, lr_1d=1.5e-3),
     ("mars", "large"): dict(learning_rate=2e-3, lr_1d=1e-3),
     ("mars", "xl"): dict(learning_rate=2e-3, lr_1d=1e-3),
-    ("muon", "small"): dict(muon_lr=2e-2, muon_adamw_lr=3e-3),
-    ("muon", "medium"): dict(muon_lr=1e-2, muon_adamw_lr=1.5e-3),
-    ("muon", "large"): dict(muon_lr=6.67e-3, muon_adamw_lr=1e-3),
-    # not the paper's (see OPTIMIZERS); min_lr scaled with the lr
+    ("muon", "small"): muon_lrs(2e-2, 3e-3),
+    ("muon", "medium"): muon_lrs(1e-2, 1.5e-3),
+    ("muon", "large"): muon_lrs(6.67e-3, 1e-3),
+    # not the paper's (see OPTIMIZER_SETTINGS); min_lr scaled with the lr
     ("mars_lion", "small"): dict(learning_rate=6e-4, lr_1d=3e-3, min_lr=3e-6),
     ("mars_shampoo", "small"): dict(learning_rate=2e-2, lr_1d=3e-3, min_lr=1e-4),
 }
@@ -72,7 +78,7 @@ WANDB_PROJECT = {"mars_m": "mars-m", "moonlight": "mars-m"}
 
 
 def paper_run(size, optimizer):
-    """Every key the paper's run of `optimizer` (a key of OPTIMIZERS) on GPT-2 `size` sets."""
+    """Every key the paper's run of `optimizer` (a key of OPTIMIZER_SETTINGS) on GPT-2 `size` sets."""
     micro_batch, reference_micro_batch = MICRO_BATCH[size], REFERENCE_MICRO_BATCH[size]
     run = dict(
         PRESETS[size],
@@ -93,7 +99,5 @@ def paper_run(size, optimizer):
         wandb_project=WANDB_PROJECT.get(optimizer, "mars"),
         wandb_run_name=f"gpt2-{size}-{optimizer.replace('_', '-')}-100k",
     )
-    run.update(OPTIMIZERS[optimizer], **LEARNING_RATES[optimizer, size])
-    if optimizer == "muon":
-        run["learning_rate"] = run["muon_adamw_lr"]  # the reference's name for its AdamW part's lr
+    run.update(OPTIMIZER_SETTINGS[optimizer], **LEARNING_RATES[optimizer, size])
     return run

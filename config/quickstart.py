@@ -18,7 +18,7 @@ eval_interval = 1750
 eval_iters = 100
 log_interval = 250
 # MARS-AdamW with the paper's GPT-2 small learning rates, a 5% warmup and cosine decay to a tenth.
-optimizer_name = "mars"
+optimizer = "mars-adamw"
 learning_rate = 6e-3
 lr_1d = 3e-3
 weight_decay = 1e-2

@@ -11,7 +11,7 @@ run code: every value is a tensor, a number, a string or a list/tuple/dict of th
                   run's metrics.jsonl, synced, as the checkpoint was written (marsgpt/run_dir.py adds both)
     <part>        the state_dict() of each stateful part train.py hands to marsgpt/run_dir.py: model,
                   optimizer, scaler, rng (RNGState), progress (train.Progress); the optimizer's is the
-                  unsharded optimizer's format also under ZeRO-1 (optimizers.ShardedOptimizer gathers every
+                  unsharded optimizer's format also under ZeRO-1 (zero.ShardedOptimizer gathers every
                   rank's share on rank 0), so any number of ranks, sharded or not, resumes it
 
 and nothing else: what a resume restores is exactly what was saved, part by part. The batches need no
@@ -48,6 +48,7 @@ import pickle
 import random
 import sys
 import threading
+import warnings
 import weakref
 import zipfile
 
@@ -213,6 +214,11 @@ def verify(path):
     return trailer
 
 
+class MissingPart(CheckpointError):
+    """A checkpoint lacks a part the run cannot start without: a part's load_state_dict(None) raises it
+    (run_dir.RunDir.restore offers None for a part the checkpoint does not hold, and names every such part)."""
+
+
 class DataclassState:
     """state_dict()/load_state_dict() for a dataclass of plain values (a run's progress counters), so it is
     a checkpoint part like the model and the optimizer."""
@@ -222,6 +228,8 @@ class DataclassState:
 
     def load_state_dict(self, state):
         """Every field the state holds; a field added since the checkpoint was written keeps its value."""
+        if state is None:
+            raise MissingPart(type(self).__name__)
         for f in dataclasses.fields(self):
             if f.name in state:
                 setattr(self, f.name, state[f.name])
@@ -367,13 +375,99 @@ def has_shards(ckpt):
     return SHARDS_KEY in ckpt
 
 
+# ---------------------------------------------------------------------------------------------------
+# A sharded checkpoint's tensors, read back (marsgpt/shards.py writes them): every load verifies each file of its
+# directory against its recorded checksum, as for a one-file checkpoint; read_shards loads the sharded tensors into
+# tensors a caller makes for each -- this rank's DTensor rows when a sharded run resumes (only those rows are read,
+# on any number of ranks), or whole tensors for a tool or an unsharded run. dcp.load runs with no_dist=True: each
+# rank reads on its own, with no collective a failing rank could leave the others waiting in.
+
+
+def walk(value, fn, path=()):
+    """map_tensors with the place of each tensor: fn(path, tensor), path a tuple of the keys and list indices that
+    lead to it."""
+    if isinstance(value, torch.Tensor):
+        return fn(path, value)
+    if isinstance(value, dict):
+        return {k: walk(v, fn, (*path, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(walk(v, fn, (*path, i)) for i, v in enumerate(value))
+    return value
+
+
+def path_name(path):
+    """A tensor's name in the shard files: its path, e.g. 'optimizer/state/3/exp_avg' (no key holds a '/')."""
+    return "/".join(map(str, path))
+
+
+def dcp_failure(error):
+    """(A failed torch.distributed.checkpoint save or load in one line: the first rank's file and OS reason,
+    whether it was a full disk). CheckpointException holds every rank's error."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return os_reason(error), no_space(error)
+    rank, (first, _) = min(failures.items())
+    file = f"{first.filename}: " if getattr(first, "filename", None) else ""
+    return f"rank {rank}: {file}{os_reason(first)}", no_space(first)
+
+
+def verify_shards(ckpt):
+    """Check every file of a sharded checkpoint's directory (ckpt as load_checkpoint returns it, the directory's
+    path made whole) against the size and SHA-256 recorded as it was written; DamagedCheckpoint naming the first
+    that is missing or differs."""
+    record = ckpt[SHARDS_KEY]
+    directory = record["directory"]
+    for file, expected in record["files"].items():
+        path = os.path.join(directory, file)
+        if not os.path.isfile(path):
+            raise DamagedCheckpoint(f"{path} is missing (a file of the sharded checkpoint {directory})")
+        if os.path.getsize(path) != expected["size"] or file_digest(path) != expected["sha256"]:
+            raise DamagedCheckpoint(
+                f"{path} is damaged: its bytes do not match the {DIGEST} recorded when it was written"
+            )
+
+
+def read_shards(ckpt, make):
+    """The checkpoint dict `ckpt` (as load_checkpoint returns it, its directory verified) with each meta tensor
+    replaced by the tensor make(meta) returns, filled from the shard files: a DTensor gets this rank's rows, a
+    plain tensor the whole. Tensors of one name (the tied matrix) are one tensor again."""
+    import torch.distributed.checkpoint as dcp  # here: only sharded checkpoints need it
+
+    record = ckpt[SHARDS_KEY]
+    names, buffers = record["names"], {}
+
+    def fill(path, tensor):
+        if not tensor.is_meta:
+            return tensor
+        name = names.get(path_name(path))
+        if name is None:
+            raise DamagedCheckpoint(f"{record['directory']}: no sharded tensor is recorded for {path_name(path)}")
+        if name not in buffers:
+            buffers[name] = make(tensor)
+        return buffers[name]
+
+    tree = walk({k: v for k, v in ckpt.items() if k != SHARDS_KEY}, fill)
+    try:
+        with warnings.catch_warnings():  # no_dist's note that it reads in one process: what it is asked to do
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(buffers, checkpoint_id=record["directory"], no_dist=True)
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise CheckpointError(f"{record['directory']} cannot be read: {dcp_failure(e)[0]}") from None
+    return tree
+
+
+def read_whole(ckpt):
+    """The checkpoint with every sharded tensor read whole onto the CPU: a one-file checkpoint's dict."""
+    return read_shards(ckpt, lambda meta: torch.empty(meta.shape, dtype=meta.dtype))
+
+
 def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True, whole=True):
     """The checkpoint dict at `path` (a file, or a run directory), checked against its checksum and loaded onto
     the CPU. DamagedCheckpoint names a file whose bytes are not the ones written, or that torch cannot read.
 
     A sharded checkpoint's directory is checked file by file too, and its tensors read whole (whole=False: left
     as placeholders, with the directory's path made absolute, for a sharded run to read its rows of with
-    shards.read).
+    read_shards).
 
     mmap=True maps the file instead of reading it: the tensors are paged in from the page cache as they
     are copied to their device, so the 8 ranks of a node resuming a GPT-2 XL run share one copy of the
@@ -397,15 +491,13 @@ def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_check
     if not isinstance(ckpt, dict) or any(key not in ckpt for key in REQUIRED_KEYS):
         raise CheckpointError(f"{path} is not a training checkpoint (expected the keys {', '.join(REQUIRED_KEYS)})")
     if has_shards(ckpt):
-        from marsgpt import shards  # here: torch.distributed.checkpoint is for sharded checkpoints only
-
         record = ckpt[SHARDS_KEY]
         folder = os.path.dirname(os.path.abspath(path))
         ckpt[SHARDS_KEY] = dict(record, directory=os.path.join(folder, record["directory"]))
         if verify_checksum:
-            shards.verify(ckpt)
+            verify_shards(ckpt)
         if whole:
-            ckpt = shards.whole(ckpt)
+            ckpt = read_whole(ckpt)
     return ckpt
 
 
@@ -485,6 +577,45 @@ def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The parts of a run that are not stateful objects of their own as a checkpoint holds them: the model (its
+# weights checked and placed), the GradScaler, the random number generators.
+
+
+class ModelState:
+    """A model as a checkpoint part: its state_dict, and a load_state_dict that places the checkpoint's tensors
+    where the model keeps them (`place`: parallel.Parallelism.place_state, FSDP2's rows of a one-file checkpoint's
+    whole tensors) and names the first key whose presence or shape does not match (load_model_state; `path` is
+    the checkpoint the message names)."""
+
+    def __init__(self, model, place, path):
+        self.model, self.place, self.path = model, place, path
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, state):
+        if state is None:
+            raise MissingPart("model")
+        load_model_state(self.model, self.place(state), self.path)
+
+
+class ScalerState:
+    """A torch.amp.GradScaler as a checkpoint part, restored where float16 enables it: a run resumed in bfloat16 or
+    float32 drops a float16 run's scale, and one resumed in float16 from a run without a scaler starts afresh."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+
+    def state_dict(self):
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state):
+        if state is None:
+            raise MissingPart("scaler")
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
+
+
 # Random number generator states, in forms weights_only loading accepts (numpy's array becomes a tensor).
 
 
@@ -493,12 +624,13 @@ class RNGState:
 
     Each rank's CUDA generators differ (they are seeded per device), so state_dict() takes every rank's
     (gathered by the caller: `cuda_by_rank`) and load_state_dict() gives each rank its own when the world
-    size is the same; on a different world size the CUDA generators keep their fresh seeds. Nothing in
-    training draws from them between checkpoints except dropout, which is reseeded every micro-batch.
+    size (this run's `world_size` ranks) is the same; on a different world size the CUDA generators keep their
+    fresh seeds. Nothing in training draws from them between checkpoints except dropout, which is reseeded every
+    micro-batch.
     """
 
-    def __init__(self, rank=0, gather=None):
-        self.rank = rank
+    def __init__(self, rank=0, world_size=1, gather=None):
+        self.rank, self.world_size = rank, world_size
         self.gather = gather or (lambda state: [state])  # this rank's CUDA state -> every rank's
 
     def state_dict(self):
@@ -517,7 +649,9 @@ class RNGState:
             "cuda_by_rank": self.gather(cuda),
         }
 
-    def load_state_dict(self, state, world_size=1):
+    def load_state_dict(self, state):
+        if state is None:
+            raise MissingPart("rng")
         version, internal, gauss_next = state["python"]
         random.setstate((version, tuple(internal), gauss_next))
         np_state = state["numpy"]
@@ -532,7 +666,7 @@ class RNGState:
         )
         torch.set_rng_state(state["torch"])
         cuda_by_rank = state.get("cuda_by_rank", [])
-        if len(cuda_by_rank) == world_size and torch.cuda.is_available():
+        if len(cuda_by_rank) == self.world_size and torch.cuda.is_available():
             mine = cuda_by_rank[self.rank]
             if len(mine) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(mine)

@@ -19,6 +19,7 @@ vision/train_cifar.py uses it for its own configuration.
 """
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -90,6 +91,15 @@ def device_check(*kinds):
 @dataclass
 class TrainConfig:
     """Every key of a training run (train.py)."""
+
+    # The paper's reference code names the optimizer with optimizer_name and, for MARS, mars_type (its update
+    # rule). Config files and overrides may too, as its configs do: each sets `optimizer` (resolve_aliases).
+    KEY_ALIASES: typing.ClassVar[dict] = {"optimizer_name": "optimizer", "mars_type": "optimizer"}
+
+    @staticmethod
+    def resolve_aliases(key, current, given):
+        """The value of `key` that the aliases `given` ({alias: value}) give it, where it was `current` so far."""
+        return OPTIMIZERS.from_reference_keys(current, given)
 
     # --- run and checkpoints
     out_dir: str = key(
@@ -164,8 +174,12 @@ class TrainConfig:
         True, "divide layer i's attention logits by i + 1 (the paper's)", fixed=True
     )
     # --- optimizer
-    optimizer_name: Literal[tuple(OPTIMIZERS.optimizer_names())] = key(
-        "mars", "the optimizer (marsgpt/optimizers.py)", fixed=True, choices=OPTIMIZERS.optimizer_names()
+    optimizer: Literal[tuple(OPTIMIZERS.descriptions())] = key(
+        "mars-adamw",
+        "the optimizer (marsgpt/optimizers.py); the reference's keys name it too: optimizer_name=mars with "
+        "mars_type=mars-m is optimizer=mars-m, optimizer_name=adamw is optimizer=adamw",
+        fixed=True,
+        choices=OPTIMIZERS.descriptions(),
     )
     learning_rate: float = key(
         6e-4,
@@ -198,9 +212,6 @@ class TrainConfig:
         3e-3, "MARS: AdamW lr of the 1-D tensors (optimize_1d=False); follows the schedule", non_negative
     )
     is_approx: bool = key(True, "MARS: False = exact MARS, an extra forward/backward per step", fixed=True)
-    mars_type: Literal[tuple(OPTIMIZERS.mars_types())] = key(
-        "mars-adamw", "MARS: its variant", fixed=True, choices=OPTIMIZERS.mars_types()
-    )
     optimize_1d: bool = key(False, "MARS: apply MARS to the 1-D tensors too (else AdamW)", fixed=True)
     weight_decay_1d: float = key(0.1, "MARS: weight decay of the 1-D tensors", non_negative)
     betas_1d: tuple[float, float] = key(
@@ -294,7 +305,7 @@ class TrainConfig:
         """The checks that involve more than one key."""
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        problem = OPTIMIZERS.entry(self).check(self)
+        problem = OPTIMIZERS.check(self)
         if problem:
             raise ConfigError(problem)
         if self.zero_stage != 3 and (self.hsdp_replicas != 1 or self.gradient_sync != "step"):
@@ -349,6 +360,7 @@ class _Schema:
         self.cls = cls
         self.fields = {f.name: f for f in dataclasses.fields(cls)}
         self.types = typing.get_type_hints(cls)
+        self.aliases = getattr(cls, "KEY_ALIASES", {})  # {alias: the key it sets}
 
     def unknown(self, name, source):
         close = difflib.get_close_matches(name, list(self.fields), n=1)
@@ -372,17 +384,41 @@ class _Schema:
             raise ConfigError(f"{path}: {e}") from None
         except Exception as e:
             raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
+        before, given = dict(values), {}
         for name, value in namespace.items():
             if name.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
                 continue  # imports and helpers the file binds
+            if name in self.aliases:
+                given[name] = value
+                continue
             if name not in values:
                 raise self.unknown(name, path)
             values[name] = _checked(self.types, name, value, path)
+        self.apply_aliases(values, given, path, before)
+
+    def apply_aliases(self, values, given, source, before):
+        """The aliases one config file or override gave (`given`), each setting the key it stands for, from its
+        value `before` that source. A source that sets a key and its aliases both is refused."""
+        for key in dict.fromkeys(self.aliases[name] for name in given):
+            mine = {name: value for name, value in given.items() if self.aliases[name] == key}
+            if values[key] != before[key]:
+                raise ConfigError(f"{source} sets {key} and {', '.join(mine)}, which name it too; set one of them")
+            for name, value in mine.items():
+                if not isinstance(value, str):
+                    raise ConfigError(f"{name} must be str, got {value!r} ({source})")
+            try:
+                value = self.cls.resolve_aliases(key, values[key], mine)
+            except ValueError as e:
+                raise ConfigError(f"{e} ({source})") from None
+            values[key] = _checked(self.types, key, value, source)
 
     def apply_override(self, values, arg):
         name, sep, text = arg[2:].partition("=")
         if not sep or not name:
             raise ConfigError(f"expected --key=value, got '{arg}'")
+        if name in self.aliases:
+            self.apply_aliases(values, {name: text}, f"--{name}", dict(values))
+            return
         if name not in values:
             raise self.unknown(name, "command line")
         try:
@@ -425,6 +461,20 @@ def load_config(argv, cls=TrainConfig):
 def fixed_keys(cls=TrainConfig):
     """The keys a resumed run must keep (declared with fixed=True)."""
     return [f.name for f in dataclasses.fields(cls) if f.metadata.get("fixed")]
+
+
+def current_keys(saved, cls=TrainConfig):
+    """A configuration saved as a dict (a checkpoint's, config.json) in cls's keys today: aliases it holds (a
+    checkpoint written when the optimizer was named by optimizer_name and mars_type) turned into the key they
+    stand for, when it lacks that key."""
+    aliases = getattr(cls, "KEY_ALIASES", {})
+    current = {name: value for name, value in saved.items() if name not in aliases}
+    for key in dict.fromkeys(aliases[name] for name in saved if name in aliases):
+        given = {name: value for name, value in saved.items() if aliases.get(name) == key}
+        if key not in current:
+            with contextlib.suppress(ValueError):  # a value no entry takes: the key stays absent
+                current[key] = cls.resolve_aliases(key, getattr(cls(), key), given)
+    return current
 
 
 def config_to_dict(cfg):

@@ -16,24 +16,21 @@ mesh when a run resumes is `shard_like_parameters` and `empty`, here.
 """
 
 import contextlib
+import math
 
 import torch
 
-
-def enabled(cfg, dist_info):
-    """Whether a run shards with FSDP2: zero_stage=3 under torchrun (any number of ranks). One process without
-    torchrun has no process group to shard over: zero_stage=3 then trains the whole model, as zero_stage=1."""
-    return cfg.zero_stage == 3 and dist_info.ddp
+from mars import map_whole_tensors
+from marsgpt.optimizers import closure_loss
 
 
-def device_mesh(cfg, dist_info):
+def device_mesh(device_type, world_size, replicas):
     """The ranks as FSDP2 shards over them: a 1-D mesh of every rank, or HSDP's (replicas, shards) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world, replicas = dist_info.world_size, cfg.hsdp_replicas
     if replicas == 1:
-        return init_device_mesh(dist_info.device_type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(dist_info.device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
 
 
 def mixed_precision(dtype, device_type):
@@ -137,3 +134,70 @@ def shard_like_parameters(state, mesh):
         return distribute_tensor(tensor, mesh, placements(mesh), src_data_rank=None)
 
     return map_tensors(state, shard)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Optimizers on the sharded parameters.
+
+
+class ShardedMuon(torch.optim.Muon):
+    """torch.optim.Muon's rule on FSDP2's sharded (DTensor) parameters, each matrix's Newton-Schulz run whole at
+    one owner rank (mars.map_whole_tensors: one all-to-all to the owners and one back per step, owners balanced
+    by Newton-Schulz's cost) -- MARS's owner scheme -- and the rest on each rank's rows.
+
+    Through DTensor's own dispatch torch's Muon runs too, but each rank all-gathers every matrix and runs every
+    Newton-Schulz (60 all-reduces and 75 all-gathers a step for 10 matrices, each rank computing all ten), and
+    its sharded matmuls round in bfloat16 in another order than one process does, so a run drifts from one
+    process's at bfloat16's precision. Here each owner runs torch's own _zeropower_via_newtonschulz on the whole
+    matrix, as one process does: 2 ranks train what one process trains up to the bfloat16 rounding of Newton-Schulz
+    that the gradients' float32 rounding can flip, as plain DDP does (tests/test_fsdp.py). The update is
+    torch.optim.Muon's single-tensor step, op for op; the state (momentum_buffer) and the checkpoint format are
+    torch.optim.Muon's. Whole (not sharded) parameters take the same ops here.
+
+    torch offers its Newton-Schulz only in its private module torch.optim._muon: taking it from there is what
+    holds this class to one process's torch.optim.Muon bit for bit (the one private name the package imports);
+    the lr adjustment is the formula torch.optim.Muon documents for adjust_lr_fn (adjusted_lr)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.optim._muon import _zeropower_via_newtonschulz
+
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            params, grads, momenta = [], [], []
+            self._init_group(group, params, grads, momenta)
+            if not params:
+                continue
+            lr, momentum = group["lr"], group["momentum"]
+            updates = []
+            for grad, buf in zip(map(local, grads), map(local, momenta)):
+                buf.lerp_(grad, 1 - momentum)
+                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+
+            def orthogonalize(update, group=group):
+                return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+            directions = map_whole_tensors(params, updates, orthogonalize, result_dtype=torch.bfloat16)
+            for p, direction in zip(params, directions):
+                rows = local(p)
+                rows.mul_(1 - lr * group["weight_decay"])
+                rows.add_(direction, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+def adjusted_lr(lr, adjust_lr_fn, shape):
+    """The lr torch.optim.Muon steps a (rows, cols) matrix with, as its documentation gives adjust_lr_fn: "original"
+    (or None) lr sqrt(max(1, rows / cols)), "match_rms_adamw" lr 0.2 sqrt(max(rows, cols))."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+# torch optimizers whose rule looks at whole matrices, and the classes that step FSDP2's sharded parameters with
+# those matrices whole at owner ranks instead of through DTensor's dispatch (ShardedMuon says why).
+OWNER_CLASSES = {torch.optim.Muon: ShardedMuon}

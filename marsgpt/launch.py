@@ -1,32 +1,48 @@
-"""How a training run starts: what a resume must keep and may change, and the parts train.py builds from the
-configuration before its first step.
+"""How a training run starts: the run's state (Progress, Run) and setup, which builds it from the configuration
+before its first step -- what a resume must keep and may change, the data, the model, the optimizer, the parts a
+checkpoint holds -- and how it ends: the exit status of whatever ended it (exit_status).
 
 What init_from means for out_dir -- its lock, which checkpoint a resume continues, when a fresh start is
 refused -- is marsgpt/run_dir.py's; rank 0 decides it, and every rank then loads the checkpoint chosen and
 checks it here (resolve_run). A resume applies the configuration it is given: changed
 hyperparameters (learning rates, weight decays, betas, clip, ...) take effect, each printed as
 `resume: key old -> new`; keys that cannot change mid-run (config's fixed keys: the model shape, the
-optimizer and its MARS variant) are refused, and a key the run's optimizer does not read is neither.
+optimizer) are refused, and a key the run's optimizer does not read is neither.
 
 Every check on the user's input happens before the first step and before any file in out_dir changes.
 Whatever a rank reads from disk or the network is agreed on by all ranks (runtime.agree), so a rank that
 cannot read it makes every rank exit with the same error instead of a hang.
 """
 
+import contextlib
 import dataclasses
+import math
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, fsdp, memory_plan, metrics, optimizers, tokens
-from marsgpt.checkpoint import CheckpointError
-from marsgpt.config import ConfigError, TrainConfig, config_to_dict, fixed_keys
-from marsgpt.metrics import MetricsError, MetricsLog
-from marsgpt.optimizers import OPTIMIZERS
-from marsgpt.run_dir import CHECKPOINT_PARTS, DATA_FINGERPRINT, METRICS_SIZE, NEWER_PARTS, RunDirError
-from marsgpt.runtime import SetupError, agree, decide_on_master
+from marsgpt import checkpoint, memory_plan, metrics, optimizers, tokens
+from marsgpt.checkpoint import CheckpointError, RNGState
+from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
+from marsgpt.memory_plan import MemoryPlan, plan_memory
+from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
+from marsgpt.optimizers import OPTIMIZERS, Registry, TrainingOptimizer, build_optimizer
+from marsgpt.parallel import Parallelism
+from marsgpt.run_dir import DATA_FINGERPRINT, METRICS_SIZE, RunDir, RunDirError, RunStopped, Start
+from marsgpt.runtime import (
+    Dist,
+    SetupError,
+    agree,
+    decide_on_master,
+    is_collective_timeout,
+    resolve_compile,
+    resolve_dtype,
+    set_deterministic,
+    setup_precision,
+)
 from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
 
@@ -35,7 +51,124 @@ from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model
 USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError, RunDirError, MetricsError)
 
 
-def load_data(cfg):
+# ---------------------------------------------------------------------------------------------------
+# The run: what it carries from step to step, the objects it is built from, and setup, which builds them.
+
+
+@dataclasses.dataclass
+class Progress(checkpoint.DataclassState):
+    """What the loop carries from step to step (a checkpoint part)."""
+
+    iter_num: int = 0  # also the data's position: batches are a function of the step
+    evaluated_iter: int = -1  # the step whose evaluations are done and recorded (the metrics' cursor)
+    best_val_loss: float = math.inf
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    bad_steps: int = 0  # consecutive skipped steps
+    skipped_steps: int = 0
+    clip_count: int = 0
+    wandb_run_id: str = ""
+
+    def load_state_dict(self, state: dict | None) -> None:
+        super().load_state_dict(state)
+        if "evaluated_iter" not in state:  # written before the field: always right after its step's evaluation
+            self.evaluated_iter = self.iter_num
+        self.bad_steps = 0  # a resume (with a lower learning rate, say) starts with a clean count
+
+
+@dataclasses.dataclass
+class Run:
+    """The objects one training run is built from (setup builds them; train.py's loop runs them)."""
+
+    cfg: TrainConfig
+    dist: Dist
+    parallel: Parallelism  # how the run is spread over its ranks: DDP, ZeRO-1 or FSDP2
+    model: torch.nn.Module  # the GPT (its blocks compiled, under FSDP2 sharded, in place): what evaluation runs
+    train_model: torch.nn.Module  # what the training forward goes through: the model, or DDP's wrapper of it
+    compiled: bool  # torch.compile: each block and the loss (model.GPT.compile_blocks)
+    model_args: dict
+    optimizer: TrainingOptimizer
+    scaler: torch.amp.GradScaler
+    autocast: contextlib.AbstractContextManager
+    train_data: TokenData
+    val_batches: list  # this rank's share of the fixed evaluation windows
+    train_batches: list
+    hellaswag_examples: list | None
+    metrics: MetricsLog | None
+    window: LogWindow  # the steps since the last train line
+    directory: RunDir
+    tokens_per_step: int  # batch_size x gradient_accumulation_steps (over all ranks) x block_size
+    memory_plan: MemoryPlan | None = None  # rank 0's, printed by describe()
+
+
+def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) -> tuple[Run, Progress, bool]:
+    """(Run, Progress, resumed): everything checked and built, and a resumed run's every part restored, before the
+    first change to out_dir (`directory`, a run_dir.RunDir, held; main's handles the stop signals); nothing
+    trained yet."""
+    parallel = Parallelism.of(cfg, dist_info)
+    directory = directory or RunDir(cfg, dist_info)
+    train_data, val_data, vocab_size = agree(dist_info, lambda: load_data(cfg), USER_ERRORS)
+    cfg, start, ckpt = resolve_run(cfg, dist_info, directory, train_data.vocabulary, parallel)
+    hellaswag_examples = setup_hellaswag(cfg, train_data, dist_info)
+    model, model_args = agree(dist_info, lambda: build_model(cfg, vocab_size, ckpt), USER_ERRORS)
+    set_deterministic(cfg.deterministic, dist_info.device_type)
+    model.to(dist_info.device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    autocast, scaler = setup_precision(cfg.dtype, dist_info.device_type)
+    compile_model = resolve_compile(cfg.compile, dist_info.device_type)
+    run = Run(
+        cfg=cfg,
+        dist=dist_info,
+        parallel=parallel,
+        model=model,
+        train_model=parallel.wrap(model, compile_model, resolve_dtype(cfg.dtype, dist_info.device_type)),
+        compiled=compile_model,
+        model_args=model_args,
+        optimizer=build_optimizer(model, cfg, parallel),
+        scaler=scaler,
+        autocast=autocast,
+        train_data=train_data,
+        val_batches=eval_windows(cfg, val_data, dist_info),
+        train_batches=eval_windows(cfg, train_data, dist_info),
+        hellaswag_examples=hellaswag_examples,
+        metrics=None,
+        window=LogWindow(
+            device=dist_info.device,
+            rank=dist_info.rank,
+            world_size=dist_info.world_size,
+            gather=gather_by_rank(dist_info),
+        ),
+        directory=directory,
+        tokens_per_step=cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size,
+        memory_plan=plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
+    )
+    progress = Progress()
+    # What a checkpoint holds: each stateful part, restored by its own load_state_dict (checkpoint.ModelState's
+    # places the weights as the parallelism keeps them), and the values every checkpoint records beside them.
+    parts = dict(
+        model=checkpoint.ModelState(model, parallel.place_state, checkpoint.checkpoint_path(cfg.out_dir)),
+        optimizer=run.optimizer,
+        scaler=checkpoint.ScalerState(scaler),
+        rng=RNGState(dist_info.rank, dist_info.world_size, gather_rng(dist_info)),
+        progress=progress,
+        log_window=run.window,
+    )
+    extras = dict(model_args=model_args, config=config_to_dict(cfg), vocabulary=train_data.vocabulary)
+    directory.register(cfg, parts, extras, parallel)
+    if ckpt is not None:
+        agree(dist_info, lambda: directory.restore(ckpt, start.path), USER_ERRORS)
+    if dist_info.is_master:
+        changes = config_changes(ckpt["config"], cfg, OPTIMIZERS) if ckpt else []
+        directory.prepare(cfg, start, ckpt, changes)
+    run.metrics = directory.metrics = open_metrics(cfg, dist_info, progress, start, ckpt)
+    return run, progress, ckpt is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# What setup builds a run from.
+
+
+def load_data(cfg: TrainConfig) -> tuple[TokenData, TokenData, int]:
     data_dir = os.path.join(cfg.data_path, cfg.dataset)
     train_data, val_data = TokenData(data_dir, "train"), TokenData(data_dir, "val")
     vocab_size = model_vocab_size(train_data)
@@ -49,12 +182,15 @@ def load_data(cfg):
 HASH_NOTE_BYTES = 1 << 30
 
 
-def resolve_run(cfg, dist_info, directory, vocabulary):
+def resolve_run(
+    cfg: TrainConfig, dist_info: Dist, directory: RunDir, vocabulary: str, parallel: Parallelism
+) -> tuple[TrainConfig, Start, dict | None]:
     """(cfg with init_from decided, the run_dir.Start, the checkpoint to resume or None), agreed on by every
     rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), every rank fingerprints the data (the
     Start's `data`), then every rank loads the checkpoint rank 0 chose and checks it against this launch's
     configuration and data (`vocabulary`: TokenData.vocabulary; the fingerprint: the Start's `data_change` says
-    how it changed, when allow_data_change lets it)."""
+    how it changed, when allow_data_change lets it). `parallel`: the run's parallel.Parallelism, whose sharded
+    model reads a sharded checkpoint's rows later (run_dir.RunDir.restore) instead of whole tensors here."""
     start = decide_on_master(dist_info, lambda: directory.start(cfg), USER_ERRORS)
     cfg = dataclasses.replace(cfg, init_from=start.init_from)
     # Every rank, each its own: none waits in a collective while another hashes data no manifest records (that
@@ -65,7 +201,7 @@ def resolve_run(cfg, dist_info, directory, vocabulary):
     if start.path is not None:
 
         def load():
-            ckpt = load_resume_checkpoint(cfg, start.path, dist_info, vocabulary)
+            ckpt = load_resume_checkpoint(cfg, start.path, dist_info, vocabulary, whole=not parallel.shards_parameters)
             return ckpt, data_change(cfg, start.path, ckpt, start.data)
 
         ckpt, change = agree(dist_info, load, USER_ERRORS)
@@ -73,7 +209,7 @@ def resolve_run(cfg, dist_info, directory, vocabulary):
     return cfg, start, ckpt
 
 
-def data_fingerprint(cfg, is_master):
+def data_fingerprint(cfg: TrainConfig, is_master: bool) -> dict:
     """tokens.fingerprint of the run's dataset, with a note (rank 0's) when making it read much of the data."""
     data_dir = os.path.join(cfg.data_path, cfg.dataset)
     data, hashed = tokens.fingerprint(data_dir)
@@ -87,7 +223,7 @@ def data_fingerprint(cfg, is_master):
     return data
 
 
-def data_change(cfg, path, ckpt, data):
+def data_change(cfg: TrainConfig, path: str, ckpt: dict, data: dict) -> str:
     """How the data changed since the checkpoint at `path` was written ('' when it did not, or the checkpoint
     predates fingerprints); CheckpointError naming the change unless allow_data_change."""
     if DATA_FINGERPRINT not in ckpt:
@@ -103,24 +239,23 @@ def data_change(cfg, path, ckpt, data):
     return ", ".join(changes)
 
 
-def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
-    """The checkpoint at `path`, checked for every part, for keys the configuration may not change and for the
-    data's vocabulary. Rank 0 verified its checksum while choosing it; the other ranks verify it here. A sharded
-    checkpoint's tensors are read whole here for an unsharded run; a sharded run reads its rows of them later
-    (run_dir.RunDir.restore), once its model is sharded."""
+def load_resume_checkpoint(cfg: TrainConfig, path: str, dist_info: Dist, vocabulary: str, whole: bool) -> dict:
+    """The checkpoint at `path`, checked for keys the configuration may not change and for the data's vocabulary
+    (its parts are checked as they are restored). Rank 0 verified its checksum while choosing it; the other ranks
+    verify it here. A sharded checkpoint's tensors are read whole here (`whole`) for an unsharded run; a sharded
+    run reads its rows of them later (run_dir.RunDir.restore), once its model is sharded."""
     ckpt = checkpoint.load_checkpoint(
         path,
         mmap=dist_info.device_type == "cuda",
         verify_checksum=not dist_info.is_master,
-        whole=not fsdp.enabled(cfg, dist_info),
+        whole=whole,
     )
-    missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt and part not in NEWER_PARTS]
-    if missing:
+    if "config" not in ckpt:  # its parts are checked as they are restored (run_dir.RunDir.restore)
         raise CheckpointError(
-            f"{path} lacks {', '.join(missing)}: it was not written by this train.py, "
-            f"so it cannot be resumed (init_from=resume); start a new run from its weights instead"
+            f"{path} lacks config: it was not written by this train.py, so it cannot be resumed (init_from=resume); "
+            "start a new run from its weights instead"
         )
-    changed = fixed_changes(ckpt["config"], cfg, OPTIMIZERS.entry(cfg))
+    changed = fixed_changes(ckpt["config"], cfg, OPTIMIZERS)
     if changed:
         key, old, new = changed[0]
         raise CheckpointError(
@@ -137,58 +272,44 @@ def load_resume_checkpoint(cfg, path, dist_info, vocabulary):
     return ckpt
 
 
-def fixed_changes(saved, cfg, optimizer_entry):
+def fixed_changes(saved: dict, cfg: object, registry: Registry) -> list[tuple]:
     """(key, saved value, new value) for each key of cfg's class declared fixed=True that cfg changes from the
     checkpoint's configuration `saved`: the resume rule. Every other key may change (config_changes names
-    them), and so may a fixed key the run's optimizer (optimizer_entry) does not read (mars_type in a Muon
-    run)."""
+    them), and so may a fixed key the run's optimizer (in `registry`, an optimizers.Registry) does not read
+    (muon_matrices in a MARS run)."""
+    saved, unused = current_keys(saved, type(cfg)), registry.unused_keys(cfg)
     changes = []
     for key in fixed_keys(type(cfg)):
         new = getattr(cfg, key)
         old = saved_value(saved, key, new)
-        if old != new and key not in optimizer_entry.unused_keys:
+        if old != new and key not in unused:
             changes.append((key, old, new))
     return changes
 
 
-def saved_value(saved, key, new):
+def saved_value(saved: dict, key: str, new: object) -> object:
     """A key's value in a checkpoint's configuration, as comparable with the new value `new` (a tuple, when
     it is one); `new` itself when the checkpoint predates the key."""
     old = saved.get(key, new)
     return tuple(old) if isinstance(new, tuple) else old
 
 
-def config_changes(saved, cfg, optimizer_entry):
+def config_changes(saved: dict, cfg: object, registry: Registry) -> list[str]:
     """`resume: key old -> new` for every key the resumed run's configuration changes (a key the run's
-    optimizer, optimizer_entry, does not read says so)."""
+    optimizer, in `registry`, does not read says so)."""
+    saved, unused = current_keys(saved, type(cfg)), registry.unused_keys(cfg)
     lines = []
     for key, new in config_to_dict(cfg).items():
         old = saved_value(saved, key, new)
         if key not in ("init_from", "overwrite", "allow_data_change") and old != new:
-            note = f" (not used by {optimizer_entry.selected_by})" if key in optimizer_entry.unused_keys else ""
+            note = f" (not used by {registry.selected_by(cfg)})" if key in unused else ""
             lines.append(f"resume: {key} {old!r} -> {new!r}{note}")
     return lines
 
 
-def ignored_settings(cfg):
-    """A note naming the keys set away from their defaults that this run's optimizer does not read, or None.
-    A key the optimizer entry calls an alias is exempt where it has the value of the key it stands for (Muon's
-    learning_rate = muon_adamw_lr in the paper configs: the reference's name for the AdamW part's lr)."""
-    entry, defaults = OPTIMIZERS.entry(cfg), TrainConfig()
-    ignored = [
-        f"{key}={getattr(cfg, key)!r}"
-        for key in sorted(entry.unused_keys)
-        if getattr(cfg, key) != getattr(defaults, key)
-        and not (key in entry.aliases and getattr(cfg, key) == getattr(cfg, entry.aliases[key]))
-    ]
-    if not ignored:
-        return None
-    hint = f" ({entry.unused_hint})" if entry.unused_hint else ""
-    return f"note: {entry.selected_by} does not use {', '.join(ignored)}{hint}"
-
-
-def build_model(cfg, vocab_size, ckpt):
-    """(GPT, model_args) for init_from: a fresh model, the checkpoint's weights, or OpenAI's GPT-2.
+def build_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None) -> tuple[GPT, dict]:
+    """(GPT, model_args) for init_from: a fresh model, one shaped as the checkpoint's (a resume restores its weights
+    as it restores every part: run_dir.RunDir.restore), or OpenAI's GPT-2 with its weights.
 
     A resumed model has the shape the checkpoint was saved with: the configuration's for a run started from
     scratch (load_resume_checkpoint has checked that it still is), OpenAI's (bias, vocabulary, size) for one
@@ -218,19 +339,16 @@ def build_model(cfg, vocab_size, ckpt):
                 f"the dataset {cfg.dataset} has {vocab_size}; resume on data with the same vocabulary"
             )
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = GPT(GPTConfig(**model_args))
-    if ckpt is not None and not checkpoint.has_shards(ckpt):  # a sharded one: each rank reads its rows once sharded
-        checkpoint.load_model_state(model, ckpt["model"], ckpt_path)
-    return model, model_args
+    return GPT(GPTConfig(**model_args)), model_args
 
 
-def eval_windows(cfg, data, dist_info):
+def eval_windows(cfg: TrainConfig, data: TokenData, dist_info: Dist) -> list:
     """This rank's share of the fixed evaluation windows: every world_size-th (train.evaluate all-reduces)."""
     batches = data.eval_batches(cfg.seed, cfg.eval_iters, cfg.batch_size, cfg.block_size, cfg.windows_per_stream)
     return batches[dist_info.rank :: dist_info.world_size]
 
 
-def open_metrics(cfg, dist_info, progress, start, ckpt):
+def open_metrics(cfg: TrainConfig, dist_info: Dist, progress: Progress, start: Start, ckpt: dict | None) -> MetricsLog:
     """The run's MetricsLog (metrics.jsonl and wandb on rank 0); a resumed run continues its records (an
     eval_only launch, which trains nothing, cuts none) and its wandb run (or the one --wandb_run_id names),
     whose id progress then carries.
@@ -258,7 +376,7 @@ def open_metrics(cfg, dist_info, progress, start, ckpt):
     if lost and progress.evaluated_iter == progress.iter_num:
         progress.evaluated_iter = -1
     if dist_info.is_master:
-        at = {metrics.ITER: progress.iter_num, metrics.TOKENS: progress.tokens, metrics.TIME_S: progress.elapsed_s}
+        at = metrics.stamp(progress.iter_num, progress.tokens, progress.elapsed_s)
         for line in log.repairs:
             print(f"note: {line}", flush=True)
         if lost:
@@ -269,7 +387,7 @@ def open_metrics(cfg, dist_info, progress, start, ckpt):
     return log
 
 
-def setup_hellaswag(cfg, train_data, dist_info):
+def setup_hellaswag(cfg: TrainConfig, train_data: TokenData, dist_info: Dist) -> list | None:
     """HellaSwag examples when hellaswag_interval asks for them and they can be scored, else None.
 
     Rank 0 finds or downloads the file; every rank then reads it and loads the GPT-2 tokenizer the evaluation
@@ -299,13 +417,13 @@ def setup_hellaswag(cfg, train_data, dist_info):
     return None
 
 
-def gather_rng(dist_info):
+def gather_rng(dist_info: Dist) -> Callable | None:
     """RNGState's gather: every rank's CUDA generator states (a collective under DDP on CUDA); None, RNGState's
     default (this rank's alone), otherwise."""
     return gather_by_rank(dist_info) if torch.cuda.is_available() else None
 
 
-def gather_by_rank(dist_info):
+def gather_by_rank(dist_info: Dist) -> Callable | None:
     """A function from this rank's value to every rank's, in rank order (a collective), under DDP; else None."""
     if not dist_info.ddp:
         return None
@@ -318,7 +436,7 @@ def gather_by_rank(dist_info):
     return gather
 
 
-def describe(run, progress):
+def describe(run: Run, progress: Progress) -> None:
     """Print the effective configuration and the token budget."""
     cfg = run.cfg
     micro_batches = cfg.gradient_accumulation_steps // run.dist.world_size
@@ -346,7 +464,7 @@ def describe(run, progress):
             f"raise --max_iters to train further"
         )
     print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
-    note = ignored_settings(cfg)
+    note = OPTIMIZERS.ignored_settings(cfg, TrainConfig())
     if note:
         print(note)
     plan = run.memory_plan
@@ -363,3 +481,47 @@ def describe(run, progress):
             f"note: mfu is logged as null: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name()} "
             "(model.PEAK_BF16_FLOPS)"
         )
+
+
+# ---------------------------------------------------------------------------------------------------
+# How a run ends: the exit status of whatever ended it.
+
+TIMED_OUT = 1  # the exit status after a collective timed out
+
+
+def exit_status(
+    error: BaseException,
+    cfg: TrainConfig | None,
+    dist_info: Dist | None,
+    directory: RunDir | None,
+    progress: Progress | None,
+) -> int | None:
+    """The exit status for the exception that ended train.main (`directory`, `progress`: the run's, None before
+    they exist), after its one line on stderr; None for an exception that is not one of this repository's (it
+    keeps its traceback)."""
+    master = dist_info is None or dist_info.is_master
+    if isinstance(error, USER_ERRORS):
+        # a setup decision every rank took together fails on every rank: rank 0 says it once
+        if master or not isinstance(error, SetupError):
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+    if isinstance(error, RunStopped):  # a signal, divergence, a failed write: rank 0 knows the checkpoints
+        if error.line:
+            print(error.line, file=sys.stderr)
+        return error.status
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C (torchrun passes it to every rank): one line, no traceback
+        if master and directory is None:  # while reading the configuration or joining the ranks
+            print("interrupted before the run started", file=sys.stderr)
+        elif master:
+            directory.wait_for_writes("interrupted")  # a save in flight is the newest checkpoint
+            where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
+            print(f"interrupted {where}; {directory.resume_advice()}", file=sys.stderr)
+        return 130
+    if is_collective_timeout(error, dist_info):
+        print(
+            f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
+            f"(another rank died or hangs); {directory.resume_advice()}",
+            file=sys.stderr,
+        )
+        return TIMED_OUT
+    return None

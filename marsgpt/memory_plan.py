@@ -22,8 +22,8 @@ import typing
 
 import torch
 
-from marsgpt import optimizers
-from marsgpt.optimizers import OPTIMIZERS, ChainedOptimizer, build_optimizer, is_sharded
+from marsgpt.optimizers import build_optimizer
+from marsgpt.parallel import Parallelism
 from marsgpt.runtime import resolve_compile, resolve_dtype
 from marsgpt.tokens import DataError, TokenData
 from model import (
@@ -55,9 +55,10 @@ class Entry(typing.NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerLayout:
-    """The run's optimizer as the plan needs it: for each torch optimizer inside (Muon's pair has two), its
-    parameter groups, each a list of Entry per parameter, in order."""
+    """The run's optimizer as the plan needs it: its name in a few words, and for each torch optimizer inside
+    (Muon's pair has two) its parameter groups, each a list of Entry per parameter, in order."""
 
+    label: str
     optimizers: tuple
 
     @property
@@ -66,46 +67,27 @@ class OptimizerLayout:
 
 
 def optimizer_layout(cfg, model_args):
-    """Build the model on the meta device, take one optimizer step there, and record each parameter's state."""
+    """Build the model on the meta device, take one optimizer step there as training takes it (exact MARS's
+    look-ahead too), and record each parameter's state (optimizers.TrainingOptimizer.parameter_layout)."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**model_args))
-    optimizer = build_optimizer(model, cfg, "meta")
+    optimizer = build_optimizer(model, cfg, Parallelism.single("meta"))
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    look_ahead = OPTIMIZERS.entry(cfg).look_ahead(optimizer, cfg)  # one step as training takes it, exact MARS's too
-    if look_ahead is not None:
-        look_ahead.update_previous_grad()
-    optimizers.step(optimizer, look_ahead)
-    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    if optimizer.look_ahead is not None:
+        optimizer.keep_look_ahead_gradient()
+    optimizer.step()
 
-    def entry(opt, group, p, state):
-        tensors = [v for v in state.values() if torch.is_tensor(v)]
-        # MARS computes c_t in last_grad's buffer; a last_grad stored in another dtype than the parameter's gives
-        # c_t a buffer of its own during the step (mars._corrected_gradients)
-        last_grad = state.get("last_grad")
-        own_buffer = last_grad is not None and last_grad.dtype != p.dtype
-        step_buffer = p.numel() * p.element_size() if own_buffer else 0
-        sizes = [t.numel() * t.element_size() for t in tensors]
+    def entry(p, state, step_buffer, newton_schulz):
+        sizes = [v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v)]
         rows = p.shape[0] if p.ndim else 1
-        return Entry(p.numel(), sum(sizes), step_buffer, max(sizes, default=0), rows, newton_schulz(opt, group, p))
+        shape = tuple(p.shape) if newton_schulz else None
+        return Entry(p.numel(), sum(sizes), step_buffer, max(sizes, default=0), rows, shape)
 
+    layout = optimizer.parameter_layout()
     return OptimizerLayout(
-        tuple(
-            tuple(tuple(entry(opt, g, p, opt.state[p]) for p in g["params"]) for g in opt.param_groups) for opt in inner
-        )
+        optimizer.label, tuple(tuple(tuple(entry(*facts) for facts in group) for group in opt) for opt in layout)
     )
-
-
-def newton_schulz(opt, group, p):
-    """p's shape when opt's update of it runs Newton-Schulz on the whole matrix (under FSDP2 at one owner rank:
-    torch's Muon, MARS-Shampoo's and MARS-M's matrices), else None."""
-    import mars
-
-    if isinstance(opt, torch.optim.Muon):
-        return tuple(p.shape)
-    if isinstance(opt, mars.MARS) and mars.update_rule(p, group) in mars.NEWTON_SCHULZ_RULES:
-        return tuple(p.shape)
-    return None
 
 
 def zero_partition(groups, world_size):
@@ -443,7 +425,7 @@ def plan(
     """The MemoryPlan of cfg's run on world_size GPUs of gpu_memory_gb GiB each (None: no verdict; gpu_name
     only labels it). torchrun: whether the run is launched by torchrun (None: when world_size > 1), which decides
     whether zero_stage=3 shards on one GPU: under torchrun it does (FSDP2 over a mesh of one, as train.py runs it),
-    one process without torchrun trains the whole model (marsgpt/fsdp.py's enabled).
+    one process without torchrun trains the whole model (parallel.Parallelism.shards_parameters).
 
     model_args: GPTConfig fields (default: cfg's model with GPT-2's padded vocabulary; train.py passes the
     data's); dtype: the autocast dtype the run resolves to (default: cfg.dtype, 'auto' taken as bfloat16);
@@ -457,11 +439,12 @@ def plan(
     # --deterministic=True leaves CUDA only the math attention kernel (runtime.set_deterministic)
     compiled = resolve_compile(cfg.compile, device_type)
     activations = activations_for(model_args, dtype, math_attention=cfg.deterministic, compiled=compiled)
-    sharded = is_sharded(cfg, world_size)
+    torchrun = world_size > 1 if torchrun is None else torchrun
+    parallel = Parallelism.planned(cfg, world_size, torchrun)
+    sharded = parallel.shards_optimizer_state
     parameters = layout.parameters
     parameter_bytes = sum(e.elements for e in parameters) * 4  # float32 weights, and gradients alike
-    torchrun = world_size > 1 if torchrun is None else torchrun
-    fsdp = FSDP2.of(cfg, world_size, model_args, dtype, device_type) if torchrun else None
+    fsdp = FSDP2.of(cfg, world_size, model_args, dtype, device_type) if parallel.shards_parameters else None
     if fsdp is not None:
         shares = [[fsdp.share(e, rank) for e in parameters] for rank in range(fsdp.shards)]
         parameter_bytes = sum(e.elements for e in shares[0]) * 4  # rank 0 holds the most rows of every tensor
@@ -475,7 +458,7 @@ def plan(
     rank_state_bytes = tuple(sum(e.state_bytes for e in share) for share in shares)
     state_bytes = max(rank_state_bytes)
     fullest = shares[rank_state_bytes.index(state_bytes)]
-    # A save gathers the state on rank 0 tensor by tensor (optimizers.ShardedOptimizer.state_dict); over NCCL each
+    # A save gathers the state on rank 0 tensor by tensor (zero.ShardedOptimizer.state_dict); over NCCL each
     # tensor of another rank's share passes through a buffer of its size on rank 0's GPU, over gloo none does.
     staged = [e.largest for share in shares[1:] for e in share] if cfg.backend != "gloo" and sharded else []
     save_bytes = max(staged, default=0)  # FSDP2: each rank copies its rows to host memory, nothing else on the GPU
@@ -498,9 +481,7 @@ def plan(
     max_micro_batch = None
     if gpu_memory_bytes is not None:
         max_micro_batch = largest(lambda b: static + sum(peak(b)[1].values()) <= usable(gpu_memory_bytes))
-    notes = []
-    if cfg.zero_stage == 1 and world_size == 1:
-        notes.append("zero_stage=1 has no effect in one process: it shards the optimizer state over DDP ranks")
+    notes = [parallel.note] if parallel.note else []
     moment, parts = peak(cfg.batch_size)
     fused_attention_bytes = None
     if cfg.deterministic:
@@ -512,7 +493,7 @@ def plan(
             f"{gib(fused_attention_bytes)}, {gib(static + sum(parts.values()) - fused_attention_bytes)} less"
         )
     return MemoryPlan(
-        description=OPTIMIZERS.entry(cfg).label(cfg),
+        description=layout.label,
         n_params=sum(e.elements for e in parameters),
         world_size=world_size,
         sharded=sharded,
@@ -547,9 +528,9 @@ class FSDP2:
     whole; the root's parameters (embeddings, final LayerNorm) stay whole, in float32, from the forward pass to
     the end of the backward pass; a block's whole float32 gradient waits for its reduce-scatter. With
     gradient_sync=step and more than one micro-batch per rank, the micro-batches before the last add up whole
-    float32 gradients of the model. Newton-Schulz runs at owner ranks (mars._at_owners): each rank sends its rows
-    of every such matrix and gets its rows of the results back, and the owner holds its whole matrices four times
-    (received, joined, stacked, result) and the iteration's buffers."""
+    float32 gradients of the model. Newton-Schulz runs at owner ranks (mars.map_whole_tensors): each rank sends its
+    rows of every such matrix and gets its rows of the results back, and the owner holds its whole matrices four
+    times (received, joined, stacked, result) and the iteration's buffers."""
 
     shards: int
     replicas: int
@@ -561,9 +542,10 @@ class FSDP2:
 
     @classmethod
     def of(cls, cfg, world_size, model_args, dtype, device_type):
-        """The FSDP2 layout of cfg's run on world_size ranks under torchrun, or None when it does not shard
-        (zero_stage 0 or 1)."""
-        if cfg.zero_stage != 3:
+        """The FSDP2 layout of cfg's run on world_size ranks under torchrun, or None when it does not shard its
+        parameters (parallel.Parallelism.shards_parameters)."""
+        parallel = Parallelism.planned(cfg, world_size, torchrun=True)
+        if not parallel.shards_parameters:
             return None
         with torch.device("meta"):
             model = GPT(GPTConfig(**model_args))
@@ -571,8 +553,8 @@ class FSDP2:
         block = sum(p.numel() for p in model.transformer.h[0].parameters())
         low_precision = dtype == "bfloat16" and device_type == "cuda"
         return cls(
-            shards=world_size // cfg.hsdp_replicas,
-            replicas=cfg.hsdp_replicas,
+            shards=parallel.shards,
+            replicas=parallel.replicas,
             block_elements=block,
             root_elements=total - block * len(model.transformer.h),
             gathered_bytes=2 if low_precision else 4,

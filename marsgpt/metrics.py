@@ -229,7 +229,8 @@ class LogWindow:
     A checkpoint part, the metrics' cursor within a train line: a run resumed between two train lines averages
     the same steps' losses into the next one as the run left alone. Each rank's sum is its own (the train line
     all-reduces them), so state_dict() takes every rank's (gathered by `gather`, a collective under DDP) and
-    load_state_dict() gives each rank its own when the world size is the same, else the total to rank 0.
+    load_state_dict() gives each rank its own when the world size (this run's world_size ranks) is the same, else
+    the total to rank 0.
     The timing restarts with the process, and so does the pace that progress() measures."""
 
     loss_sum: torch.Tensor | None = None
@@ -238,6 +239,7 @@ class LogWindow:
     t0: float = dataclasses.field(default_factory=time.perf_counter)
     device: str = "cpu"
     rank: int = 0
+    world_size: int = 1
     gather: object = None  # this rank's loss sum -> every rank's
     first_line: tuple | None = None  # (iter, time) of this process's first train line: where its pace starts
 
@@ -268,13 +270,66 @@ class LogWindow:
         mine = 0.0 if self.loss_sum is None else self.loss_sum.item()  # a float32 value: exact as a float
         return {"loss_sums": self.gather(mine) if self.gather else [mine], "losses": self.losses}
 
-    def load_state_dict(self, state, world_size=1):
-        sums = state["loss_sums"]
-        mine = sums[self.rank] if len(sums) == world_size else sum(sums) if self.rank == 0 else 0.0
+    def load_state_dict(self, state):
+        """The window a checkpoint holds; None (a checkpoint written before the window was one of its parts, always
+        right after an evaluation, where the window is empty): an empty window."""
         self.restart()
+        if state is None:
+            return
+        sums = state["loss_sums"]
+        mine = sums[self.rank] if len(sums) == self.world_size else sum(sums) if self.rank == 0 else 0.0
         self.losses = state["losses"]
         if self.losses:
             self.loss_sum = torch.tensor(mine, dtype=torch.float32, device=self.device)
+
+
+def stamp(iter_num: int, tokens: int, time_s: float) -> dict:
+    """The x axes every record carries."""
+    return {ITER: iter_num, TOKENS: tokens, TIME_S: time_s}
+
+
+@dataclasses.dataclass
+class TrainLine:
+    """A train line: how the steps since the previous one went (`at`: their last step's stamp), as the record
+    metrics.jsonl holds and the line printed for it."""
+
+    at: dict
+    loss: float  # the mean loss of the window's steps that were not skipped (NaN: none was)
+    lr: float
+    grad_norm: float  # the last step's, before clipping
+    clip_rate: float  # the fraction of the run's steps so far that were clipped
+    param_norm: float
+    skipped_steps: int  # in the run so far
+    tokens_per_sec: float
+    step_s: float  # the window's seconds per step
+    mfu: tuple  # (PaLM's, llm.c's) model FLOPs utilisation as fractions, each None off a GPU of known peak
+    state_norms: dict  # {name: value}: the optimizer's (optimizers.TrainingOptimizer.state_norms)
+
+    def record(self) -> dict:
+        mfu, mfu_llmc = (None if m is None else m * 100 for m in self.mfu)
+        return {
+            **self.at,
+            TRAIN_LOSS: self.loss,
+            LR: self.lr,
+            GRAD_NORM: self.grad_norm,
+            CLIP_RATE: self.clip_rate,
+            TOKENS_PER_SEC: self.tokens_per_sec,
+            STEP_MS: self.step_s * 1000,
+            MFU: mfu,
+            MFU_LLMC: mfu_llmc,
+            PARAM_NORM: self.param_norm,
+            SKIPPED_STEPS: self.skipped_steps,
+            **self.state_norms,
+        }
+
+    def text(self, progress: str) -> str:
+        """'iter 250: loss 2.1234, lr ..., 12.3 ms/step, ... tok/s, mfu ...; <progress>' (LogWindow.progress)."""
+        mfu, mfu_llmc = self.mfu
+        mfu_text = "" if mfu is None else f", mfu {mfu * 100:.1f}% (llm.c's count {mfu_llmc * 100:.1f}%)"
+        return (
+            f"iter {self.at[ITER]}: loss {self.loss:.4f}, lr {self.lr:.3e}, grad_norm {self.grad_norm:.3f}, "
+            f"{self.step_s * 1000:.1f} ms/step, {self.tokens_per_sec:,.0f} tok/s{mfu_text}; {progress}"
+        )
 
 
 CUT_SHORT = "cut short"  # a last line without its newline

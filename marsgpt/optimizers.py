@@ -1,12 +1,19 @@
-"""The optimizers train.py offers, one registry entry each, and what a training step does with them.
+"""The optimizers train.py offers, one registry entry each, and the optimizer object a trainer holds.
 
-OPTIMIZERS holds an OptimizerEntry per optimizer: MARS-AdamW, MARS-Lion, MARS-Shampoo and MARS-M
-(optimizer_name=mars, the variant by mars_type), AdamW, Muon and Moonlight. An entry is all the other
-modules know of an optimizer: the configuration keys it reads, its named parameter groups (which
-parameters, which settings), its factory, what it adds to a step (exact MARS's look-ahead), the state norms
-of its train line, its one-line description. No other module but mars.py compares optimizer_name or
-mars_type with a name: adding an optimizer is an entry here (and its keys in config.TrainConfig if it reads
-new ones) with its tests.
+OPTIMIZERS holds an OptimizerEntry per optimizer, each selected by one name, the configuration's `optimizer`:
+mars-adamw, mars-lion, mars-shampoo, mars-m, adamw, muon and moonlight. An entry is all the other modules know
+of an optimizer: the configuration keys it reads, its named parameter groups (which parameters, which
+settings), its factory, what it adds to a step (exact MARS's look-ahead), the state norms of its train line, its
+one-line description, and how the paper's reference code names it (optimizer_name=mars with mars_type=mars-m:
+config.py takes those keys too, through Registry.from_reference_keys). No other module names an optimizer or
+tests its class: adding an optimizer is an entry here (and its keys in config.TrainConfig if it reads new ones)
+with its tests.
+
+build_optimizer looks the configuration's entry up (the one place that does) and returns a TrainingOptimizer,
+torchtitan's OptimizersContainer for this trainer: the torch optimizer the entry built, each torch optimizer in it
+placed by the run's parallelism (marsgpt/parallel.py: ZeRO-1 shards its state, FSDP2 steps its rows), with what
+a step and a checkpoint need of it -- the schedule (set_lr), exact MARS's look-ahead, a GradScaler's step or skip,
+the state norms, and a state_dict whose load_state_dict re-applies the configuration.
 
 Each optimizer is built as the paper's reference code builds it (AGI-Arena/MARS at 4831e28):
 
@@ -26,34 +33,187 @@ moonlight -- MARS-M's baseline, as MARS_M/train_moonlight.py: torch.optim.Muon (
          chained with AdamW (betas_1d) on the rest, both at learning_rate and weight_decay.
 
 Every hyperparameter the configuration sets is written into the groups, at construction and again after a
-resume's load_state_dict (load_state). Each group keeps its peak lr as 'initial_lr'; set_lr(optimizer, it,
-cfg) applies the schedule to every group. ZeRO-1 (zero_stage=1 with more than one rank, see is_sharded):
-every torch optimizer above becomes a ShardedOptimizer, and each DDP rank keeps the state of about
-1/world_size of the parameters.
+resume's load_state_dict (group_hyperparameters). Each group keeps its peak lr as 'initial_lr'; set_lr(it)
+applies the schedule (scheduled_lr) to every group.
 
-The machinery is any trainer's, through plain arguments: Registry, OptimizerEntry, Placement, build,
-group_hyperparameters, load_state, ChainedOptimizer (vision/train_cifar.py has a Registry of its own).
+Parsing a configuration reads this module (config.TrainConfig's optimizer key and its checks), and that must not
+load torch: what builds or steps an optimizer imports torch, mars.py and model.py where it runs. The machinery is
+any trainer's, through plain arguments: Registry, OptimizerEntry, build_optimizer, ChainedOptimizer
+(vision/train_cifar.py has a Registry of its own).
 """
+
+from __future__ import annotations
 
 import collections
 import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # annotations only: importing torch here would load it for every configuration parsed
+    import torch
 
-from mars import MARS, lr_1d_factor, map_whole_tensors
-from marsgpt import checkpoint, metrics
-from marsgpt.fsdp import local as local_shard
-from model import hidden_matrix_params, matrix_params, param_groups
+    from marsgpt.parallel import Parallelism
+
+# ---------------------------------------------------------------------------------------------------
+# The optimizer a trainer holds.
 
 
-def closure_loss(closure):
+class TrainingOptimizer:
+    """The optimizer of a run: the torch optimizer its registry entry built over the model's parameter groups
+    (`torch_optimizer`: one, a ChainedOptimizer of several, each placed by `parallel`), and what a training step,
+    the train line, the memory plan and a checkpoint need of it."""
+
+    def __init__(self, entry: OptimizerEntry, torch_optimizer: object, cfg: object, parallel: Parallelism):
+        self.entry, self.torch_optimizer, self.cfg, self.parallel = entry, torch_optimizer, cfg, parallel
+        # exact MARS: the MARS that takes the look-ahead gradient (this rank's share's under ZeRO-1), else None
+        self.look_ahead = parallel.rank_share(torch_optimizer) if entry.look_ahead(cfg) else None
+
+    @property
+    def param_groups(self) -> list:
+        return self.torch_optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        """The state this rank holds (its share's under ZeRO-1)."""
+        return self.torch_optimizer.state
+
+    @property
+    def optimizers(self) -> list:
+        """The torch optimizers inside, each over its own parameters (a chain's, in order; else the one)."""
+        inner = self.torch_optimizer
+        return list(inner.optimizers) if isinstance(inner, ChainedOptimizer) else [inner]
+
+    @property
+    def label(self) -> str:
+        """The run's optimizer in a few words (the memory plan's first line)."""
+        return self.entry.label(self.cfg)
+
+    @property
+    def lr(self) -> float:
+        """The first group's lr as the schedule set it last (the train line's)."""
+        return self.param_groups[0]["lr"]
+
+    def set_lr(self, it: int) -> None:
+        """Every group's lr at iteration `it`: the schedule from its 'initial_lr'."""
+        for group in self.param_groups:
+            group["lr"] = scheduled_lr(it, self.cfg, group["initial_lr"])
+
+    def zero_grad(self) -> None:
+        """Clear the gradients as the parallelism keeps them: in place under DDP (its buckets), else to None."""
+        self.torch_optimizer.zero_grad(set_to_none=self.parallel.gradients_to_none)
+
+    def unscale(self, scaler: torch.amp.GradScaler, look_ahead: bool = False) -> None:
+        """Divide the gradients by the GradScaler's loss scale (float16). The step's own through scaler.unscale_,
+        which records the infs it finds for scaler.step; the look-ahead's by hand, since unscale_ may run only once
+        between two updates and the step's own gradient needs it."""
+        if not look_ahead:
+            scaler.unscale_(self.torch_optimizer)
+        elif scaler.is_enabled():
+            inverse_scale = 1.0 / scaler.get_scale()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(inverse_scale)
+
+    def keep_look_ahead_gradient(self) -> None:
+        """Exact MARS: the gradient just computed (the next step's batch at the current parameters, unscaled and
+        clipped) becomes the look-ahead (mars.MARS.update_previous_grad)."""
+        self.look_ahead.update_previous_grad()
+
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        """One update as training makes it: through the GradScaler when there is one (it skips a step whose
+        gradients hold an inf and adjusts the loss scale), then exact MARS's update_last_grad: the look-ahead
+        becomes g_{t-1} of the next step's correction."""
+        if scaler is None:
+            self.torch_optimizer.step()
+        else:
+            scaler.step(self.torch_optimizer)
+            scaler.update()
+        if self.look_ahead is not None:
+            self.look_ahead.update_last_grad()
+
+    def skip(self, scaler: torch.amp.GradScaler, own_gradient_finite: bool) -> None:
+        """A step not taken (a non-finite gradient norm): parameters, state and MARS's last gradient stay as they
+        were. Under float16 the loss scale still falls, as scaler.step would lower it. The scaler sees the step's
+        own gradient only: when the look-ahead's alone overflowed (`own_gradient_finite`), the scale is lowered
+        here, or the next step's look-ahead would overflow at the same scale and the run stop at max_bad_steps."""
+        if not scaler.is_enabled():
+            return
+        if own_gradient_finite:
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        else:
+            scaler.update()
+
+    def state_norms(self) -> dict:
+        """The norms of the state the train line logs ({metrics name: 0-d tensor}, the entry's state_norms).
+        Where the state is sharded every rank adds its share (a collective: every rank calls this); else rank 0's
+        is the whole, and the other ranks get {}."""
+        if self.parallel.state_is_sharded or self.parallel.dist.is_master:
+            return self.entry.state_norms(self.torch_optimizer, self.parallel)
+        return {}
+
+    def state_dict(self) -> dict | None:
+        """The torch optimizer's state_dict (a collective under ZeRO-1: rank 0 gets it whole, the others None)."""
+        return self.torch_optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's optimizer state under this run's configuration: the torch optimizer's load_state_dict
+        restores the moments, the step counts and each group's saved settings (a one-file checkpoint's whole
+        tensors placed as the parallelism holds them: FSDP2's rows); group_hyperparameters then writes the
+        configuration's settings on top, so a resume with --learning_rate=1e-4 trains at 1e-4."""
+        self.torch_optimizer.load_state_dict(self.parallel.place_state(state))
+        group_hyperparameters(self.torch_optimizer, self.entry, self.cfg)
+
+    def parameter_layout(self) -> list:
+        """For the memory plan, after a step: for each torch optimizer inside, for each of its groups, for each
+        parameter (parameter, its state, the bytes its step allocates beyond the state, whether its update runs
+        Newton-Schulz on the whole matrix -- under FSDP2 at one owner rank: torch's Muon, MARS-Shampoo's and
+        MARS-M's matrices)."""
+        import torch
+
+        import mars
+
+        def facts(opt, group, p):
+            state = opt.state[p]
+            # MARS computes c_t in last_grad's buffer; a last_grad stored in another dtype than the parameter's gives
+            # c_t a buffer of its own during the step (mars.MARS's corrected gradients)
+            last_grad = state.get("last_grad")
+            own_buffer = last_grad is not None and last_grad.dtype != p.dtype
+            newton_schulz = isinstance(opt, torch.optim.Muon) or (
+                isinstance(opt, mars.MARS) and mars.update_rule(p, group) in mars.NEWTON_SCHULZ_RULES
+            )
+            return p, state, p.numel() * p.element_size() * own_buffer, newton_schulz
+
+        return [
+            [[facts(opt, group, p) for p in group["params"]] for group in opt.param_groups] for opt in self.optimizers
+        ]
+
+
+def build_optimizer(
+    model: object, cfg: object, parallel: object, registry: Registry | None = None
+) -> TrainingOptimizer:
+    """The optimizer cfg names in `registry` (train.py's OPTIMIZERS by default) over model's trainable parameters
+    (on their device), each torch optimizer in it placed by the run's parallelism (parallel.Parallelism). Every
+    group is named and holds cfg's settings and its peak lr as 'initial_lr' (the schedule's start)."""
+    entry = (registry or OPTIMIZERS).entry(cfg)
+    settings = entry.group_settings(cfg)
+    parts = entry.split(model, cfg)
+    _check_split(entry, model, parts)
+    groups = [
+        dict(params=params, name=name, **values, initial_lr=values["lr"])
+        for (name, values), params in zip(settings.items(), parts, strict=True)
+    ]
+    return TrainingOptimizer(entry, entry.build(groups, cfg, parallel), cfg, parallel)
+
+
+def closure_loss(closure: Callable | None) -> object:
     """torch.optim's step(closure) protocol: the loss closure() returns, computed with gradients on."""
     if closure is None:
         return None
+    import torch
+
     with torch.enable_grad():
         return closure()
 
@@ -65,28 +225,28 @@ class ChainedOptimizer:
         self.optimizers = list(optimizers)
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list:
         # Recomputed on each access: load_state_dict replaces the group dicts inside each optimizer.
         return [group for opt in self.optimizers for group in opt.param_groups]
 
     @property
-    def state(self):
+    def state(self) -> dict:
         return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
-    def step(self, closure=None):
+    def step(self, closure: Callable | None = None) -> object:
         loss = closure_loss(closure)
         for opt in self.optimizers:
             opt.step()
         return loss
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict["optimizers"]
         if len(saved) != len(self.optimizers):
             raise ValueError(f"state_dict holds {len(saved)} optimizers, this one chains {len(self.optimizers)}")
@@ -94,285 +254,123 @@ class ChainedOptimizer:
             opt.load_state_dict(sd)
 
 
-class ShardedOptimizer:
-    """ZeRO-1 (Rajbhandari et al., 2020, stage P_os) on torch's ZeroRedundancyOptimizer, which gives each rank
-    whole parameters -- the largest first, each to the rank holding the fewest elements so far -- runs
-    optimizer_class on that rank's share, and after step() broadcasts each rank's updated parameters to the
-    others. A rule that looks at a whole tensor (MARS's clip of c_t to Frobenius norm 1, Muon's Newton-Schulz)
-    therefore sees exactly what it sees unsharded. Hyperparameters written into param_groups (set_lr,
-    group_hyperparameters) reach the rank's optimizer at the next step().
-
-    What this wrapper adds:
-    - state_dict() is collective (every rank calls it, like a checkpoint's other parts) and returns on rank 0
-      the state in the unsharded optimizer's own format (None on the other ranks): a checkpoint resumes on
-      any number of ranks, sharded or not, and readers that know nothing of sharding read it;
-    - load_state_dict() takes that format and loads this rank's share through optimizer_class's own
-      load_state_dict, which places each state tensor as that class wants it (fused AdamW's step counts on
-      the device, for instance).
-    Exact MARS's look-ahead calls go to `local`, the rank's own MARS (see the MARS entries' look_ahead).
-    """
-
-    def __init__(self, params, optimizer_class, **defaults):
-        # imported here: torch.distributed.optim adds seconds to every start, and only sharded runs need it
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        self.zero = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **defaults)
-
-    @property
-    def param_groups(self):
-        return self.zero.param_groups
-
-    @property
-    def local(self):
-        """This rank's optimizer_class over its share of the parameters."""
-        return self.zero.optim
-
-    @property
-    def state(self):
-        """The state this rank holds: its share's."""
-        return self.local.state
-
-    def step(self, closure=None):
-        return self.zero.step(closure)
-
-    def zero_grad(self, set_to_none=True):
-        self.zero.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        """Collective: on rank 0 every rank's share in the unsharded format, on the other ranks None.
-
-        Each state tensor reaches rank 0's host once, one tensor at a time: over gloo straight into its host
-        tensor; over NCCL from its owner's device into a buffer of its size on rank 0's device, then to the
-        host. A save therefore adds at most the largest state tensor to rank 0's GPU (memory_plan's "checkpoint
-        save") and one copy of the state to its host. (torch's consolidate_state_dict moves each rank's whole
-        share through the GPU as serialized bytes and keeps two host copies of it, one pinned.)
-        """
-        zero, group = self.zero, self.zero.process_group
-        local = self.local.state_dict()
-        root = dist.get_global_rank(group, 0)
-        layouts = [None] * zero.world_size if zero.rank == 0 else None  # each rank's state, its tensors on meta
-        dist.gather_object(checkpoint.map_tensors(local, lambda t: t.to("meta")), layouts, dst=root, group=group)
-        # gloo moves host tensors, NCCL only device tensors
-        device = torch.device("cpu") if "gloo" in dist.get_backend(group) else self.param_groups[0]["params"][0].device
-        if zero.rank != 0:
-            for tensor in checkpoint.tensors_of(local):
-                transfer(dist.isend, tensor.detach().to(device).contiguous(), root, group)
-            return None
-        gathered = [checkpoint.map_tensors(local, lambda t: t.detach().to("cpu", copy=True))]
-        for rank in range(1, zero.world_size):
-            source = dist.get_global_rank(group, rank)
-            gathered.append(
-                checkpoint.map_tensors(layouts[rank], partial(received, source=source, group=group, device=device))
-            )
-        zero._all_state_dicts = gathered  # what consolidate_state_dict leaves there, for state_dict() to merge
-        state = zero.state_dict()
-        zero._all_state_dicts = []
-        for group in state["param_groups"]:  # as the optimizer's own state_dict() writes a dtype (MARS: by name)
-            group.update({k: str(v).removeprefix("torch.") for k, v in group.items() if isinstance(v, torch.dtype)})
-        return checkpoint.hand_over(state)  # private host copies: the checkpoint writer need not copy them again
-
-    def load_state_dict(self, state_dict):
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the saved optimizer state has different parameter groups than this optimizer")
-        saved_index = {}  # parameter -> its index in the saved state
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            saved_index.update(zip(group["params"], saved["params"]))
-        local_state, local_groups, first = {}, [], 0
-        for saved, local in zip(saved_groups, self.local.param_groups):
-            for i, p in enumerate(local["params"], start=first):
-                if saved_index[p] in state_dict["state"]:
-                    local_state[i] = state_dict["state"][saved_index[p]]
-            local_groups.append({**saved, "params": list(range(first, first + len(local["params"])))})
-            first += len(local["params"])
-        self.local.load_state_dict({"state": local_state, "param_groups": local_groups})
-
-
-def transfer(op, tensor, peer, group):
-    """One isend or irecv of `tensor` with global rank `peer`, finished. Through batch_isend_irecv, which on
-    NCCL uses the group's communicator; a plain send or recv would open a new one for each pair of ranks."""
-    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]):
-        work.wait()
-
-
-def received(like, source, group, device):
-    """A host tensor shaped like the meta tensor `like`, received from global rank `source` into a buffer on
-    `device` (the buffer itself when that is the CPU)."""
-    buffer = torch.empty(like.shape, dtype=like.dtype, device=device)
-    transfer(dist.irecv, buffer, source, group)
-    return buffer.to("cpu")
-
-
 # ---------------------------------------------------------------------------------------------------
 # The registry: a trainer's optimizers, each an entry that says everything about it.
 
 
-class ShardedMuon(torch.optim.Muon):
-    """torch.optim.Muon's rule on FSDP2's sharded (DTensor) parameters, each matrix's Newton-Schulz run whole at
-    one owner rank (mars.map_whole_tensors: one all-to-all to the owners and one back per step, owners balanced
-    by Newton-Schulz's cost) -- MARS's owner scheme -- and the rest on each rank's rows.
-
-    Through DTensor's own dispatch torch's Muon runs too, but each rank all-gathers every matrix and runs every
-    Newton-Schulz (60 all-reduces and 75 all-gathers a step for 10 matrices, each rank computing all ten), and
-    its sharded matmuls round in bfloat16 in another order than one process does, so a run drifts from one
-    process's at bfloat16's precision. Here each owner runs torch's own _zeropower_via_newtonschulz on the whole
-    matrix, as one process does: 2 ranks train what one process trains up to the bfloat16 rounding of Newton-Schulz
-    that the gradients' float32 rounding can flip, as plain DDP does (tests/test_fsdp.py). The update is
-    _single_tensor_muon's, op for op; the state (momentum_buffer) and the checkpoint format are torch.optim.Muon's.
-    Whole (not sharded) parameters take the same ops here."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
-        loss = closure_loss(closure)
-        for group in self.param_groups:
-            params, grads, momenta = [], [], []
-            self._init_group(group, params, grads, momenta)
-            if not params:
-                continue
-            lr, momentum = group["lr"], group["momentum"]
-            updates = []
-            for grad, buf in zip(map(local_shard, grads), map(local_shard, momenta)):
-                buf.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
-
-            def orthogonalize(update, group=group):
-                return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-
-            directions = map_whole_tensors(params, updates, orthogonalize, result_dtype=torch.bfloat16)
-            for p, direction in zip(params, directions):
-                rows = local_shard(p)
-                rows.mul_(1 - lr * group["weight_decay"])
-                rows.add_(direction, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-        return loss
+def no_look_ahead(cfg: object) -> bool:
+    return False
 
 
-# torch optimizers whose rule looks at whole matrices, and the classes that step FSDP2's sharded parameters with
-# those matrices whole at owner ranks instead of through DTensor's dispatch (ShardedMuon says why).
-OWNER_CLASSES = {torch.optim.Muon: ShardedMuon}
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where an optimizer runs: its parameters' device type, whether each torch optimizer in it keeps only this
-    rank's share of the state (ZeRO-1), and whether its parameters are FSDP2's DTensors (each rank steps its rows
-    of each, the state sharded alike; MARS's sharded step, OWNER_CLASSES for whole-matrix rules)."""
-
-    device_type: str
-    sharded: bool = False
-    fsdp: bool = False
-
-    def make(self, optimizer_class, groups, **options):
-        """optimizer_class over `groups`, a ShardedOptimizer of it when sharded, its owner-computing class under
-        FSDP2 where it has one."""
-        if self.sharded:
-            return ShardedOptimizer(groups, optimizer_class=optimizer_class, **options)
-        if self.fsdp:
-            optimizer_class = OWNER_CLASSES.get(optimizer_class, optimizer_class)
-        return optimizer_class(groups, **options)
-
-
-def no_look_ahead(optimizer, cfg):
-    return None
-
-
-def no_state_norms(optimizer, sum_over_ranks=None):
+def no_state_norms(optimizer: object, parallel: Parallelism) -> dict:
     return {}
 
 
-def no_check(cfg):
+def no_check(cfg: object) -> str | None:
     return None
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerEntry:
-    """One optimizer a trainer offers. torchtitan's parameter-group rule holds: every trainable parameter
-    is in exactly one group (build checks it).
+    """One optimizer a trainer offers, by its name. torchtitan's parameter-group rule holds: every trainable
+    parameter is in exactly one group (build checks it).
 
-    A configuration names the entry with optimizer_name, and with mars_type as well where one optimizer_name
-    has variants (MARS's update rules). Its parameter groups have names, by which a resume pairs a
-    checkpoint's groups with group_settings(cfg); split(model, cfg) returns each group's parameters in the
-    order of those names, and build(groups, cfg, placement) makes the optimizer over the groups, each torch
-    optimizer inside through placement.make (so ZeRO-1 can shard it).
+    Its parameter groups have names, by which a resume pairs a checkpoint's groups with group_settings(cfg);
+    split(model, cfg) returns each group's parameters in the order of those names, and build(groups, cfg,
+    parallel) makes the optimizer over the groups, each torch optimizer inside through parallel.make (so ZeRO-1
+    and FSDP2 place it: marsgpt/parallel.py).
     """
 
-    optimizer_name: str
+    name: str  # the value of its Registry's key that selects it
     description: str  # one line, for --help
     keys: frozenset  # the configuration keys it reads
     group_settings: Callable  # cfg -> {group name: {hyperparameter: value}}, 'lr' the group's peak lr
     split: Callable  # (model, cfg) -> one list of parameters per group
-    build: Callable  # (groups, cfg, placement) -> the optimizer
-    mars_type: str | None = None  # which variant of optimizer_name this entry is, where it has several
+    build: Callable  # (groups, cfg, parallel) -> the optimizer
     label: Callable | None = None  # cfg -> the run's optimizer in a few words (the memory plan's first line)
-    # What it adds to a step: None, or the optimizer that takes exact MARS's look-ahead gradient (mars.MARS's
-    # protocol: update_previous_grad() after a backward pass on the next batch, update_last_grad() after
-    # the step).
-    look_ahead: Callable = no_look_ahead  # (optimizer, cfg) -> that optimizer or None
-    state_norms: Callable = no_state_norms  # (optimizer, sum_over_ranks) -> {metrics name: 0-d tensor}
+    # What it adds to a step: whether the optimizer takes exact MARS's look-ahead gradient (mars.MARS's protocol:
+    # update_previous_grad() after a backward pass on the next batch, update_last_grad() after the step).
+    look_ahead: Callable = no_look_ahead  # cfg -> bool
+    state_norms: Callable = no_state_norms  # (optimizer, parallel) -> {metrics name: 0-d tensor}
     check: Callable = no_check  # cfg -> None, or why cfg's other keys do not go with this optimizer
     # Keys it does not read that a configuration may set to the value of one it does, with no note (Muon's
     # learning_rate = muon_adamw_lr: the reference calls its AdamW part's lr learning_rate).
     aliases: dict = dataclasses.field(default_factory=dict)
     unused_hint: str = ""  # what the note naming the keys it does not read adds
+    # How the paper's reference code names it, in its own keys: {"optimizer_name": "mars", "mars_type": "mars-m"}.
+    reference_keys: dict = dataclasses.field(default_factory=dict)
     unused_keys: frozenset = frozenset()  # keys other entries of its Registry read and it does not (set there)
-
-    @property
-    def name(self):
-        return self.mars_type or self.optimizer_name
-
-    @property
-    def selected_by(self):
-        """How a configuration names it: 'optimizer_name=muon', 'optimizer_name=mars, mars_type=mars-m'."""
-        variant = f", mars_type={self.mars_type}" if self.mars_type else ""
-        return f"optimizer_name={self.optimizer_name}{variant}"
 
 
 class Registry:
-    """A trainer's optimizers by the keys that name them: torchtitan's name-to-factory table."""
+    """A trainer's optimizers by name: torchtitan's name-to-factory table. `key` is the configuration key whose
+    value names the run's optimizer. What a trainer asks before its optimizer exists -- is the configuration
+    consistent, which keys does the optimizer not read -- it asks here, by the configuration."""
 
-    def __init__(self, *entries):
+    def __init__(self, *entries, key):
         read = frozenset().union(*(entry.keys for entry in entries))
+        self.key = key
         self.entries = tuple(dataclasses.replace(entry, unused_keys=read - entry.keys) for entry in entries)
-        self._by_name = {(entry.optimizer_name, entry.mars_type): entry for entry in self.entries}
+        self._by_name = {entry.name: entry for entry in self.entries}
 
-    def entry(self, cfg):
-        """The entry cfg names: optimizer_name's variant mars_type where it has variants."""
-        name = cfg.optimizer_name
-        entry = self._by_name.get((name, cfg.mars_type)) or self._by_name.get((name, None))
-        if entry is None:
-            offered = ", ".join(e.selected_by for e in self.entries)
-            raise ValueError(f"optimizer_name={name!r}, mars_type={cfg.mars_type!r} is none of: {offered}")
-        return entry
+    def entry(self, cfg: object) -> OptimizerEntry:
+        """The entry cfg names."""
+        name = getattr(cfg, self.key)
+        if name not in self._by_name:
+            raise ValueError(f"{self.key}={name!r} is none of: {', '.join(self._by_name)}")
+        return self._by_name[name]
 
-    def optimizer_names(self):
-        """{optimizer_name: its one-line description}: the key's values and its --help."""
-        names = {}
+    def descriptions(self) -> dict[str, str]:
+        """{name: its one-line description}: the key's values and its --help."""
+        return {entry.name: entry.description for entry in self.entries}
+
+    def selected_by(self, cfg: object) -> str:
+        """How cfg names its optimizer: 'optimizer=muon'."""
+        return f"{self.key}={getattr(cfg, self.key)}"
+
+    def check(self, cfg: object) -> str | None:
+        """None, or why cfg's other keys do not go with the optimizer it names."""
+        return self.entry(cfg).check(cfg)
+
+    def unused_keys(self, cfg: object) -> frozenset:
+        """The keys some optimizer here reads and cfg's does not: a resume may change them, and a note names
+        those set away from their defaults."""
+        return self.entry(cfg).unused_keys
+
+    def ignored_settings(self, cfg: object, defaults: object) -> str | None:
+        """A note naming the keys set away from their `defaults` (a configuration) that cfg's optimizer does not
+        read, or None. A key the entry calls an alias is exempt where it has the value of the key it stands for
+        (Muon's learning_rate = muon_adamw_lr in the paper configs: the reference's name for the AdamW part's lr)."""
+        entry = self.entry(cfg)
+        ignored = [
+            f"{key}={getattr(cfg, key)!r}"
+            for key in sorted(entry.unused_keys)
+            if getattr(cfg, key) != getattr(defaults, key)
+            and not (key in entry.aliases and getattr(cfg, key) == getattr(cfg, entry.aliases[key]))
+        ]
+        if not ignored:
+            return None
+        hint = f" ({entry.unused_hint})" if entry.unused_hint else ""
+        return f"note: {self.selected_by(cfg)} does not use {', '.join(ignored)}{hint}"
+
+    def reference_values(self, key: str) -> list[str]:
+        """The values the reference's key `key` takes here, in the entries' order."""
+        return list(dict.fromkeys(e.reference_keys[key] for e in self.entries if key in e.reference_keys))
+
+    def from_reference_keys(self, current: str, given: dict[str, str]) -> str:
+        """The name of the optimizer the reference's keys `given` ({key: value}) name, where the run so far names
+        `current`: the reference's keys of `current`, updated with `given`, and the first entry whose reference
+        keys they match (a key they leave out matches any value: the reference's default is the first entry's).
+        ValueError naming a given value the reference's key does not take here."""
+        for key, value in given.items():
+            values = self.reference_values(key)
+            if value not in values:
+                raise ValueError(f"{key}={value!r} is not one of: {', '.join(values)}")
+        keys = {**self._by_name[current].reference_keys, **given}
         for entry in self.entries:
-            if entry.mars_type is None:
-                names[entry.optimizer_name] = entry.description
-            elif entry.optimizer_name not in names:
-                variants = [e.mars_type for e in self.entries if e.optimizer_name == entry.optimizer_name]
-                names[entry.optimizer_name] = f"its variants (mars_type): {', '.join(variants)}"
-        return names
-
-    def mars_types(self):
-        """{mars_type: its one-line description}: the key's values and its --help."""
-        return {entry.mars_type: entry.description for entry in self.entries if entry.mars_type}
-
-
-def build(entry, model, cfg, placement):
-    """entry's optimizer over model's trainable parameters, each group named and holding cfg's settings and
-    its peak lr as 'initial_lr' (the schedule's start, see set_lr)."""
-    settings = entry.group_settings(cfg)
-    parts = entry.split(model, cfg)
-    _check_split(entry, model, parts)
-    groups = [
-        dict(params=params, name=name, **values, initial_lr=values["lr"])
-        for (name, values), params in zip(settings.items(), parts, strict=True)
-    ]
-    return entry.build(groups, cfg, placement)
+            if all(keys.get(key, value) == value for key, value in entry.reference_keys.items()):
+                return entry.name
+        raise ValueError(f"no optimizer here is named {', '.join(f'{k}={v!r}' for k, v in given.items())}")
 
 
 def _check_split(entry, model, parts):
@@ -390,11 +388,13 @@ def _check_split(entry, model, parts):
         )
 
 
-def group_hyperparameters(optimizer, entry, cfg):
+def group_hyperparameters(optimizer: object, entry: OptimizerEntry, cfg: object) -> None:
     """Write every hyperparameter cfg sets into optimizer's groups, each group by its name, after
     load_state_dict restored the checkpoint's: lr and 'initial_lr' (the peak), weight decays, betas, MARS's
-    gamma and 1-D settings. set_lr then schedules the lr. Optimizer-internal constants (eps, Muon's
+    gamma and 1-D settings. The schedule then sets the lr. Optimizer-internal constants (eps, Muon's
     momentum) stay."""
+    from mars import lr_1d_factor
+
     settings = entry.group_settings(cfg)
     groups = optimizer.param_groups
     if len(groups) != len(settings):
@@ -411,24 +411,75 @@ def group_hyperparameters(optimizer, entry, cfg):
             group["lr_1d_factor"] = lr_1d_factor(setting["lr"], setting["lr_1d"])
 
 
-def load_state(optimizer, state, entry, cfg):
-    """A checkpoint's optimizer state under this run's configuration: load_state_dict restores the moments,
-    the step counts and each group's saved settings; group_hyperparameters then writes cfg's settings on top,
-    so a resume with --learning_rate=1e-4 trains at 1e-4."""
-    optimizer.load_state_dict(state)
-    group_hyperparameters(optimizer, entry, cfg)
+# ---------------------------------------------------------------------------------------------------
+# The learning-rate schedule.
 
 
-def step(optimizer, look_ahead=None, scaler=None):
-    """One update as training makes it: through the GradScaler when there is one (it skips a step whose
-    gradients hold an inf and adjusts the loss scale), then the look-ahead's update_last_grad (exact MARS)."""
-    if scaler is None:
-        optimizer.step()
-    else:
-        scaler.step(optimizer)
-        scaler.update()
-    if look_ahead is not None:
-        look_ahead.update_last_grad()
+def schedule_lengths(cfg: object) -> tuple[int, int]:
+    """(warmup_iters, lr_decay_iters) the schedule runs on: as configured, or with scale_schedule fitted to
+    max_iters -- the configured schedule taken as written for a run of lr_decay_iters steps, warmup scaled by
+    max_iters / lr_decay_iters and the decay ending at max_iters, so a paper config shortened for a test run
+    keeps its shape."""
+    if not cfg.scale_schedule or cfg.lr_decay_iters == 0:
+        return cfg.warmup_iters, cfg.lr_decay_iters
+    return round(cfg.warmup_iters * cfg.max_iters / cfg.lr_decay_iters), cfg.max_iters
+
+
+def scheduled_lr(it: int, cfg: object, peak: float) -> float:
+    """The lr at iteration `it` of a group whose peak lr is `peak`: the reference get_lr
+    (MARS/train_muon.py's, which takes each optimizer's base lr; train_mars.py's is the same for one).
+
+    cosine   -- linear warmup from 0 (peak * it / warmup_iters), cosine from peak down to min_lr
+                between warmup_iters and lr_decay_iters, min_lr after.
+    wsd      -- warmup, constant, then linear decay to min_lr over the last wsd_decay_frac of max_iters
+                (the reference's FineWeb trainers decay to 0 over the last 20%: min_lr=0, wsd_decay_frac=0.2).
+    constant -- warmup, then constant.
+    decay_lr=False -- constant peak from step 0, no warmup.
+    min_lr is absolute and the same for every group, as in the reference, whose Muon trainer decays both
+    of its optimizers to it. (MARS's 1-D tensors run at lr_1d / learning_rate times their group's lr.)
+    warmup_iters and lr_decay_iters are schedule_lengths' (scale_schedule fits them to max_iters).
+    """
+    if not cfg.decay_lr:
+        return peak
+    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
+    if it < warmup_iters:
+        return peak * it / warmup_iters
+    if cfg.schedule == "constant":
+        return peak
+    if cfg.schedule == "wsd":
+        decay_start = (1.0 - cfg.wsd_decay_frac) * cfg.max_iters
+        if it < decay_start:
+            return peak
+        remaining = max(0.0, (cfg.max_iters - it) / max(1.0, cfg.wsd_decay_frac * cfg.max_iters))
+        return cfg.min_lr + remaining * (peak - cfg.min_lr)
+    if it > lr_decay_iters:
+        return cfg.min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return cfg.min_lr + coeff * (peak - cfg.min_lr)
+
+
+def schedule_warning(cfg: object) -> str | None:
+    """A warning when max_iters ends the run inside warmup or before the cosine decay ends (a paper config run
+    with --max_iters=100 would train at a few percent of its learning rate and say nothing), else None."""
+    if not cfg.decay_lr or cfg.scale_schedule or cfg.max_iters == 0 or cfg.eval_only:
+        return None
+    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
+    fix = "; --scale_schedule=True fits warmup and decay into max_iters"
+    if cfg.max_iters < warmup_iters:
+        top = (cfg.max_iters - 1) / warmup_iters
+        return (
+            f"warning: max_iters={cfg.max_iters:,} ends the run inside warmup_iters={warmup_iters:,}: the learning "
+            f"rate never rises above {top:.1%} of its peak{fix}"
+        )
+    if cfg.schedule == "cosine" and cfg.max_iters < lr_decay_iters:
+        done = (cfg.max_iters - 1 - warmup_iters) / (lr_decay_iters - warmup_iters)  # the last step's decay_ratio
+        return (
+            f"warning: max_iters={cfg.max_iters:,} stops the cosine decay (lr_decay_iters={lr_decay_iters:,}) at "
+            f"{max(done, 0):.0%} of its length: the last step's learning rate is still "
+            f"{0.5 * (1 + math.cos(math.pi * max(done, 0))):.0%} of the way from min_lr to its peak{fix}"
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -483,90 +534,110 @@ def _moonlight_settings(cfg):
 
 
 def _decay_split(model, cfg):
+    from model import param_groups
+
     return [group["params"] for group in param_groups(model, cfg.weight_decay)]
 
 
 def _muon_split(model, cfg):
+    from model import hidden_matrix_params, matrix_params
+
     return {"all": matrix_params, "hidden": hidden_matrix_params}[cfg.muon_matrices](model)
 
 
 def _hidden_matrix_split(model, cfg):
+    from model import hidden_matrix_params
+
     return hidden_matrix_params(model)
 
 
-def _mars_m(groups, cfg, placement, **options):
-    return placement.make(
+def _mars(groups, cfg, parallel, rule, **options):
+    """mars.MARS with the update rule `rule` (its mars_type) over the groups."""
+    import torch
+
+    from mars import MARS
+
+    return parallel.make(
         MARS,
         groups,
         is_approx=cfg.is_approx,
-        mars_type=cfg.mars_type,
+        mars_type=rule,
         last_grad_dtype=getattr(torch, cfg.last_grad_dtype),
         # The memory plan steps on the meta device, where the kernel does not run: the same state either way.
-        fused=cfg.mars_fused and placement.device_type != "meta",
+        fused=cfg.mars_fused and parallel.device_type != "meta",
         **options,
     )
 
 
-def _mars(groups, cfg, placement):
+def _mars_with_1d_option(groups, cfg, parallel, rule):
     """MARS-AdamW, -Lion, -Shampoo: MARS-M's options and optimize_1d, which MARS-M's reference does not have."""
-    return _mars_m(groups, cfg, placement, optimize_1d=cfg.optimize_1d)
+    return _mars(groups, cfg, parallel, rule, optimize_1d=cfg.optimize_1d)
 
 
-def _adamw(groups, cfg, placement):
-    return placement.make(torch.optim.AdamW, groups, fused=placement.device_type == "cuda")
+def _adamw(groups, cfg, parallel):
+    import torch
+
+    return parallel.make(torch.optim.AdamW, groups, fused=parallel.device_type == "cuda")
 
 
-def _muon(groups, cfg, placement):
+def _muon(groups, cfg, parallel):
+    import torch
+
     muon, adamw = groups
     # The reference Muon (MARS/optimizers/muon.py, after modded-nanogpt) scales each update by
     # sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original". Its other differences from torch's Muon
     # are in the README's note.
     return ChainedOptimizer(
-        placement.make(torch.optim.Muon, [muon], momentum=0.95, nesterov=True, adjust_lr_fn="original"),
-        _adamw([adamw], cfg, placement),
+        parallel.make(torch.optim.Muon, [muon], momentum=0.95, nesterov=True, adjust_lr_fn="original"),
+        _adamw([adamw], cfg, parallel),
     )
 
 
-def _moonlight(groups, cfg, placement):
+def _moonlight(groups, cfg, parallel):
+    import torch
+
     muon, adamw = groups
     # The reference Moonlight sums its momentum where torch's averages it; Newton-Schulz normalises that
     # factor away (tests/test_optimizers.py holds the two to each other).
     return ChainedOptimizer(
-        placement.make(torch.optim.Muon, [muon], nesterov=True, adjust_lr_fn="match_rms_adamw"),
-        _adamw([adamw], cfg, placement),
+        parallel.make(torch.optim.Muon, [muon], nesterov=True, adjust_lr_fn="match_rms_adamw"),
+        _adamw([adamw], cfg, parallel),
     )
 
 
-def _exact_mars_look_ahead(optimizer, cfg):
+def _exact_mars_look_ahead(cfg):
     """Exact MARS (is_approx=False), in the reference train_mars.py's order: before step t the loop runs a
     backward pass on step t+1's batch at the current parameters, unscales and clips that gradient like any
     other, and update_previous_grad() keeps it; after the step update_last_grad() makes it g_{t-1} of the
-    next step's correction. The loop then runs the step's own backward pass as usual. The MARS optimizer
-    that takes it: this rank's share's under ZeRO-1."""
-    if cfg.is_approx:
-        return None
-    return optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer
+    next step's correction. The loop then runs the step's own backward pass as usual."""
+    return not cfg.is_approx
 
 
 def _norm(tensors, device):
+    import torch
+
     return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros((), device=device)
 
 
-def _moment_norms(optimizer, sum_over_ranks=None, *, second_moment=False):
+def _moment_norms(optimizer, parallel, *, second_moment=False):
     """The norms of MARS's state the reference train_mars.py logs, {metrics name: 0-d float tensor on the
     parameters' device}: the norm of m over every tensor and, with second_moment (mars-adamw), that of v and
     their ratio (Lion's, Shampoo's and MARS-M's matrices keep no v: only the 1-D tensors' would count).
 
-    sum_over_ranks: where each rank holds a share of the state (ZeRO-1's whole tensors, FSDP2's rows of each), an
-    all-reduce (sum) of a tensor over the ranks that hold one share each, which they must then all call; the
-    norms are of this rank's share (a DTensor's local rows), their squares summed over the ranks. Nothing here
-    reads a number back to the host."""
+    Where each rank holds a share of the state (parallel.state_is_sharded: ZeRO-1's whole tensors, FSDP2's rows of
+    each), the norms are of this rank's share (a DTensor's local rows), their squares summed over the ranks that
+    hold one share each (parallel.sum_over_state_shards), which must then all call this. Nothing here reads a
+    number back to the host."""
+    import torch
+
+    from marsgpt import metrics
+
     device = optimizer.param_groups[0]["params"][0].device
     states = [s for s in optimizer.state.values() if "exp_avg" in s]
-    m = _norm([local_shard(s["exp_avg"]) for s in states], device)
-    v = _norm([local_shard(s["exp_avg_sq"]) for s in states if "exp_avg_sq" in s], device)
-    if sum_over_ranks is not None:
-        m, v = sum_over_ranks(torch.stack([m, v]).float() ** 2).sqrt()
+    m = _norm(parallel.local_shards([s["exp_avg"] for s in states]), device)
+    v = _norm(parallel.local_shards([s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]), device)
+    if parallel.state_is_sharded:
+        m, v = parallel.sum_over_state_shards(torch.stack([m, v]).float() ** 2).sqrt()
     norms = {metrics.MOMENTUM_NORM: m.float()}
     if second_moment:
         norms[metrics.MOMENTUM_NORM_SQ] = v.float()
@@ -574,8 +645,9 @@ def _moment_norms(optimizer, sum_over_ranks=None, *, second_moment=False):
     return norms
 
 
-def _mars_label(cfg):
-    return f"{cfg.mars_type} ({'approximate' if cfg.is_approx else 'exact'})"
+def _mars_label(rule):
+    """The memory plan's words for MARS with update rule `rule`: 'mars-lion (exact)'."""
+    return lambda cfg: f"{rule} ({'approximate' if cfg.is_approx else 'exact'})"
 
 
 def _mars_check(cfg):
@@ -590,7 +662,7 @@ def _mars_check(cfg):
 def _mars_m_check(cfg):
     if cfg.optimize_1d:
         return (
-            "optimize_1d=True does not apply to mars_type=mars-m: it trains the embeddings, head and 1-D tensors "
+            "optimize_1d=True does not apply to optimizer=mars-m: it trains the embeddings, head and 1-D tensors "
             "with AdamW, as its reference; drop optimize_1d"
         )
     return _mars_check(cfg)
@@ -599,23 +671,23 @@ def _mars_m_check(cfg):
 # What every MARS variant reads; MARS-M's AdamW part takes learning_rate and weight_decay where the others'
 # 1-D tensors take lr_1d and weight_decay_1d.
 _MARS_KEYS = frozenset(
-    {"learning_rate", "weight_decay", "beta1", "beta2", "gamma", "is_approx", "mars_type", "betas_1d"}
+    {"learning_rate", "weight_decay", "beta1", "beta2", "gamma", "is_approx", "betas_1d"}
     | {"last_grad_dtype", "mars_fused"}
 )
 _MARS_1D_KEYS = frozenset({"lr_1d", "weight_decay_1d", "optimize_1d"})
 
 
-def _mars_variant(mars_type, description, state_norms=_moment_norms):
-    """MARS-AdamW, -Lion or -Shampoo: the paper's MARS with that update rule (mars.py)."""
+def _mars_variant(rule, description, state_norms=_moment_norms):
+    """MARS-AdamW, -Lion or -Shampoo: the paper's MARS with that update rule (mars.py), named as its rule."""
     return OptimizerEntry(
-        optimizer_name="mars",
-        mars_type=mars_type,
+        name=rule,
         description=description,
         keys=_MARS_KEYS | _MARS_1D_KEYS,
         group_settings=_mars_settings,
         split=_decay_split,
-        build=_mars,
-        label=_mars_label,
+        build=partial(_mars_with_1d_option, rule=rule),
+        label=_mars_label(rule),
+        reference_keys={"optimizer_name": "mars", "mars_type": rule},
         look_ahead=_exact_mars_look_ahead,
         state_norms=state_norms,
         check=_mars_check,
@@ -634,30 +706,31 @@ OPTIMIZERS = Registry(
         "MARS with Shampoo's update (Newton-Schulz of the momentum) on the 2-D tensors, AdamW on the rest",
     ),
     OptimizerEntry(
-        optimizer_name="mars",
-        mars_type="mars-m",
+        name="mars-m",
         description="MARS-M (Liu et al. 2025): Newton-Schulz at AdamW's update RMS on the blocks' matrices, "
         "AdamW (betas_1d, learning_rate, weight_decay) on the embeddings, head and 1-D tensors, as its reference",
         keys=_MARS_KEYS,
         group_settings=_mars_m_settings,
         split=_hidden_matrix_split,
-        build=_mars_m,
-        label=_mars_label,
+        build=partial(_mars, rule="mars-m"),
+        label=_mars_label("mars-m"),
         look_ahead=_exact_mars_look_ahead,
         state_norms=_moment_norms,
         check=_mars_m_check,
+        reference_keys={"optimizer_name": "mars", "mars_type": "mars-m"},
     ),
     OptimizerEntry(
-        optimizer_name="adamw",
+        name="adamw",
         description="torch.optim.AdamW over the reference's decay and no-decay groups, fused on CUDA",
         keys=frozenset({"learning_rate", "weight_decay", "beta1", "beta2"}),
         group_settings=_adamw_settings,
         split=_decay_split,
         build=_adamw,
         label=lambda cfg: "AdamW",
+        reference_keys={"optimizer_name": "adamw"},
     ),
     OptimizerEntry(
-        optimizer_name="muon",
+        name="muon",
         description="torch.optim.Muon (muon_lr, no weight decay) on the matrices muon_matrices names, AdamW "
         "(muon_adamw_lr, beta1, beta2, weight_decay) on the rest",
         keys=frozenset({"weight_decay", "beta1", "beta2", "muon_lr", "muon_adamw_lr", "muon_matrices"}),
@@ -667,9 +740,10 @@ OPTIMIZERS = Registry(
         label=lambda cfg: "Muon + AdamW",
         aliases={"learning_rate": "muon_adamw_lr"},
         unused_hint="Muon's lrs are muon_lr and muon_adamw_lr",
+        reference_keys={"optimizer_name": "muon"},
     ),
     OptimizerEntry(
-        optimizer_name="moonlight",
+        name="moonlight",
         description="MARS-M's baseline: torch.optim.Muon scaled to AdamW's update RMS on the blocks' matrices, "
         "AdamW (betas_1d) on the rest, both at learning_rate and weight_decay",
         keys=frozenset({"learning_rate", "weight_decay", "beta1", "betas_1d"}),
@@ -677,91 +751,7 @@ OPTIMIZERS = Registry(
         split=_hidden_matrix_split,
         build=_moonlight,
         label=lambda cfg: "Moonlight (Muon + AdamW)",
+        reference_keys={"optimizer_name": "moonlight"},
     ),
+    key="optimizer",
 )
-
-
-def is_sharded(cfg, world_size):
-    """Whether a run's optimizer state is sharded: zero_stage=1 and more than one rank to share it."""
-    return cfg.zero_stage == 1 and world_size > 1
-
-
-def build_optimizer(model, cfg, device_type, world_size=1, fsdp=False):
-    """The optimizer cfg names, over model's parameters (already on their device); sharded over the default
-    process group's world_size ranks when is_sharded (each torch optimizer a ShardedOptimizer); over FSDP2's
-    sharded parameters with fsdp=True."""
-    placement = Placement(device_type, sharded=is_sharded(cfg, world_size), fsdp=fsdp)
-    return build(OPTIMIZERS.entry(cfg), model, cfg, placement)
-
-
-def schedule_lengths(cfg):
-    """(warmup_iters, lr_decay_iters) the schedule runs on: as configured, or with scale_schedule fitted to
-    max_iters -- the configured schedule taken as written for a run of lr_decay_iters steps, warmup scaled by
-    max_iters / lr_decay_iters and the decay ending at max_iters, so a paper config shortened for a test run
-    keeps its shape."""
-    if not cfg.scale_schedule or cfg.lr_decay_iters == 0:
-        return cfg.warmup_iters, cfg.lr_decay_iters
-    return round(cfg.warmup_iters * cfg.max_iters / cfg.lr_decay_iters), cfg.max_iters
-
-
-def scheduled_lr(it, cfg, peak):
-    """The lr at iteration `it` of a group whose peak lr is `peak`: the reference get_lr
-    (MARS/train_muon.py's, which takes each optimizer's base lr; train_mars.py's is the same for one).
-
-    cosine   -- linear warmup from 0 (peak * it / warmup_iters), cosine from peak down to min_lr
-                between warmup_iters and lr_decay_iters, min_lr after.
-    wsd      -- warmup, constant, then linear decay to min_lr over the last wsd_decay_frac of max_iters
-                (the reference's FineWeb trainers decay to 0 over the last 20%: min_lr=0, wsd_decay_frac=0.2).
-    constant -- warmup, then constant.
-    decay_lr=False -- constant peak from step 0, no warmup.
-    min_lr is absolute and the same for every group, as in the reference, whose Muon trainer decays both
-    of its optimizers to it. (MARS's 1-D tensors run at lr_1d / learning_rate times their group's lr.)
-    warmup_iters and lr_decay_iters are schedule_lengths' (scale_schedule fits them to max_iters).
-    """
-    if not cfg.decay_lr:
-        return peak
-    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
-    if it < warmup_iters:
-        return peak * it / warmup_iters
-    if cfg.schedule == "constant":
-        return peak
-    if cfg.schedule == "wsd":
-        decay_start = (1.0 - cfg.wsd_decay_frac) * cfg.max_iters
-        if it < decay_start:
-            return peak
-        remaining = max(0.0, (cfg.max_iters - it) / max(1.0, cfg.wsd_decay_frac * cfg.max_iters))
-        return cfg.min_lr + remaining * (peak - cfg.min_lr)
-    if it > lr_decay_iters:
-        return cfg.min_lr
-    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
-    return cfg.min_lr + coeff * (peak - cfg.min_lr)
-
-
-def schedule_warning(cfg):
-    """A warning when max_iters ends the run inside warmup or before the cosine decay ends (a paper config run
-    with --max_iters=100 would train at a few percent of its learning rate and say nothing), else None."""
-    if not cfg.decay_lr or cfg.scale_schedule or cfg.max_iters == 0 or cfg.eval_only:
-        return None
-    warmup_iters, lr_decay_iters = schedule_lengths(cfg)
-    fix = "; --scale_schedule=True fits warmup and decay into max_iters"
-    if cfg.max_iters < warmup_iters:
-        top = (cfg.max_iters - 1) / warmup_iters
-        return (
-            f"warning: max_iters={cfg.max_iters:,} ends the run inside warmup_iters={warmup_iters:,}: the learning "
-            f"rate never rises above {top:.1%} of its peak{fix}"
-        )
-    if cfg.schedule == "cosine" and cfg.max_iters < lr_decay_iters:
-        done = (cfg.max_iters - 1 - warmup_iters) / (lr_decay_iters - warmup_iters)  # the last step's decay_ratio
-        return (
-            f"warning: max_iters={cfg.max_iters:,} stops the cosine decay (lr_decay_iters={lr_decay_iters:,}) at "
-            f"{max(done, 0):.0%} of its length: the last step's learning rate is still "
-            f"{0.5 * (1 + math.cos(math.pi * max(done, 0))):.0%} of the way from min_lr to its peak{fix}"
-        )
-    return None
-
-
-def set_lr(optimizer, it, cfg):
-    """Every group's lr at iteration `it`: the schedule from its 'initial_lr'."""
-    for group in optimizer.param_groups:
-        group["lr"] = scheduled_lr(it, cfg, group["initial_lr"])

@@ -62,7 +62,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, fsdp, metrics, shards
+from marsgpt import checkpoint, metrics, shards
 from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
 from marsgpt.config import ConfigError, config_to_dict
 from marsgpt.files import atomic_writer, copy_file, os_reason, process_alive, remove_stale_temporaries
@@ -80,11 +80,6 @@ def kept_name(iteration):
 # What a checkpoint records beside its parts: the data's fingerprint (tokens.fingerprint), and metrics.jsonl's size
 # once synced as the checkpoint was written (MetricsLog.sync). config.json records the fingerprint too.
 DATA_FINGERPRINT, METRICS_SIZE = "data_fingerprint", "metrics_size"
-# The parts of a run a checkpoint holds, by name (train.checkpoint_parts maps them to the run's objects).
-CHECKPOINT_PARTS = ("model", "optimizer", "scaler", "rng", "progress", "log_window")
-# Parts added since the first checkpoints: an older checkpoint resumes them fresh (the log window was empty
-# wherever those were written, right after an evaluation).
-NEWER_PARTS = ("log_window",)
 
 # The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
 # unless told to, or unless the run never completed a checkpoint (no checkpoints.jsonl).
@@ -222,7 +217,7 @@ def choose_checkpoint(out_dir, paths):
             trailer = checkpoint.verify(path)
             ckpt = checkpoint.load_checkpoint(path, mmap=True, verify_checksum=False, whole=False)
             if checkpoint.has_shards(ckpt):
-                shards.verify(ckpt)
+                checkpoint.verify_shards(ckpt)
         except DamagedCheckpoint as e:
             passed.append(str(e))
             continue
@@ -547,14 +542,6 @@ class Requests:
     lock_lost: bool = False  # another launch took out_dir's lock (rank 0)
 
 
-class Part:
-    """A checkpoint part made of two functions, for an object whose own load_state_dict is not how a resume
-    restores it (the optimizer under new hyperparameters, the GradScaler only where float16 enables it)."""
-
-    def __init__(self, state_dict, load_state_dict):
-        self.state_dict, self.load_state_dict = state_dict, load_state_dict
-
-
 # ---------------------------------------------------------------------------------------------------
 # The run's directory, as train.py uses it.
 
@@ -590,7 +577,8 @@ class RunDir:
         self.created = False  # out_dir was made by this launch (removed again if it ends empty)
         self.signals = signals or StopSignals()  # installed by train.main: a stop signal ends the run
         self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed)
-        self.mesh = None  # a sharded run's FSDP2 mesh (register): its checkpoints are sharded
+        self.parallel = None  # the run's parallel.Parallelism (register): whether its checkpoints are sharded
+        self.sharded = False  # every rank writes its rows of each checkpoint (shards.py), not rank 0 one file
         self.write_failed = False
         self.metrics = None  # the run's MetricsLog, whose failed writes stop the run too
         self.parts, self.extras = {}, {}
@@ -636,53 +624,65 @@ class RunDir:
             with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w") as f:
                 json.dump({**config_to_dict(cfg), DATA_FINGERPRINT: start.data}, f, indent=1)
 
-    def register(self, cfg, parts, extras, mesh=None):
+    def register(self, cfg, parts, extras, parallel):
         """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
-        state_dict() and load_state_dict(state); the model part a torch.nn.Module), handed over once, and the
-        plain values every checkpoint records beside them. `mesh`: FSDP2's device mesh when the parts hold
-        DTensors; then every rank writes its rows of each checkpoint (shards.ShardedCheckpointWriter), the
-        background writes' collectives on a gloo process group of their own (a collective, made here)."""
-        self.cfg, self.parts, self.extras = cfg, parts, extras
-        if mesh is not None:
+        state_dict() and load_state_dict(state); the model's a checkpoint.ModelState), handed over once: what a
+        checkpoint holds is these and the plain values every checkpoint records beside them (`extras`).
+        `parallel`: the run's parallel.Parallelism; where it writes sharded checkpoints (FSDP2's DTensors) every
+        rank writes its rows of each checkpoint (shards.ShardedCheckpointWriter), the background writes'
+        collectives on a gloo process group of their own (a collective, made here)."""
+        self.cfg, self.parts, self.extras, self.parallel = cfg, parts, extras, parallel
+        self.sharded = parallel.writes_sharded_checkpoints
+        if self.sharded:
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s))
-            self.mesh = mesh
             self.writer = shards.ShardedCheckpointWriter(
                 self.dist.rank, group, shards.new_token(group), on_saved=self._saved, on_error=self._write_failed
             )
 
-    def restore(self, ckpt, skip=()):
-        """Load every part but those in `skip` (the model, which launch.build_model built from the checkpoint). A
-        sharded checkpoint's tensors are read here: this rank's rows of each into a DTensor placed on the run's
-        mesh, or whole for an unsharded run (checkpoint.load_checkpoint has read those already)."""
-        if checkpoint.has_shards(ckpt):
-            ckpt = shards.read(ckpt, lambda meta: fsdp.empty(meta.shape, meta.dtype, self.mesh))
+    def restore(self, ckpt, path):
+        """Load every part from the checkpoint `ckpt` (read from `path`). A part it does not hold is given None: a
+        part added since older checkpoints were written starts afresh in its own load_state_dict, and any other
+        raises checkpoint.MissingPart; the checkpoint is then refused, naming every part it lacks, before any part
+        changes. A sharded checkpoint's tensors are read here, into what the run's parallelism makes of each
+        (empty_like: this rank's rows of a DTensor under FSDP2; an unsharded run's load_checkpoint read them
+        whole)."""
+        missing = []
         for name, part in self.parts.items():
-            if name not in skip and (name in ckpt or name not in NEWER_PARTS):
+            if name not in ckpt:
+                try:
+                    part.load_state_dict(None)
+                except checkpoint.MissingPart:
+                    missing.append(name)
+        if missing:
+            raise CheckpointError(
+                f"{path} lacks {', '.join(missing)}: it was not written by this train.py, so it cannot be resumed "
+                "(init_from=resume); start a new run from its weights instead"
+            )
+        if checkpoint.has_shards(ckpt):
+            ckpt = checkpoint.read_shards(ckpt, self.parallel.empty_like)
+        for name, part in self.parts.items():
+            if name in ckpt:
                 part.load_state_dict(ckpt[name])
         self.saved_iter = checkpoint.iteration(ckpt)
 
     # --- every step
 
-    def with_requests(self, values):
-        """`values` (the step's norms, on the device) with every rank's requests appended for the step's one host
-        read; receive() takes them back. Under DDP each rank's requests (Requests: a signal, and rank 0's
-        clock, failed write and lost lock) are 4 numbers all-reduced (max) so that they reach every rank at the
-        same step: one all-reduce of 4 numbers per step, read with the step's own synchronisation."""
-        if not self.dist.ddp:
-            return values
-        flags = torch.tensor([float(v) for v in self._my_requests()], device=values.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return torch.cat([values.flatten(), flags])
-
-    def receive(self, read):
-        """The step's values read back (a list), without the requests with_requests appended, which are kept
-        as the agreed requests for the next step boundary."""
+    def read_with_requests(self, values):
+        """The step's values (its norms, on the device) read back to the host, the step's one synchronisation, with
+        every rank's requests agreed on the way and kept for the next step boundary (check_requests,
+        save_if_due). Under DDP each rank's requests (Requests: a signal, and rank 0's clock, failed write and lost
+        lock) are 4 numbers appended to the values and all-reduced (max), so they reach every rank at the same
+        step: one all-reduce of 4 numbers per step, read with the step's own values."""
         if self.dist.ddp:
-            read, requests = read[: -len(dataclasses.fields(Requests))], read[-len(dataclasses.fields(Requests)) :]
+            flags = torch.tensor([float(v) for v in self._my_requests()], device=values.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            read = torch.cat([values.flatten(), flags]).tolist()
+            values, requests = read[: -len(flags)], read[-len(flags) :]
         else:
+            values = values.tolist()
             requests = self._my_requests()
         self.agreed = Requests(int(requests[0]), bool(requests[1]), bool(requests[2]), bool(requests[3]))
-        return read
+        return values
 
     def _my_requests(self):
         master = self.dist.is_master
@@ -751,7 +751,8 @@ class RunDir:
             return f"the last {progress.bad_steps} step(s) were skipped as non-finite"
         if val_loss is not None and not math.isfinite(val_loss):
             return f"the validation loss is {val_loss}"
-        largest = torch.nn.utils.get_total_norm(list(self.parts["model"].parameters()), norm_type=math.inf)
+        weights = list(self.parts["model"].model.parameters())
+        largest = torch.nn.utils.get_total_norm(weights, norm_type=math.inf)
         if not math.isfinite(largest.item()):
             return "the weights are not finite"
         return None
@@ -760,7 +761,7 @@ class RunDir:
         progress.elapsed_s = time_s
         state = {name: part.state_dict() for name, part in self.parts.items()}  # every rank: the parts gather
         self.saved_iter, self.clock = progress.iter_num, time.monotonic()
-        if not self.dist.is_master and self.mesh is None:  # one file, rank 0's; sharded: every rank writes
+        if not self.dist.is_master and not self.sharded:  # one file, rank 0's; sharded: every rank writes
             return
         state.update(self.extras)
         copies = []
@@ -788,7 +789,7 @@ class RunDir:
         if not self.dist.is_master:
             return
         self._record_save(path, iteration)
-        if self.mesh is not None:  # the directory the replaced ckpt.pt named goes
+        if self.sharded:  # the directory the replaced ckpt.pt named goes
             shards.remove_unreferenced(self.path, checkpoint_files(self.path))
 
     def _record_save(self, path, iteration):

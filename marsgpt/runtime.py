@@ -17,7 +17,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 # The cuBLAS workspace torch.use_deterministic_algorithms requires on CUDA (about 24 MiB of GPU memory; ":16:8",
 # the other accepted value, may be slower).
@@ -93,11 +92,6 @@ def setup_distributed(cfg):
             f"across all ranks) is not divisible by the world size {world_size}; use a multiple "
             f"of {world_size} or a different number of processes"
         )
-    if cfg.zero_stage == 3 and world_size % cfg.hsdp_replicas:
-        raise SetupError(
-            f"hsdp_replicas={cfg.hsdp_replicas} does not divide the world size {world_size}: HSDP splits the ranks "
-            f"into that many groups of equal size; use a divisor of {world_size} (1 = plain FSDP)"
-        )
     ddp = "RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -132,6 +126,20 @@ def setup_distributed(cfg):
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s), **kwargs)
     return info
+
+
+def is_collective_timeout(error: BaseException, dist_info: Dist | None) -> bool:
+    """Whether `error` is a gloo collective that waited ddp_timeout_s in vain. (A timed-out NCCL collective never
+    raises one: its watchdog ends the process, as setup_distributed chooses; docs/training.md says why.)"""
+    timed_out = isinstance(error, RuntimeError) and "timed out" in str(error).lower()
+    return timed_out and dist_info is not None and dist_info.ddp
+
+
+def leave_process_group(dist_info: Dist | None, timed_out: bool) -> None:
+    """Destroy the process group a torchrun launch joined, unless a collective timed out: then it cannot be torn
+    down (destroying it waits on the dead peer) and exit_process leaves at once."""
+    if dist_info is not None and dist_info.ddp and dist.is_initialized() and not timed_out:
+        dist.destroy_process_group()
 
 
 # A cgroup's CPU quota and period, as cgroup v2 and v1 give them (in a container, its own cgroup is mounted here).
@@ -223,24 +231,6 @@ def use_expandable_segments():
     this runs before the process touches CUDA."""
     if not any(os.environ.get(name) for name in ALLOCATOR_VARIABLES):
         os.environ[ALLOCATOR_VARIABLES[0]] = "expandable_segments:True"
-
-
-def wrap_ddp(model, dist_info):
-    """model under DDP with gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of
-    beside them, one gradient-sized copy less (6.2 GB on GPT-2 XL). That holds only while they stay there:
-    train.train_step zeroes them in place instead of setting them to None, and they exist before DDP is built,
-    so DDP places them in its buckets at once -- else the no_sync micro-batches of the first step would
-    accumulate into gradients of their own beside the buckets. broadcast_buffers=False: the GPT's only buffers
-    are the compiled attention's per-layer factors (model.CausalSelfAttention.layer_factor_as_data), the same
-    constants on every rank, which DDP would otherwise broadcast from rank 0 before every forward pass."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    return DDP(
-        model,
-        device_ids=[dist_info.local_rank] if dist_info.device_type == "cuda" else None,
-        gradient_as_bucket_view=True,
-        broadcast_buffers=False,
-    )
 
 
 def network_reachable(host, port=443, timeout=3.0):

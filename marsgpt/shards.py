@@ -1,5 +1,6 @@
-"""Sharded checkpoints: what a zero_stage=3 (FSDP2) run writes -- every rank its own rows, nothing gathered on
-one rank -- and how it is read back, as this rank's rows on any number of ranks or as whole tensors.
+"""Sharded checkpoints written: what a zero_stage=3 (FSDP2) run saves -- every rank its own rows, nothing gathered
+on one rank. Reading them back, as this rank's rows on any number of ranks or as whole tensors, is
+marsgpt/checkpoint.py's (verify_shards, read_shards), as for every checkpoint.
 
 A sharded checkpoint is a checkpoint file and a directory beside it, in out_dir:
 
@@ -23,25 +24,18 @@ training's collectives. A crash or kill -9 at any moment leaves the previous che
 directory it names: the new directory is complete before any file names it, and an unfinished or unnamed one is
 removed at the next save or launch (run_dir). A failed write on any rank fails the save on every rank (dcp
 reports every rank's failure to all), and the previous checkpoint stays.
-
-Reading: `verify` checks each file of the directory against its recorded checksum (every load does, as for a
-one-file checkpoint); `read` loads the sharded tensors into tensors a caller makes for each -- this rank's
-DTensor rows when a sharded run resumes (marsgpt/fsdp.py's `empty`: only those rows are read, on any number of
-ranks), or whole tensors for a tool or an unsharded run (checkpoint.load_checkpoint). dcp.load runs with
-no_dist=True: each rank reads on its own, with no collective a failing rank could leave the others waiting in.
 """
 
 import contextlib
 import os
 import shutil
 import sys
-import warnings
 
 import torch
 
 from marsgpt import checkpoint
-from marsgpt.checkpoint import CheckpointError, CheckpointWriter, DamagedCheckpoint
-from marsgpt.files import DIGEST, copy_file, file_digest, fsync_directory, os_reason
+from marsgpt.checkpoint import CheckpointError, CheckpointWriter, dcp_failure, path_name, walk
+from marsgpt.files import copy_file, fsync_directory, os_reason
 
 SHARDS_DIR = "shards"  # beside the checkpoint files: one directory per sharded checkpoint
 SHARDS_KEY = checkpoint.SHARDS_KEY
@@ -50,23 +44,6 @@ SHARDS_KEY = checkpoint.SHARDS_KEY
 def _is_dtensor(tensor):
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
-
-
-def walk(value, fn, path=()):
-    """checkpoint.map_tensors with the place of each tensor: fn(path, tensor), path a tuple of the keys and list
-    indices that lead to it."""
-    if isinstance(value, torch.Tensor):
-        return fn(path, value)
-    if isinstance(value, dict):
-        return {k: walk(v, fn, (*path, k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(walk(v, fn, (*path, i)) for i, v in enumerate(value))
-    return value
-
-
-def path_name(path):
-    """A tensor's name in the shard files: its path, e.g. 'optimizer/state/3/exp_avg' (no key holds a '/')."""
-    return "/".join(map(str, path))
 
 
 def split(state):
@@ -133,17 +110,6 @@ def _hashing_writer(path):
     return writer
 
 
-def _save_reason(error):
-    """(A failed dcp.save in one line: the first rank's file and OS reason, whether it was a full disk).
-    CheckpointException holds every rank's error."""
-    failures = getattr(error, "failures", None)
-    if not failures:
-        return os_reason(error), checkpoint.no_space(error)
-    rank, (first, _) = min(failures.items())
-    file = f"{first.filename}: " if getattr(first, "filename", None) else ""
-    return f"rank {rank}: {file}{os_reason(first)}", checkpoint.no_space(first)
-
-
 def write(pointer, tree, shards, names, name, group, rank):
     """Every rank: dcp.save its rows of `shards` into shards/<name>.tmp beside `pointer`; rank 0 then renames the
     directory to shards/<name> and writes `tree` with the record of the directory to `pointer`, and returns the
@@ -161,7 +127,7 @@ def write(pointer, tree, shards, names, name, group, rank):
         if rank == 0:
             with contextlib.suppress(OSError):
                 shutil.rmtree(staging)
-        reason, no_space = _save_reason(e)
+        reason, no_space = dcp_failure(e)
         advice = f" (free space in {root})" if no_space else ""
         kept = f"the previous one is kept{advice}"
         raise CheckpointError(f"cannot write checkpoint {staging}: {reason}; {kept}") from None
@@ -223,60 +189,6 @@ class ShardedCheckpointWriter(CheckpointWriter):
                 copy(tree, record, dst)
 
         self._start(path, write_all, checkpoint.iteration(state))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reading.
-
-
-def verify(ckpt):
-    """Check every file of a sharded checkpoint's directory (ckpt as checkpoint.load_checkpoint returns it, the
-    directory's path made whole) against the size and SHA-256 recorded as it was written; DamagedCheckpoint
-    naming the first that is missing or differs."""
-    record = ckpt[SHARDS_KEY]
-    directory = record["directory"]
-    for file, expected in record["files"].items():
-        path = os.path.join(directory, file)
-        if not os.path.isfile(path):
-            raise DamagedCheckpoint(f"{path} is missing (a file of the sharded checkpoint {directory})")
-        if os.path.getsize(path) != expected["size"] or file_digest(path) != expected["sha256"]:
-            raise DamagedCheckpoint(
-                f"{path} is damaged: its bytes do not match the {DIGEST} recorded when it was written"
-            )
-
-
-def read(ckpt, make):
-    """The checkpoint dict `ckpt` (as checkpoint.load_checkpoint returns it, its directory verified) with each
-    meta tensor replaced by the tensor make(meta) returns, filled from the shard files: a DTensor gets this
-    rank's rows, a plain tensor the whole. Tensors of one name (the tied matrix) are one tensor again."""
-    import torch.distributed.checkpoint as dcp
-
-    record = ckpt[SHARDS_KEY]
-    names, buffers = record["names"], {}
-
-    def fill(path, tensor):
-        if not tensor.is_meta:
-            return tensor
-        name = names.get(path_name(path))
-        if name is None:
-            raise DamagedCheckpoint(f"{record['directory']}: no sharded tensor is recorded for {path_name(path)}")
-        if name not in buffers:
-            buffers[name] = make(tensor)
-        return buffers[name]
-
-    tree = walk({k: v for k, v in ckpt.items() if k != SHARDS_KEY}, fill)
-    try:
-        with warnings.catch_warnings():  # no_dist's note that it reads in one process: what it is asked to do
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(buffers, checkpoint_id=record["directory"], no_dist=True)
-    except (Exception, dcp.api.CheckpointException) as e:
-        raise CheckpointError(f"{record['directory']} cannot be read: {_save_reason(e)}") from None
-    return tree
-
-
-def whole(ckpt):
-    """The checkpoint with every sharded tensor read whole onto the CPU: a one-file checkpoint's dict."""
-    return read(ckpt, lambda meta: torch.empty(meta.shape, dtype=meta.dtype))
 
 
 def remove_unreferenced(out_dir, checkpoints, announce=False):

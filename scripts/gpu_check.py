@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from bench import bench_mars
-from marsgpt import metrics, shards
-from marsgpt.checkpoint import SHARDS_KEY, CheckpointError, load_checkpoint
+from marsgpt import metrics
+from marsgpt.checkpoint import SHARDS_KEY, CheckpointError, load_checkpoint, read_whole
 from marsgpt.files import atomic_writer
 from marsgpt.run_dir import CKPT_NAME
 from marsgpt.tokens import write_bin
@@ -724,7 +724,7 @@ def fsdp_launch_row(what, command, finished, budget_s, records, ranks, out_dir, 
     try:  # read and verified once: the shard directory's files are checked before they are read whole
         ckpt = load_checkpoint(os.path.join(out_dir, CKPT_NAME), whole=False)
         record = ckpt.get(SHARDS_KEY)
-        weights = (shards.whole(ckpt) if record else ckpt)["model"]
+        weights = (read_whole(ckpt) if record else ckpt)["model"]
     except (OSError, CheckpointError) as e:
         return Row(what, command, f"{row.result}; its checkpoint: {e}", FAIL, row.details)
     shard_files = [name for name in (record or {}).get("files", ()) if name.endswith(".distcp")]

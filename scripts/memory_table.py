@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPUS = 8
 GPU_MEMORY_GB = (40, 80)
 SIZES = ("small", "medium", "large", "xl")
-OPTIMIZERS = ("mars", "adamw", "muon")
+PAPER_OPTIMIZERS = ("mars", "adamw", "muon")  # the optimizers of the paper's runs, as config/ names them
 VARIANTS = {  # column -> overrides
     "DDP": [],
     "ZeRO-1": ["--zero_stage=1"],
@@ -34,7 +34,7 @@ def paper_runs():
     """(size, optimizer, config path) of every config/train_gpt2_<size>_<optimizer>.py the paper ran."""
     runs = []
     for size in SIZES:
-        for optimizer in OPTIMIZERS:
+        for optimizer in PAPER_OPTIMIZERS:
             path = os.path.join("config", f"train_gpt2_{size}_{optimizer}.py")
             if os.path.isfile(os.path.join(ROOT, path)):
                 runs.append((size, optimizer, path))
@@ -141,7 +141,7 @@ def main():
     os.chdir(ROOT)  # the config files import config.paper
     runs = paper_runs()
     plans = plan_runs(runs)
-    missing = sorted({f"{s} {o}" for s in SIZES for o in OPTIMIZERS} - {f"{s} {o}" for s, o, _ in runs})
+    missing = sorted({f"{s} {o}" for s in SIZES for o in PAPER_OPTIMIZERS} - {f"{s} {o}" for s, o, _ in runs})
     out = []
     for gpu_memory_gb in GPU_MEMORY_GB:
         out += table(gpu_memory_gb, runs, plans) + [""]

@@ -23,7 +23,7 @@ a tenth of the peak at the last step). Runs go to OUT/<steps>steps/<optimizer>_x
 (train.py's out_dir, log in train.log); `--jobs` of them train at once, each on cpu_count/jobs threads.
 
 Resumable: a finished run is skipped, an interrupted one resumes from its checkpoint, a diverged one is
-remembered, so rerunning the same command continues, also with optimizers added to OPTIMIZERS. After each
+remembered, so rerunning the same command continues, also with optimizers added to CONTENDERS. After each
 run OUT/results.md is rewritten (per budget: best lr, mean val loss and spread over seeds, rank and ties;
 whether the order moves with the budget; every run); at the end OUT/loss_curves_<steps>steps.png (each
 optimizer at its best lr, first seed) too.
@@ -55,7 +55,7 @@ TRAIN_PY = os.path.join(REPO, "train.py")
 # The paper's GPT-2 small values (config/train_gpt2_small_*.py); MARS-M's and Moonlight's are the MARS-M
 # reference's small configs. The MARS reference tunes only MARS-AdamW; MARS-Lion's and MARS-Shampoo's values
 # are the repository's untuned starting points. `lrs` are what a ladder step scales together.
-OPTIMIZERS = {
+CONTENDERS = {
     "MARS-AdamW": dict(
         args=["--optimizer_name=mars", "--mars_type=mars-adamw", "--weight_decay=1e-2", "--beta1=0.95", "--beta2=0.99"],
         lrs=dict(learning_rate=6e-3, lr_1d=3e-3),
@@ -153,14 +153,14 @@ def run_dir(out_root, run):
 
 
 def scaled_lrs(optimizer, k):
-    return {name: value * LADDER**k for name, value in OPTIMIZERS[optimizer]["lrs"].items()}
+    return {name: value * LADDER**k for name, value in CONTENDERS[optimizer]["lrs"].items()}
 
 
 def run_args(run, out_dir, extra):
     lrs = scaled_lrs(run.optimizer, run.k)
     return (
         COMMON
-        + OPTIMIZERS[run.optimizer]["args"]
+        + CONTENDERS[run.optimizer]["args"]
         + [f"--{name}={value:.4g}" for name, value in lrs.items()]
         + [
             f"--max_iters={run.steps}",
@@ -178,7 +178,7 @@ def run_args(run, out_dir, extra):
 def unsupported(optimizer):
     """Why train.py would refuse this optimizer's arguments (an older train.py), or None."""
     try:
-        load_config(COMMON + OPTIMIZERS[optimizer]["args"])
+        load_config(COMMON + CONTENDERS[optimizer]["args"])
     except ConfigError as e:
         return str(e)
     return None
@@ -616,7 +616,7 @@ def main(argv=None, train_py=TRAIN_PY):
     )
     p.add_argument("--out", default=os.path.join(REPO, "study_small"), help="root of the runs' out_dirs")
     p.add_argument(
-        "--only", nargs="+", choices=list(OPTIMIZERS), metavar="OPTIMIZER", help=f"a subset of {', '.join(OPTIMIZERS)}"
+        "--only", nargs="+", choices=list(CONTENDERS), metavar="OPTIMIZER", help=f"a subset of {', '.join(CONTENDERS)}"
     )
     p.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS), help="steps per run, one per budget")
     p.add_argument("--seeds", type=int, default=len(SEEDS), help=f"seeds at each best lr (default {len(SEEDS)})")
@@ -638,7 +638,7 @@ def main(argv=None, train_py=TRAIN_PY):
     budgets = sorted(args.budgets)
     notes = []
     optimizers = []
-    for o in args.only or OPTIMIZERS:
+    for o in args.only or CONTENDERS:
         why = unsupported(o)
         if why is None:
             optimizers.append(o)

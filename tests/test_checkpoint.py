@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from marsgpt import checkpoint
+from marsgpt.parallel import Parallelism
 
 
 def state(value, iter_num=0):
@@ -130,15 +131,15 @@ def test_a_checkpoint_with_two_copies_of_the_tied_matrix_still_loads_tied(tmp_pa
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
 
 
-@pytest.mark.parametrize("optimizer_name", ["mars", "adamw", "muon"])
-def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer_name):
+@pytest.mark.parametrize("optimizer", ["mars-adamw", "adamw", "muon"])
+def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer):
     """The model's tie is kept; the optimizer's state (which never aliases a parameter) stays apart."""
     from marsgpt.config import TrainConfig
     from marsgpt.optimizers import build_optimizer
 
     model = tied_gpt()
-    cfg = dataclasses.replace(TrainConfig(), optimizer_name=optimizer_name, n_layer=1, n_head=2, n_embd=32)
-    optimizer = build_optimizer(model, cfg, "cpu")
+    cfg = dataclasses.replace(TrainConfig(), optimizer=optimizer, n_layer=1, n_head=2, n_embd=32)
+    optimizer = build_optimizer(model, cfg, Parallelism.single())
     x = torch.randint(0, 1024, (2, 16))
     model(x, x)[1].backward()
     optimizer.step()
@@ -288,9 +289,9 @@ def test_rng_part_holds_every_rank_s_cuda_state_and_gives_each_rank_its_own(monk
     per_rank = [[torch.tensor([10 + r], dtype=torch.uint8)] for r in range(3)]
     saved = checkpoint.RNGState(rank=0, gather=lambda mine: per_rank).state_dict()
     assert [s[0].item() for s in saved["cuda_by_rank"]] == [10, 11, 12]
-    checkpoint.RNGState(rank=2).load_state_dict(saved, world_size=3)
+    checkpoint.RNGState(rank=2, world_size=3).load_state_dict(saved)
     assert restored == [12]
-    checkpoint.RNGState(rank=1).load_state_dict(saved, world_size=2)  # another world size: fresh seeds kept
+    checkpoint.RNGState(rank=1, world_size=2).load_state_dict(saved)  # another world size: fresh seeds kept
     assert restored == [12]
 
 

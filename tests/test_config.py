@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from marsgpt.config import ConfigError, TrainConfig, config_to_dict, load_config, main
+from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, load_config, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +22,7 @@ def write(tmp_path, name, text):
 def test_defaults_are_the_reference_training_script_s():
     cfg = load_config([])
     assert cfg == TrainConfig()
-    assert (cfg.optimizer_name, cfg.mars_type, cfg.schedule) == ("mars", "mars-adamw", "cosine")
+    assert (cfg.optimizer, cfg.schedule) == ("mars-adamw", "cosine")
     assert (cfg.learning_rate, cfg.min_lr, cfg.max_iters, cfg.warmup_iters) == (6e-4, 6e-5, 600000, 2000)
     assert (cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.gamma) == (0.95, 0.99, 0.1, 0.025)
     assert (cfg.lr_1d, cfg.weight_decay_1d, cfg.betas_1d) == (3e-3, 0.1, (0.9, 0.95))
@@ -106,6 +106,37 @@ def test_errors_name_the_key_and_value(argv, message):
     with pytest.raises(ConfigError) as e:
         load_config(argv)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv, optimizer",
+    [
+        (["--optimizer_name=mars"], "mars-adamw"),
+        (["--optimizer_name=mars", "--mars_type=mars-m"], "mars-m"),
+        (["--mars_type=mars-lion"], "mars-lion"),  # optimizer_name's default is the reference's: mars
+        (["--optimizer=mars-lion", "--optimizer_name=mars"], "mars-lion"),  # the rule so far stays
+        (["--optimizer=adamw", "--optimizer_name=mars"], "mars-adamw"),  # the reference's default rule
+        (["--optimizer=adamw", "--mars_type=mars-m"], "adamw"),  # the reference reads mars_type for MARS only
+        (["--optimizer_name=moonlight"], "moonlight"),
+    ],
+)
+def test_the_reference_keys_name_the_optimizer(tmp_path, argv, optimizer):
+    """The paper's reference names the optimizer with optimizer_name and, for MARS, mars_type: a config file or an
+    override in its keys selects the optimizer it names there, from what the sources before it chose."""
+    assert load_config(argv).optimizer == optimizer
+    key_value = [arg[2:].split("=") for arg in argv]
+    files = [write(tmp_path, f"{i}.py", f"{key} = {value!r}\n") for i, (key, value) in enumerate(key_value)]
+    assert load_config(files).optimizer == optimizer
+
+
+def test_a_file_naming_the_optimizer_twice_is_refused_and_saved_configs_are_read_in_today_s_keys(tmp_path):
+    both = write(tmp_path, "both.py", "optimizer = 'adamw'\noptimizer_name = 'muon'\n")
+    with pytest.raises(ConfigError, match="sets optimizer and optimizer_name, which name it too; set one of them"):
+        load_config([both])
+    # a checkpoint written when the optimizer was named by the reference's keys
+    saved = dict(config_to_dict(TrainConfig()), optimizer_name="mars", mars_type="mars-shampoo")
+    del saved["optimizer"]
+    assert current_keys(saved) == config_to_dict(TrainConfig(optimizer="mars-shampoo"))
 
 
 @pytest.mark.parametrize(

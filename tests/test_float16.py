@@ -18,7 +18,6 @@ from train_helpers import launch, subprocess_env, tiny_args, wait_for_line
 import train
 from marsgpt import metrics
 from marsgpt.config import load_config
-from marsgpt.optimizers import set_lr
 from marsgpt.runtime import Dist
 
 INITIAL_SCALE = torch.amp.GradScaler("cpu").get_scale()
@@ -73,9 +72,9 @@ def documented_step(run, it):
     and kept as the look-ahead; then the step's own gradient, unscaled by the scaler and clipped. A step
     with a non-finite norm is skipped, and the scaler still updates its scale (it lowers it when the step's
     own gradient overflowed), as scaler.step and scaler.update would."""
-    cfg, optimizer, scaler, mars = run.cfg, run.optimizer, run.scaler, run.look_ahead
+    cfg, optimizer, scaler, mars = run.cfg, run.optimizer.torch_optimizer, run.scaler, run.optimizer.look_ahead
     parameters = list(run.model.parameters())
-    set_lr(optimizer, it, cfg)
+    run.optimizer.set_lr(it)
     train.forward_backward(run, it + 1)
     for p in parameters:
         p.grad.mul_(1.0 / scaler.get_scale())
@@ -107,7 +106,7 @@ def test_train_step_is_the_documented_float16_exact_mars_protocol(data_path, tmp
         request.addfinalizer(run.metrics.close)
         runs.append(run)
     ours, documented = runs
-    assert ours.scaler.is_enabled() and ours.look_ahead is not None
+    assert ours.scaler.is_enabled() and ours.optimizer.look_ahead is not None
     skipped = []
     for it in range(20):
         result = train.train_step(ours, it)

@@ -67,12 +67,12 @@ RUN = dict(
 )
 OPTIMIZERS = {
     "mars-adamw-exact": dict(is_approx=False),
-    "mars-lion": dict(mars_type="mars-lion"),
-    "mars-shampoo": dict(mars_type="mars-shampoo"),
-    "mars-m": dict(mars_type="mars-m"),
-    "adamw": dict(optimizer_name="adamw"),
-    "muon": dict(optimizer_name="muon"),
-    "moonlight": dict(optimizer_name="moonlight"),
+    "mars-lion": dict(optimizer="mars-lion"),
+    "mars-shampoo": dict(optimizer="mars-shampoo"),
+    "mars-m": dict(optimizer="mars-m"),
+    "adamw": dict(optimizer="adamw"),
+    "muon": dict(optimizer="muon"),
+    "moonlight": dict(optimizer="moonlight"),
 }
 BFLOAT16_NEWTON_SCHULZ = ("muon", "moonlight")
 TIMING = {"time_s", "tokens_per_sec", "step_ms", "mfu"}
@@ -527,7 +527,7 @@ def test_one_rank_under_torchrun_shards_over_a_mesh_of_one_as_its_plan_says(data
     parameters, the sharded step, a sharded checkpoint -- and the memory plan it prints says so."""
     out = str(tmp_path / "out")
     run = dict(RUN, max_iters=2, keep_every_n_evals=0)
-    args = tiny_args(data_path, out, **run, mars_type="mars-shampoo", zero_stage=3)
+    args = tiny_args(data_path, out, **run, optimizer="mars-shampoo", zero_stage=3)
     output = ranks(args, nproc=1)
     assert "world size 1 on cpu" in output and "FSDP2 over 1 GPU," in output
     assert checkpoint.has_shards(torch.load(os.path.join(out, "ckpt.pt"), weights_only=True))

@@ -5,6 +5,7 @@ and the trainer's groups training bit for bit as with the mars.py before these s
 import copy
 import math
 import subprocess
+import sys
 import types
 import warnings
 from pathlib import Path
@@ -202,10 +203,11 @@ def previous_mars():
 )
 def test_the_trainers_numbers_are_bit_identical_to_the_previous_mars(monkeypatch, config, overrides):
     """The trainer's groups (marsgpt.optimizers: weight_decay_1d and lr_1d in every group), its schedule from lr 0
-    (set_lr), its exact look-ahead, and a resume that writes the configuration back (load_state), with the changed
+    (set_lr), its exact look-ahead, and a resume that writes the configuration back (load_state_dict), with the changed
     learning rates a resume may bring: every parameter and state tensor equal, bit for bit, to the previous mars.py."""
     optimizers = pytest.importorskip("marsgpt.optimizers")
     config_module = pytest.importorskip("marsgpt.config")
+    Parallelism = pytest.importorskip("marsgpt.parallel").Parallelism
     from model import GPT, GPTConfig
 
     old = previous_mars()
@@ -224,27 +226,25 @@ def test_the_trainers_numbers_are_bit_identical_to_the_previous_mars(monkeypatch
     data = torch.randint(0, 64, (9, 2, 16), generator=torch.Generator().manual_seed(1))
 
     def run(module):
-        monkeypatch.setattr(optimizers, "MARS", module.MARS)
-        monkeypatch.setattr(optimizers, "lr_1d_factor", module.lr_1d_factor)
+        monkeypatch.setitem(sys.modules, "mars", module)  # what the trainer's optimizers import where they build
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, bias=True))
-        opt = optimizers.build_optimizer(model, cfg, "cpu")
+        opt = optimizers.build_optimizer(model, cfg, Parallelism.single())
         settings = cfg
         for it in range(8):
             if it == 4:  # a resume: a new optimizer, the checkpoint's state, this run's settings written on top
                 saved = copy.deepcopy(opt.state_dict())
                 settings = resumed
-                opt = optimizers.build_optimizer(model, settings, "cpu")
-                optimizers.load_state(opt, saved, optimizers.OPTIMIZERS.entry(settings), settings)
-            optimizers.set_lr(opt, it, settings)
-            look_ahead = optimizers.OPTIMIZERS.entry(settings).look_ahead(opt, settings)
-            if look_ahead is not None:
+                opt = optimizers.build_optimizer(model, settings, Parallelism.single())
+                opt.load_state_dict(saved)
+            opt.set_lr(it)
+            if opt.look_ahead is not None:
                 model(data[it + 1], torch.roll(data[it + 1], -1, 1))[1].backward()
-                look_ahead.update_previous_grad()
-                opt.zero_grad(set_to_none=True)
+                opt.keep_look_ahead_gradient()
+                opt.zero_grad()
             model(data[it], torch.roll(data[it], -1, 1))[1].backward()
-            optimizers.step(opt, look_ahead)
-            opt.zero_grad(set_to_none=True)
+            opt.step()
+            opt.zero_grad()
         return model, opt
 
     new_model, new_opt = run(mars)

@@ -19,21 +19,22 @@ import train
 from marsgpt import memory_plan
 from marsgpt.config import TrainConfig
 from marsgpt.optimizers import build_optimizer
+from marsgpt.parallel import Parallelism
 from model import GPT, GPTConfig, model_args_from_config
 
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 OPTIMIZERS = [
-    dict(optimizer_name="mars"),
-    dict(optimizer_name="mars", is_approx=False),
-    dict(optimizer_name="mars", mars_type="mars-lion"),
-    dict(optimizer_name="mars", mars_type="mars-shampoo"),
-    dict(optimizer_name="mars", optimize_1d=True),
-    dict(optimizer_name="adamw"),
-    dict(optimizer_name="muon", learning_rate=6e-4),
-    dict(optimizer_name="muon", muon_matrices="hidden", learning_rate=6e-4),
-    dict(optimizer_name="mars", mars_type="mars-m"),
-    dict(optimizer_name="mars", mars_type="mars-m", is_approx=False),
-    dict(optimizer_name="moonlight"),
+    dict(optimizer="mars-adamw"),
+    dict(optimizer="mars-adamw", is_approx=False),
+    dict(optimizer="mars-lion"),
+    dict(optimizer="mars-shampoo"),
+    dict(optimizer="mars-adamw", optimize_1d=True),
+    dict(optimizer="adamw"),
+    dict(optimizer="muon", learning_rate=6e-4),
+    dict(optimizer="muon", muon_matrices="hidden", learning_rate=6e-4),
+    dict(optimizer="mars-m"),
+    dict(optimizer="mars-m", is_approx=False),
+    dict(optimizer="moonlight"),
 ]
 
 
@@ -56,17 +57,14 @@ def test_parameter_gradient_and_state_bytes_are_those_allocated(optimizer, bias)
     cfg = config(**optimizer, bias=bias)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL, bias=bias))
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, Parallelism.single())
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
-    exact = not cfg.is_approx and cfg.optimizer_name == "mars"
-    if exact:
+    if opt.look_ahead is not None:  # exact MARS: the look-ahead gradient first
         model(x, x)[1].backward()
-        opt.update_previous_grad()
+        opt.keep_look_ahead_gradient()
     model(x, x)[1].backward()
     opt.step()
-    if exact:
-        opt.update_last_grad()
-    states = opt.optimizers if hasattr(opt, "optimizers") else [opt]
+    states = opt.optimizers
     state = [t for o in states for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
     plan = memory_plan.plan(cfg, model_args=dict(MODEL, bias=bias))
     assert plan.parameter_bytes == tensor_bytes(model.parameters())
@@ -219,7 +217,7 @@ def test_calibration_gpt2_xl_on_an_h200():
         n_embd=1600,
         bias=False,
         batch_size=5,
-        optimizer_name="mars",
+        optimizer="mars-adamw",
         compile=False,
     )
     plan = memory_plan.plan(cfg, dtype="bfloat16")
@@ -239,7 +237,7 @@ def test_calibration_gpt2_xl_on_an_h200():
 
 
 def test_the_largest_micro_batch_that_fits_is_the_boundary():
-    cfg = config(optimizer_name="mars", dtype="bfloat16")
+    cfg = config(optimizer="mars-adamw", dtype="bfloat16")
     plan = memory_plan.plan(cfg, gpu_memory_gb=0.01, model_args=MODEL)
     b = plan.max_micro_batch
     assert b > 1
@@ -272,13 +270,13 @@ def test_a_sharded_save_adds_the_largest_state_tensor_rank_0_receives_through_it
     cfg = config(**optimizer, zero_stage=1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
-    opt = build_optimizer(model, cfg, "cpu")  # unsharded: the state each parameter has on whichever rank
+    opt = build_optimizer(model, cfg, Parallelism.single())  # unsharded: the state each parameter has on whichever rank
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
     model(x, x)[1].backward()
-    if not cfg.is_approx:
-        opt.update_previous_grad()
+    if opt.look_ahead is not None:
+        opt.keep_look_ahead_gradient()
     opt.step()
-    inner = opt.optimizers if hasattr(opt, "optimizers") else [opt]
+    inner = opt.optimizers
     others = [  # the parameters ZeRO gives ranks 1..7, in each torch optimizer of the run
         p
         for o in inner
@@ -346,13 +344,13 @@ def test_fsdp2_ranks_hold_the_rows_torch_chunk_gives_them(optimizer, world_size)
     cfg = config(**optimizer, zero_stage=3)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, Parallelism.single())
     x = torch.randint(0, MODEL["vocab_size"], (2, MODEL["block_size"]))
     model(x, x)[1].backward()
-    if not cfg.is_approx and cfg.optimizer_name == "mars":
-        opt.update_previous_grad()
+    if opt.look_ahead is not None:
+        opt.keep_look_ahead_gradient()
     opt.step()
-    inner = opt.optimizers if hasattr(opt, "optimizers") else [opt]
+    inner = opt.optimizers
 
     def rows(t, rank):
         chunks = torch.chunk(t, world_size) if t.ndim else [t] * world_size
@@ -407,14 +405,12 @@ def test_hsdp_plans_the_shards_of_one_replica(capsys):
 
 @pytest.mark.parametrize(
     "optimizer, newton_schulz",
-    [("mars", False), ("mars-lion", False), ("mars-shampoo", True), ("mars-m", True), ("muon", True)],
+    [("mars-adamw", False), ("mars-lion", False), ("mars-shampoo", True), ("mars-m", True), ("muon", True)],
 )
 def test_newton_schulz_owners_buffers_are_planned_for_the_matrix_rules_only(optimizer, newton_schulz):
     """The owner of a matrix holds it whole (mars._at_owners): the fullest owner's buffers are at least four
     float32 copies of the largest matrix the rule orthogonalises (here the MLP's 4c x c)."""
-    selected = dict(optimizer_name="muon") if optimizer == "muon" else dict(optimizer_name="mars")
-    if optimizer.startswith("mars-"):
-        selected["mars_type"] = optimizer
+    selected = dict(optimizer=optimizer)
     plan = memory_plan.plan(config(**selected, zero_stage=3), 2, model_args=MODEL)
     step = plan.peak_parts if plan.peak_moment == "optimizer step" else None  # planned for a GPU (dtype auto)
     owners = memory_plan.FSDP2.of(config(zero_stage=3), 2, MODEL, "bfloat16", "cuda").newton_schulz_bytes(
@@ -524,7 +520,7 @@ def test_a_run_prints_its_plan_and_warns_when_it_does_not_fit(data_path, tmp_pat
 def test_a_deterministic_plan_counts_the_math_kernels_probabilities(dropout, bytes_per_score):
     """CUDA's math kernel keeps each layer's float32 softmax over n_head x block_size scores per token; with
     dropout also the dropped probabilities (float32) and the fused dropout's 1-byte mask."""
-    cfg = dataclasses.replace(TrainConfig(), batch_size=15, optimizer_name="mars", dropout=dropout)  # GPT-2 small
+    cfg = dataclasses.replace(TrainConfig(), batch_size=15, optimizer="mars-adamw", dropout=dropout)  # GPT-2 small
     fused = memory_plan.plan(cfg, gpu_memory_gb=40)
     math = memory_plan.plan(dataclasses.replace(cfg, deterministic=True), gpu_memory_gb=40)
     tokens, scores_per_token = 15 * 1024, 12 * 1024

@@ -21,11 +21,12 @@ from marsgpt.config import ConfigError, TrainConfig, load_config, print_help
 from marsgpt.optimizers import (
     OPTIMIZERS,
     ChainedOptimizer,
+    Registry,
     build_optimizer,
     group_hyperparameters,
     scheduled_lr,
-    set_lr,
 )
+from marsgpt.parallel import Parallelism
 from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, matrix_params, param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,16 +52,15 @@ def tiny_model(seed=0):
 
 
 def train_steps(model, optimizer, steps, seed=1):
-    """`steps` optimizer steps on one fixed batch (so the loss must fall); the losses."""
+    """`steps` steps of the trainer's optimizer (build_optimizer's) on one fixed batch (so the loss must fall); the
+    losses."""
     x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(seed))
     losses = []
     for _ in range(steps):
         _, loss = model(x, torch.roll(x, -1, dims=1))
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if isinstance(optimizer, MARS):
-            optimizer.update_last_grad()
+        optimizer.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -74,14 +74,12 @@ def gpt2_small():
 
 
 def entry_config(entry, **overrides):
-    return dataclasses.replace(
-        TrainConfig(), optimizer_name=entry.optimizer_name, mars_type=entry.mars_type or "mars-adamw", **overrides
-    )
+    return dataclasses.replace(TrainConfig(), optimizer=entry.name, **overrides)
 
 
 ENTRIES = pytest.mark.parametrize("entry", OPTIMIZERS.entries, ids=lambda entry: entry.name)
 
-# Another valid value for every key some optimizer reads (mars_type: the next variant).
+# Another valid value for every key some optimizer reads.
 OTHER_VALUES = dict(
     learning_rate=1e-2,
     weight_decay=0.3,
@@ -99,14 +97,13 @@ OTHER_VALUES = dict(
     muon_adamw_lr=2e-4,
     muon_matrices="hidden",
 )
-MARS_TYPES = [entry.mars_type for entry in OPTIMIZERS.entries if entry.mars_type]
 
 
 def built(model, cfg):
     """What build_optimizer makes of cfg: each torch optimizer's class and its groups, parameters by name."""
-    optimizer = build_optimizer(model, cfg, "cpu")
+    optimizer = build_optimizer(model, cfg, Parallelism.single())
     names = {id(p): name for name, p in model.named_parameters()}
-    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    inner = optimizer.optimizers
     return [
         (
             type(o),
@@ -122,35 +119,37 @@ def test_an_entry_reads_exactly_the_keys_it_declares(entry):
     declares the key. So the keys it does not read (unused_keys: the resume rule, the ignored-settings note)
     are right."""
     every_key = frozenset().union(*(e.keys for e in OPTIMIZERS.entries))
-    assert every_key == set(OTHER_VALUES) | {"mars_type"}
+    assert every_key == set(OTHER_VALUES)
     assert every_key <= {f.name for f in dataclasses.fields(TrainConfig)}
     assert entry.unused_keys == every_key - entry.keys
     cfg = entry_config(entry)
     model = tiny_model()
     baseline = built(model, cfg)
-    next_variant = MARS_TYPES[(MARS_TYPES.index(cfg.mars_type) + 1) % len(MARS_TYPES)]
-    for key, value in {**OTHER_VALUES, "mars_type": next_variant}.items():
+    for key, value in OTHER_VALUES.items():
         assert value != getattr(cfg, key)
         assert (built(model, dataclasses.replace(cfg, **{key: value})) != baseline) == (key in entry.keys), key
 
 
 @pytest.mark.parametrize(
     "cfg",
-    [entry_config(entry) for entry in OPTIMIZERS.entries]
-    + [TrainConfig(optimizer_name="muon", muon_matrices="hidden")],
-    ids=lambda cfg: f"{cfg.optimizer_name}-{cfg.mars_type}-{cfg.muon_matrices}",
+    [entry_config(entry) for entry in OPTIMIZERS.entries] + [TrainConfig(optimizer="muon", muon_matrices="hidden")],
+    ids=lambda cfg: f"{cfg.optimizer}-{cfg.muon_matrices}",
 )
 def test_every_parameter_is_in_exactly_one_group(cfg):
     for model in (tiny_model(), gpt2_small()):  # the tied embedding and head: one tensor, in one group
-        optimizer = build_optimizer(model, cfg, "cpu")
+        optimizer = build_optimizer(model, cfg, Parallelism.single())
         grouped = [id(p) for group in optimizer.param_groups for p in group["params"]]
         assert sorted(grouped) == sorted(id(p) for p in model.parameters())
+
+
+def with_split(entry, split):
+    """A registry of one optimizer: `entry` with parameter groups split by `split`."""
+    return Registry(dataclasses.replace(entry, split=split), key="optimizer")
 
 
 def test_a_split_that_misses_or_repeats_a_parameter_is_refused():
     cfg = TrainConfig()
     entry, model = OPTIMIZERS.entry(cfg), tiny_model()
-    placement = optimizers.Placement("cpu")
     wpe = model.transformer.wpe.weight
 
     def without_wpe(model, cfg):
@@ -170,16 +169,17 @@ def test_a_split_that_misses_or_repeats_a_parameter_is_refused():
         (foreign, "1 tensors not the model's"),
     ]:
         with pytest.raises(ValueError, match=message):
-            optimizers.build(dataclasses.replace(entry, split=split), model, cfg, placement)
+            build_optimizer(model, cfg, Parallelism.single(), with_split(entry, split))
     wpe.requires_grad_(False)  # a frozen parameter may stay out
-    frozen_out = optimizers.build(dataclasses.replace(entry, split=without_wpe), model, cfg, placement)
+    frozen_out = build_optimizer(model, cfg, Parallelism.single(), with_split(entry, without_wpe))
     assert all(p is not wpe for group in frozen_out.param_groups for p in group["params"])
 
 
-def test_every_variant_of_an_optimizer_name_is_a_config_value():
+def test_every_entry_is_a_value_of_the_optimizer_key():
     cfg_types = typing.get_type_hints(TrainConfig)
-    assert typing.get_args(cfg_types["optimizer_name"]) == ("mars", "adamw", "muon", "moonlight")
-    assert typing.get_args(cfg_types["mars_type"]) == tuple(MARS_TYPES) == mars.MARS_TYPES
+    assert typing.get_args(cfg_types["optimizer"]) == tuple(entry.name for entry in OPTIMIZERS.entries)
+    mars_rules = [e.reference_keys["mars_type"] for e in OPTIMIZERS.entries if "mars_type" in e.reference_keys]
+    assert tuple(mars_rules) == mars.MARS_TYPES  # every rule mars.py offers, named as the reference names it
     for entry in OPTIMIZERS.entries:
         assert OPTIMIZERS.entry(entry_config(entry)) is entry
         assert entry.description and entry.label(entry_config(entry))
@@ -189,19 +189,18 @@ def test_help_shows_each_entry_s_description_under_the_key_that_names_it():
     out = io.StringIO()
     print_help(file=out)
     text = out.getvalue()
-    names = text[text.index("  --optimizer_name=") : text.index("  --learning_rate=")]
-    variants = text[text.index("  --mars_type=") : text.index("  --optimize_1d=")]
+    names = text[text.index("  --optimizer=") : text.index("  --learning_rate=")]
     for entry in OPTIMIZERS.entries:
-        assert entry.description in (variants if entry.mars_type else names), entry.name
+        assert entry.description in names, entry.name
 
 
 def test_mars_m_and_moonlight_name_the_keys_they_do_not_read():
     """MARS-M's and Moonlight's AdamW part takes learning_rate and weight_decay (their reference), so the
     1-D settings other than betas_1d are unused; Moonlight reads beta1 as its momentum and no beta2."""
-    mars_m = OPTIMIZERS.entry(TrainConfig(mars_type="mars-m")).unused_keys
+    mars_m = OPTIMIZERS.unused_keys(TrainConfig(optimizer="mars-m"))
     assert {"lr_1d", "weight_decay_1d", "optimize_1d"} <= mars_m and not {"betas_1d", "gamma", "is_approx"} & mars_m
-    moonlight = OPTIMIZERS.entry(TrainConfig(optimizer_name="moonlight")).unused_keys
-    assert {"gamma", "lr_1d", "weight_decay_1d", "mars_type", "beta2", "muon_lr"} <= moonlight
+    moonlight = OPTIMIZERS.unused_keys(TrainConfig(optimizer="moonlight"))
+    assert {"gamma", "lr_1d", "weight_decay_1d", "beta2", "muon_lr"} <= moonlight
     assert not {"betas_1d", "beta1", "learning_rate", "weight_decay"} & moonlight
 
 
@@ -214,26 +213,26 @@ def construction_before_the_registry(model, cfg):
         return dict(params=params, name=name, **settings, initial_lr=settings["lr"])
 
     mars_options = dict(
-        is_approx=cfg.is_approx, mars_type=cfg.mars_type, last_grad_dtype=getattr(torch, cfg.last_grad_dtype)
+        is_approx=cfg.is_approx, mars_type=cfg.optimizer, last_grad_dtype=getattr(torch, cfg.last_grad_dtype)
     )
     decay, no_decay = (g["params"] for g in param_groups(model, cfg.weight_decay))
-    if cfg.optimizer_name == "mars" and cfg.mars_type == "mars-m":
+    if cfg.optimizer == "mars-m":
         matrices, rest = hidden_matrix_params(model)
         settings = dict(lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay, gamma=cfg.gamma)
         settings.update(lr_1d=cfg.learning_rate, betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay)
         groups = [group("matrices", matrices, **settings), group("adamw", rest, **settings, routing="none")]
         return MARS(groups, **mars_options, fused=False)
-    if cfg.optimizer_name == "mars":
+    if cfg.optimizer.startswith("mars-"):
         settings = dict(lr=cfg.learning_rate, betas=betas, gamma=cfg.gamma, lr_1d=cfg.lr_1d)
         settings.update(betas_1d=tuple(cfg.betas_1d), weight_decay_1d=cfg.weight_decay_1d)
         groups = [group("decay", decay, **settings, weight_decay=cfg.weight_decay)]
         groups.append(group("no_decay", no_decay, **settings, weight_decay=0.0))
         return MARS(groups, **mars_options, optimize_1d=cfg.optimize_1d, fused=False)
-    if cfg.optimizer_name == "adamw":
+    if cfg.optimizer == "adamw":
         settings = dict(lr=cfg.learning_rate, betas=betas)
         groups = [group("decay", decay, **settings, weight_decay=cfg.weight_decay)]
         return torch.optim.AdamW(groups + [group("no_decay", no_decay, **settings, weight_decay=0.0)], fused=False)
-    if cfg.optimizer_name == "muon":
+    if cfg.optimizer == "muon":
         muon, rest = (matrix_params if cfg.muon_matrices == "all" else hidden_matrix_params)(model)
         return ChainedOptimizer(
             torch.optim.Muon(
@@ -282,26 +281,37 @@ def test_each_config_builds_the_optimizer_it_built_before_the_registry(optimizer
     the registry's optimizer and the one written out above end with the same state, bit for bit."""
     cfg = paper_config("small", optimizer, "--warmup_iters=2", *more)
     ours, before = tiny_model(), tiny_model()
-    runs = []
-    for model, opt in (
-        (ours, build_optimizer(ours, cfg, "cpu")),
-        (before, construction_before_the_registry(before, cfg)),
-    ):
-        look_ahead = OPTIMIZERS.entry(cfg).look_ahead(opt, cfg)
-        generator = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(5)]
-        for it in range(4):
-            set_lr(opt, it, cfg)
-            if look_ahead is not None:
-                model(batches[it + 1], torch.roll(batches[it + 1], -1, dims=1))[1].backward()
-                look_ahead.update_previous_grad()
-                opt.zero_grad(set_to_none=True)
-            model(batches[it], torch.roll(batches[it], -1, dims=1))[1].backward()
-            optimizers.step(opt, look_ahead)
-            opt.zero_grad(set_to_none=True)
-        runs.append((model.state_dict(), opt.state_dict()))
-    assert (look_ahead is None) == cfg.is_approx
-    assert_same_state(runs[0], runs[1])
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(5)]
+
+    def loss(model, it):
+        return model(batches[it], torch.roll(batches[it], -1, dims=1))[1]
+
+    opt = build_optimizer(ours, cfg, Parallelism.single())
+    assert (opt.look_ahead is None) == cfg.is_approx
+    for it in range(4):  # the trainer's optimizer, as train.train_step drives it
+        opt.set_lr(it)
+        if opt.look_ahead is not None:
+            loss(ours, it + 1).backward()
+            opt.keep_look_ahead_gradient()
+            opt.zero_grad()
+        loss(ours, it).backward()
+        opt.step()
+        opt.zero_grad()
+    written_out = construction_before_the_registry(before, cfg)
+    for it in range(4):  # the one written out, through torch's and mars.MARS's own calls
+        for group in written_out.param_groups:
+            group["lr"] = scheduled_lr(it, cfg, group["initial_lr"])
+        if not cfg.is_approx:
+            loss(before, it + 1).backward()
+            written_out.update_previous_grad()
+            written_out.zero_grad(set_to_none=True)
+        loss(before, it).backward()
+        written_out.step()
+        if not cfg.is_approx:
+            written_out.update_last_grad()
+        written_out.zero_grad(set_to_none=True)
+    assert_same_state((ours.state_dict(), opt.state_dict()), (before.state_dict(), written_out.state_dict()))
 
 
 # --- the schedule
@@ -313,13 +323,13 @@ ITERS = (0, 1, 1000, 1999, 2000, 2001, 25000, 51000, 75000, 99999, 100000)
 def test_every_group_follows_the_reference_get_lr(size, optimizer):
     ref = reference_run(size, optimizer)
     cfg = paper_config(size, optimizer)
-    opt = build_optimizer(tiny_model(), cfg, "cpu")
+    opt = build_optimizer(tiny_model(), cfg, Parallelism.single())
     if optimizer == "muon":  # train_muon.py: each optimizer from its own base lr to the same min_lr
         peaks = [ref["muon_lr"], ref["learning_rate"]]  # Muon's group, then its AdamW's
     else:
         peaks = [ref["learning_rate"]] * 2  # the two weight-decay groups
     for it in ITERS:
-        set_lr(opt, it, cfg)
+        opt.set_lr(it)
         expected = [reference_get_lr(it, peak, ref["min_lr"]) for peak in peaks]
         assert [g["lr"] for g in opt.param_groups] == pytest.approx(expected, rel=1e-12, abs=1e-18), it
         if optimizer == "mars":  # the 1-D tensors' AdamW: the scheduled lr x lr_1d / lr (optimizers/mars.py)
@@ -392,8 +402,8 @@ def test_wsd_with_min_lr_0_is_the_reference_fineweb_trainers_wsd():
 def test_mars_is_built_as_the_reference_builds_it():
     cfg = paper_config("small", "mars")
     model = tiny_model()
-    opt = build_optimizer(model, cfg, "cpu")
-    assert isinstance(opt, MARS)
+    opt = build_optimizer(model, cfg, Parallelism.single())
+    assert isinstance(opt.torch_optimizer, MARS)
     reference_groups = param_groups(model, cfg.weight_decay)
     assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
         [id(p) for p in g["params"]] for g in reference_groups
@@ -409,27 +419,27 @@ def test_mars_is_built_as_the_reference_builds_it():
 
 @pytest.mark.parametrize("mars_type", ["mars-lion", "mars-shampoo"])
 def test_mars_variants_build_from_their_configs(mars_type):
-    opt = build_optimizer(tiny_model(), paper_config("small", mars_type.replace("-", "_")), "cpu")
+    opt = build_optimizer(tiny_model(), paper_config("small", mars_type.replace("-", "_")), Parallelism.single())
     assert {g["mars_type"] for g in opt.param_groups} == {mars_type}
 
 
 def test_mars_refuses_a_zero_peak_lr_that_leaves_the_1d_lr_undefined():
     with pytest.raises(ValueError, match="lr=0 with optimize_1d=False"):
-        build_optimizer(tiny_model(), TrainConfig(learning_rate=0.0), "cpu")
+        build_optimizer(tiny_model(), TrainConfig(learning_rate=0.0), Parallelism.single())
 
 
 def test_mars_keeps_its_last_gradient_in_the_configured_dtype():
     cfg = load_config([os.path.join(ROOT, "config", "train_gpt2_small_mars.py")])
     model = tiny_model()
-    opt = build_optimizer(model, dataclasses.replace(cfg, last_grad_dtype="bfloat16"), "cpu")
+    opt = build_optimizer(model, dataclasses.replace(cfg, last_grad_dtype="bfloat16"), Parallelism.single())
     train_steps(model, opt, 1)
     assert {s["last_grad"].dtype for s in opt.state.values() if "last_grad" in s} == {torch.bfloat16}
 
 
 def test_adamw_uses_the_reference_groups_and_betas():
     model = tiny_model()
-    opt = build_optimizer(model, paper_config("small", "adamw"), "cpu")
-    assert type(opt) is torch.optim.AdamW
+    opt = build_optimizer(model, paper_config("small", "adamw"), Parallelism.single())
+    assert type(opt.torch_optimizer) is torch.optim.AdamW
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert all(g["betas"] == (0.9, 0.95) and g["initial_lr"] == 6e-4 and not g["fused"] for g in opt.param_groups)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
@@ -448,7 +458,7 @@ def test_muon_split_is_the_reference_s_on_gpt2_small():
     2+ dims, in parameter order -- the token and position embeddings, the tied head (it is wte), the blocks'
     matrices -- at weight decay 0, and AdamW the LayerNorm weights at weight_decay (no biases: bias=False)."""
     model = gpt2_small()
-    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "muon"), Parallelism.single())
     muon, adamw = split_by_name(model, opt)
     assert muon == ["transformer.wte.weight", "transformer.wpe.weight"] + [
         f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES
@@ -463,7 +473,7 @@ def test_muon_split_is_the_reference_s_on_gpt2_small():
 
 def test_muon_matrices_hidden_keeps_the_embeddings_and_head_in_adamw():
     model = gpt2_small()
-    opt = build_optimizer(model, paper_config("small", "muon", "--muon_matrices=hidden"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "muon", "--muon_matrices=hidden"), Parallelism.single())
     muon, adamw = split_by_name(model, opt)
     assert muon == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
     assert adamw[:2] == ["transformer.wte.weight", "transformer.wpe.weight"] and len(adamw) == 2 + 2 * 12 + 1
@@ -475,8 +485,8 @@ def test_muon_matrices_hidden_keeps_the_embeddings_and_head_in_adamw():
 
 def test_muon_chain_trains_and_zero_grads_both_parts():
     model = tiny_model()
-    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
-    assert isinstance(opt, ChainedOptimizer)
+    opt = build_optimizer(model, paper_config("small", "muon"), Parallelism.single())
+    assert isinstance(opt.torch_optimizer, ChainedOptimizer)
     g = opt.optimizers[0].param_groups[0]
     assert (g["momentum"], g["nesterov"], g["adjust_lr_fn"]) == (0.95, True, "original")
     assert all(g["betas"] == (0.9, 0.95) for g in opt.optimizers[1].param_groups)
@@ -512,7 +522,7 @@ def test_torch_muon_takes_the_reference_muon_s_steps():
     update is then (1 - m) times the reference's, and Newton-Schulz normalises that factor away. What is
     left is bfloat16 rounding (a few %), well apart from what a different rule gives (no Nesterov: over 20%)."""
     model = tiny_model()
-    opt = build_optimizer(model, paper_config("small", "muon"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "muon"), Parallelism.single())
     muon = opt.optimizers[0]
     params = muon.param_groups[0]["params"]
     assert {(p.size(0) > p.size(1), p.size(0) < p.size(1)) for p in params} >= {(True, False), (False, True)}
@@ -540,8 +550,8 @@ def test_mars_m_is_built_as_the_reference_trainer_builds_it():
     matrices), its AdamW part (betas_1d) on those and the 1-D tensors, all at learning_rate and weight_decay
     (the LayerNorm weights and embeddings decay too), momentum beta1."""
     model = gpt2_small()
-    opt = build_optimizer(model, paper_config("small", "mars_m"), "cpu")
-    assert isinstance(opt, MARS)
+    opt = build_optimizer(model, paper_config("small", "mars_m"), Parallelism.single())
+    assert isinstance(opt.torch_optimizer, MARS)
     name_of = {id(p): n for n, p in model.named_parameters()}
     matrices, rest = ([name_of[id(p)] for p in g["params"]] for g in opt.param_groups)
     assert matrices == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
@@ -560,7 +570,7 @@ def test_mars_m_is_built_as_the_reference_trainer_builds_it():
 
 def test_mars_m_trains_the_embeddings_with_adamw():
     model = tiny_model()
-    opt = build_optimizer(model, paper_config("small", "mars_m"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "mars_m"), Parallelism.single())
     losses = train_steps(model, opt, 6)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     assert "exp_avg_sq" in opt.state[model.transformer.wte.weight]  # AdamW, not Newton-Schulz
@@ -568,7 +578,7 @@ def test_mars_m_trains_the_embeddings_with_adamw():
 
 
 def test_mars_m_refuses_optimize_1d():
-    with pytest.raises(ConfigError, match="optimize_1d=True does not apply to mars_type=mars-m"):
+    with pytest.raises(ConfigError, match="optimize_1d=True does not apply to optimizer=mars-m"):
         paper_config("small", "mars_m", "--optimize_1d=True")
 
 
@@ -577,7 +587,7 @@ def test_moonlight_is_built_as_the_reference_trainer_builds_it():
     Newton-Schulz) on the blocks' matrices, AdamW (betas_1d) on the embeddings, head and 1-D tensors, both at
     learning_rate and weight_decay."""
     model = gpt2_small()
-    opt = build_optimizer(model, paper_config("small", "moonlight"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "moonlight"), Parallelism.single())
     assert [type(o) for o in opt.optimizers] == [torch.optim.Muon, torch.optim.AdamW]
     muon, adamw = split_by_name(model, opt)
     assert muon == [f"transformer.h.{i}.{m}.weight" for i in range(12) for m in BLOCK_MATRICES]
@@ -587,7 +597,7 @@ def test_moonlight_is_built_as_the_reference_trainer_builds_it():
     assert (g_muon["lr"], g_muon["weight_decay"]) == (g_adamw["lr"], g_adamw["weight_decay"]) == (6e-3, 0.1)
     assert g_adamw["betas"] == (0.9, 0.95)
     tiny = tiny_model()
-    losses = train_steps(tiny, build_optimizer(tiny, paper_config("small", "moonlight"), "cpu"), 6)
+    losses = train_steps(tiny, build_optimizer(tiny, paper_config("small", "moonlight"), Parallelism.single()), 6)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
@@ -614,7 +624,7 @@ def test_torch_muon_with_match_rms_adamw_is_the_reference_moonlight(monkeypatch)
 
     monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", float64_newton_schulz)
     model = tiny_model().double()
-    opt = build_optimizer(model, paper_config("small", "moonlight"), "cpu")
+    opt = build_optimizer(model, paper_config("small", "moonlight"), Parallelism.single())
     muon = opt.optimizers[0]
     params = muon.param_groups[0]["params"]
     assert {(p.size(0) > p.size(1), p.size(0) < p.size(1)) for p in params} >= {(True, False), (False, True)}
@@ -650,13 +660,13 @@ def test_torch_muon_with_match_rms_adamw_is_the_reference_moonlight(monkeypatch)
 def test_state_dict_round_trip_continues_identically(size, optimizer):
     cfg = paper_config(size, optimizer)
     model, other_model = tiny_model(), tiny_model()
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, Parallelism.single())
     train_steps(model, opt, 2)
     other_model.load_state_dict(model.state_dict())
-    other_opt = build_optimizer(other_model, cfg, "cpu")
+    other_opt = build_optimizer(other_model, cfg, Parallelism.single())
     other_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as a checkpoint would: no shared tensors
-    set_lr(opt, 1000, cfg)
-    set_lr(other_opt, 1000, cfg)  # after load_state_dict: the group dicts it replaced
+    opt.set_lr(1000)
+    other_opt.set_lr(1000)  # after load_state_dict: the group dicts it replaced
     train_steps(model, opt, 2, seed=7)
     train_steps(other_model, other_opt, 2, seed=7)
     for a, b in zip(model.parameters(), other_model.parameters()):
@@ -692,15 +702,17 @@ def test_group_hyperparameters_apply_a_new_config_after_load_state_dict(size, op
     old = paper_config(size, optimizer)
     new = changed(old)
     model = tiny_model()
-    opt = build_optimizer(model, old, "cpu")
+    opt = build_optimizer(model, old, Parallelism.single())
     train_steps(model, opt, 2)
     saved = copy.deepcopy(opt.state_dict())
-    resumed = build_optimizer(model, new, "cpu")
+    resumed = build_optimizer(model, new, Parallelism.single())
     fresh = hyperparameters(resumed)
-    resumed.load_state_dict(saved)
+    resumed.torch_optimizer.load_state_dict(copy.deepcopy(saved))
     assert hyperparameters(resumed) == hyperparameters(opt) != fresh  # the checkpoint's values came back
-    group_hyperparameters(resumed, OPTIMIZERS.entry(new), new)
+    group_hyperparameters(resumed.torch_optimizer, OPTIMIZERS.entry(new), new)
     assert hyperparameters(resumed) == fresh  # every key as a new optimizer built from `new` has it
+    resumed.load_state_dict(saved)  # the trainer's optimizer does both
+    assert hyperparameters(resumed) == fresh
     for p in model.parameters():  # and the state stays the checkpoint's
         assert resumed.state[p].keys() == opt.state[p].keys()
         assert all(
@@ -718,7 +730,7 @@ def test_group_hyperparameters_refuses_an_optimizer_with_other_groups():
 def test_every_shipped_config_builds_its_optimizer():
     for path in sorted(glob.glob(os.path.join(ROOT, "config", "train_gpt2_*.py"))):
         cfg = load_config([path])
-        opt = build_optimizer(tiny_model(), cfg, "cpu")
+        opt = build_optimizer(tiny_model(), cfg, Parallelism.single())
         assert {g["initial_lr"] for g in opt.param_groups} <= {cfg.learning_rate, cfg.muon_lr, cfg.muon_adamw_lr}
 
 
@@ -726,8 +738,8 @@ def test_every_shipped_config_builds_its_optimizer():
 def test_group_hyperparameters_pair_groups_by_name_not_position(optimizer):
     """A checkpoint whose groups come in another order still gets each group's own settings."""
     cfg = paper_config("small", optimizer)
-    expected = hyperparameters(build_optimizer(tiny_model(), cfg, "cpu"))
-    opt = build_optimizer(tiny_model(), cfg, "cpu")
+    expected = hyperparameters(build_optimizer(tiny_model(), cfg, Parallelism.single()))
+    opt = build_optimizer(tiny_model(), cfg, Parallelism.single()).torch_optimizer
     groups = opt.param_groups
     reordered = list(reversed(groups))
     if isinstance(opt, ChainedOptimizer):

@@ -261,12 +261,12 @@ def test_settings_changed_under_a_run_are_refused(fake_train, tmp_path):
 
 @pytest.mark.slow
 def test_an_optimizer_train_py_refuses_is_skipped_or_refused(fake_train, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(study.OPTIMIZERS, "Nadam", dict(args=["--optimizer_name=nadam"], lrs=dict(learning_rate=1e-3)))
+    monkeypatch.setitem(study.CONTENDERS, "Nadam", dict(args=["--optimizer_name=nadam"], lrs=dict(learning_rate=1e-3)))
     rc, calls = fake_train("--only", "Nadam")
     assert rc == 2 and calls == []
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: Nadam: this train.py refuses its arguments") and "\n" not in err
-    monkeypatch.setattr(study, "OPTIMIZERS", {k: study.OPTIMIZERS[k] for k in ("AdamW", "Nadam")})
+    monkeypatch.setattr(study, "CONTENDERS", {k: study.CONTENDERS[k] for k in ("AdamW", "Nadam")})
     rc, calls = fake_train()
     assert rc == 0 and {c["optimizer_name"] for c in calls} == {"adamw"}
     assert "Nadam skipped: this train.py does not accept it yet" in results(tmp_path)

@@ -16,7 +16,8 @@ from train_helpers import ROOT, diverging_from, make_char_data, tiny_args
 import train
 from bench.common import rendezvous
 from marsgpt import checkpoint, memory_plan, runtime
-from marsgpt.optimizers import scheduled_lr
+from marsgpt.optimizers import build_optimizer, scheduled_lr
+from marsgpt.parallel import Parallelism
 from marsgpt.tokens import TokenData, write_shard
 from model import GPT, GPTConfig, model_args_from_config
 
@@ -119,7 +120,10 @@ def test_exact_mars_stores_the_next_batch_gradient_at_the_current_weights(data_p
     state = ckpt["optimizer"]["state"]
     group_params = [i for g in ckpt["optimizer"]["param_groups"] for i in g["params"]]
     order = dict(
-        zip(group_params, [p for g in train.build_optimizer(model, cfg, "cpu").param_groups for p in g["params"]])
+        zip(
+            group_params,
+            [p for g in build_optimizer(model, cfg, Parallelism.single()).param_groups for p in g["params"]],
+        )
     )
     by_param = {id(p): n for n, p in model.named_parameters()}
     checked = 0
@@ -459,6 +463,20 @@ def test_world_size_must_divide_the_global_batch(data_path, tmp_path, monkeypatc
     )
 
 
+def test_a_checkpoint_from_before_a_part_was_added_resumes_it_afresh(data_path, tmp_path):
+    """A part added since older checkpoints were written starts afresh in its own load_state_dict: a checkpoint
+    without the log window (written, as every such one was, right after an evaluation) resumes and trains on."""
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, max_iters=4, eval_interval=4))
+    path = os.path.join(out, "ckpt.pt")
+    ckpt = checkpoint.load_checkpoint(path)
+    del ckpt["log_window"]
+    checkpoint.save_checkpoint(path, ckpt)
+    run_ok(tiny_args(data_path, out, max_iters=6, eval_interval=4, init_from="resume"))
+    assert checkpoint.load_checkpoint(out)["progress"]["iter_num"] == 6
+    assert [r["iter"] for r in read_metrics(out) if "train/loss" in r] == list(range(1, 7))
+
+
 def test_shape_mismatch_names_the_tensor(tmp_path):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=40))
     state = {k: v[..., :1] if k == "transformer.h.0.mlp.c_fc.weight" else v for k, v in model.state_dict().items()}
@@ -538,25 +556,25 @@ def test_keys_the_optimizer_does_not_read_are_named_not_silently_ignored(data_pa
     """Muon's AdamW part takes muon_adamw_lr: a --learning_rate given to a Muon run changes nothing, and the
     start says so; a resume names such a change as unused, and does not refuse a MARS-only fixed key."""
     out = str(tmp_path / "out")
-    run_ok(tiny_args(data_path, out, optimizer_name="muon", learning_rate=1.0, gamma=0.5, max_iters=2), capsys)
+    run_ok(tiny_args(data_path, out, optimizer="muon", learning_rate=1.0, gamma=0.5, max_iters=2), capsys)
     printed = capsys.readouterr().out
-    assert "note: optimizer_name=muon does not use gamma=0.5, learning_rate=1.0 (Muon's lrs are" in printed
-    resume = tiny_args(data_path, out, optimizer_name="muon", learning_rate=2.0, mars_type="mars-lion", max_iters=3)
+    assert "note: optimizer=muon does not use gamma=0.5, learning_rate=1.0 (Muon's lrs are" in printed
+    resume = tiny_args(data_path, out, optimizer="muon", learning_rate=2.0, is_approx=False, max_iters=3)
     run_ok(resume + ["--init_from=resume"], capsys)
     printed = capsys.readouterr().out
-    assert "resume: learning_rate 1.0 -> 2.0 (not used by optimizer_name=muon)" in printed
-    assert "resume: mars_type 'mars-adamw' -> 'mars-lion' (not used by optimizer_name=muon)" in printed
+    assert "resume: learning_rate 1.0 -> 2.0 (not used by optimizer=muon)" in printed
+    assert "resume: is_approx True -> False (not used by optimizer=muon)" in printed
 
 
-@pytest.mark.parametrize("mars_type", ["mars-adamw", "mars-lion"])
-def test_momentum_metrics_compare_the_same_tensors(data_path, tmp_path, mars_type):
+@pytest.mark.parametrize("optimizer", ["mars-adamw", "mars-lion"])
+def test_momentum_metrics_compare_the_same_tensors(data_path, tmp_path, optimizer):
     """momentum_norm_sq (v's norm) and momentum_div exist only where MARS's matrices keep a v: for Lion and
     Shampoo they would be the 1-D AdamW tensors' v against every tensor's m."""
     out = str(tmp_path / "out")
-    run_ok(tiny_args(data_path, out, mars_type=mars_type, max_iters=2))
+    run_ok(tiny_args(data_path, out, optimizer=optimizer, max_iters=2))
     train_records = [r for r in read_metrics(out) if "train/loss" in r]
     assert train_records and all("momentum_norm" in r for r in train_records)
-    assert all(("momentum_div" in r) == (mars_type == "mars-adamw") for r in train_records)
+    assert all(("momentum_div" in r) == (optimizer == "mars-adamw") for r in train_records)
 
 
 def test_overwrite_replaces_the_previous_run(data_path, tmp_path):
@@ -690,10 +708,10 @@ def test_divergence_then_resume_with_a_lower_learning_rate_trains_at_the_new_one
     "change, message",
     [
         (
-            dict(optimizer_name="adamw"),
-            "was trained with optimizer_name='mars' but the config gives optimizer_name='adamw'",
+            dict(optimizer="adamw"),
+            "was trained with optimizer='mars-adamw' but the config gives optimizer='adamw'",
         ),
-        (dict(mars_type="mars-lion"), "mars_type='mars-adamw' but the config gives mars_type='mars-lion'"),
+        (dict(mars_type="mars-lion"), "optimizer='mars-adamw' but the config gives optimizer='mars-lion'"),
         (dict(is_approx=False), "is_approx=True but the config gives is_approx=False"),
         (dict(optimize_1d=True), "optimize_1d=False but the config gives optimize_1d=True"),
         (dict(n_embd=32), "n_embd=64 but the config gives n_embd=32"),

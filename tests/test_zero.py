@@ -1,4 +1,4 @@
-"""ZeRO-1 (optimizers.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
+"""ZeRO-1 (zero.ShardedOptimizer, zero_stage=1) on 2 gloo ranks: the same training as plain DDP and as one
 process for every optimizer, about half the state on each rank (exactly what memory_plan plans), and a
 checkpoint format that moves between sharded and unsharded optimizers.
 
@@ -20,8 +20,9 @@ from bench.common import rendezvous
 from marsgpt import memory_plan
 from marsgpt.checkpoint import cpu_copy
 from marsgpt.config import TrainConfig
-from marsgpt.optimizers import OPTIMIZERS as REGISTRY
-from marsgpt.optimizers import ChainedOptimizer, build_optimizer
+from marsgpt.optimizers import build_optimizer
+from marsgpt.parallel import Parallelism
+from marsgpt.runtime import Dist
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -30,22 +31,27 @@ WORLD_SIZE = 2
 STEPS = 3
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, bias=False)
 # name -> the keys of TrainConfig that select the optimizer
-OPTIMIZERS = {
-    "mars-adamw": dict(optimizer_name="mars"),
-    "mars-adamw-exact": dict(optimizer_name="mars", is_approx=False),
-    "mars-lion": dict(optimizer_name="mars", mars_type="mars-lion"),
-    "mars-shampoo": dict(optimizer_name="mars", mars_type="mars-shampoo"),
-    "adamw": dict(optimizer_name="adamw"),
-    "muon": dict(optimizer_name="muon", learning_rate=6e-4),
-    "mars-m": dict(optimizer_name="mars", mars_type="mars-m"),
-    "mars-m-exact": dict(optimizer_name="mars", mars_type="mars-m", is_approx=False),
-    "moonlight": dict(optimizer_name="moonlight"),
+SETTINGS = {
+    "mars-adamw": dict(optimizer="mars-adamw"),
+    "mars-adamw-exact": dict(optimizer="mars-adamw", is_approx=False),
+    "mars-lion": dict(optimizer="mars-lion"),
+    "mars-shampoo": dict(optimizer="mars-shampoo"),
+    "adamw": dict(optimizer="adamw"),
+    "muon": dict(optimizer="muon", learning_rate=6e-4),
+    "mars-m": dict(optimizer="mars-m"),
+    "mars-m-exact": dict(optimizer="mars-m", is_approx=False),
+    "moonlight": dict(optimizer="moonlight"),
 }
 
 
 def config(name):
     shape = {k: v for k, v in MODEL.items() if k != "vocab_size"}
-    return dataclasses.replace(TrainConfig(), **shape, **OPTIMIZERS[name], batch_size=2, zero_stage=1)
+    return dataclasses.replace(TrainConfig(), **shape, **SETTINGS[name], batch_size=2, zero_stage=1)
+
+
+def placement(cfg, rank, sharded):
+    """ZeRO-1 over the WORLD_SIZE ranks (each optimizer a ShardedOptimizer), or one process's optimizer."""
+    return Parallelism.of(cfg, Dist(ddp=True, rank=rank, world_size=WORLD_SIZE)) if sharded else Parallelism.single()
 
 
 def batch(step, rank):
@@ -58,27 +64,22 @@ def state_bytes(optimizer):
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def train(model, optimizer, forward_backward, cfg):
-    """STEPS steps of train.py's protocol: the loss scaled by a GradScaler, as float16 runs do (by a power
-    of two: exact), clipping, and for exact MARS the next step's gradient first (to the MARS its registry
-    entry's look_ahead names: this rank's share's under ZeRO-1)."""
-    look_ahead = REGISTRY.entry(cfg).look_ahead(optimizer, cfg)
+def train(model, optimizer, forward_backward):
+    """STEPS steps of train.py's protocol with the trainer's optimizer: the loss scaled by a GradScaler, as float16
+    runs do (by a power of two: exact), clipping, and for exact MARS the next step's gradient first (to the MARS
+    that holds this rank's share under ZeRO-1)."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(STEPS):
-        if look_ahead is not None:
+        if optimizer.look_ahead is not None:
             forward_backward(step + 1, scaler)
-            for p in model.parameters():
-                p.grad.div_(scaler.get_scale())
-            look_ahead.update_previous_grad()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.unscale(scaler, look_ahead=True)
+            optimizer.keep_look_ahead_gradient()
+            optimizer.zero_grad()
         forward_backward(step, scaler)
-        scaler.unscale_(optimizer)
+        optimizer.unscale(scaler)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        if look_ahead is not None:
-            look_ahead.update_last_grad()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.step(scaler)
+        optimizer.zero_grad()
 
 
 def ddp_forward_backward(ddp_model, rank):
@@ -129,7 +130,7 @@ def gathering(optimizer):
         state = optimizer.state_dict()
     finally:
         dist.batch_isend_irecv = real
-    inner = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    inner = optimizer.optimizers
     share = [t for opt in inner for t in tensors(opt.local.state_dict())]
     report = dict(messages=messages, share_bytes=[t.numel() * t.element_size() for t in share])
     if dist.get_rank() == 0:
@@ -148,20 +149,19 @@ def worker(rank, rendezvous_env, report_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     report = {}
-    for name in OPTIMIZERS:
+    for name in SETTINGS:
         cfg = config(name)
         torch.manual_seed(0)
         models = {kind: GPT(GPTConfig(**MODEL)) for kind in ("sharded", "ddp", "single")}
         initial = [p.detach().clone() for p in models["sharded"].parameters()]
         for kind in ("ddp", "single"):
             models[kind].load_state_dict(models["sharded"].state_dict())
-        optimizers = {
-            kind: build_optimizer(m, cfg, "cpu", WORLD_SIZE if kind == "sharded" else 1) for kind, m in models.items()
-        }
+        placements = {kind: placement(cfg, rank, kind == "sharded") for kind in models}
+        optimizers = {kind: build_optimizer(m, cfg, placements[kind]) for kind, m in models.items()}
         passes = {kind: ddp_forward_backward(DDP(models[kind]), rank) for kind in ("sharded", "ddp")}
         passes["single"] = one_process_forward_backward(models["single"])
         for kind in models:
-            train(models[kind], optimizers[kind], passes[kind], cfg)
+            train(models[kind], optimizers[kind], passes[kind])
         params = {kind: [p.detach().clone() for p in m.parameters()] for kind, m in models.items()}
         # as checkpoints hold them (the live state dicts share tensors with the optimizers, which train on)
         sharded_state = saved_and_loaded(optimizers["sharded"].state_dict())  # collective: rank 0's is all
@@ -178,10 +178,10 @@ def worker(rank, rendezvous_env, report_path):
         continued = {}
         for kind, (shard, original, state) in resumes.items():
             model = copy.deepcopy(models[original])
-            optimizer = build_optimizer(model, cfg, "cpu", WORLD_SIZE if shard else 1)
+            optimizer = build_optimizer(model, cfg, placement(cfg, rank, shard))
             optimizer.load_state_dict(state)
-            train(model, optimizer, ddp_forward_backward(DDP(model), rank), cfg)
-            train(models[original], optimizers[original], passes[original], cfg)
+            train(model, optimizer, ddp_forward_backward(DDP(model), rank))
+            train(models[original], optimizers[original], passes[original])
             continued[kind] = [
                 (p.detach().clone(), q.detach().clone())
                 for p, q in zip(model.parameters(), models[original].parameters())
@@ -213,7 +213,7 @@ def reports(tmp_path_factory):
     return [torch.load(f"{path}.{rank}", weights_only=False) for rank in range(WORLD_SIZE)]
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", SETTINGS)
 def test_sharded_trains_the_same_parameters_as_plain_ddp_and_one_process(reports, name):
     """Bit for bit plain DDP's: each parameter's update is computed from the same all-reduced gradient, by
     the same kernels, only on one rank instead of all. One process sums the two batches' gradients in
@@ -232,7 +232,7 @@ def test_sharded_trains_the_same_parameters_as_plain_ddp_and_one_process(reports
                 torch.testing.assert_close(sharded, single, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", SETTINGS)
 def test_each_rank_holds_its_share_of_the_state_as_planned(reports, name):
     held = [report[name]["held_bytes"] for report in reports]
     unsharded = reports[0][name]["unsharded_bytes"]
@@ -241,14 +241,14 @@ def test_each_rank_holds_its_share_of_the_state_as_planned(reports, name):
     assert held == [report[name]["planned_bytes"] for report in reports]
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", SETTINGS)
 def test_the_sharded_checkpoint_is_the_unsharded_format(reports, name):
     sharded, unsharded = reports[0][name]["sharded_state"], reports[0][name]["unsharded_state"]
     assert_same_structure(sharded, unsharded)
     assert reports[1][name]["sharded_state"] in (None, {"optimizers": [None, None]})  # gathered on rank 0 only
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", SETTINGS)
 def test_rank_0_gathers_the_state_one_tensor_at_a_time_into_one_host_copy(reports, name):
     """Each state tensor of the other rank's share is one message of its own size (never a whole share), rank
     0 gets host tensors apart from its live state, and the checkpoint writer's cpu_copy keeps them as they
@@ -263,7 +263,7 @@ def test_rank_0_gathers_the_state_one_tensor_at_a_time_into_one_host_copy(report
     assert max(n for _, n in rank_0["messages"]) == reports[0][name]["planned_save_bytes"]
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", SETTINGS)
 def test_sharded_and_unsharded_optimizers_resume_each_other(reports, name):
     for report in reports:
         for kind in ("sharded", "ddp"):

@@ -60,7 +60,8 @@ from marsgpt.config import (
 )
 from marsgpt.files import atomic_writer
 from marsgpt.metrics import MetricsLog
-from marsgpt.optimizers import ChainedOptimizer, OptimizerEntry, Placement, Registry
+from marsgpt.optimizers import ChainedOptimizer, OptimizerEntry, Registry
+from marsgpt.parallel import Parallelism
 from marsgpt.runtime import resolve_device
 from marsgpt.tokens import DataError
 from vision.cifar import CifarData
@@ -103,22 +104,22 @@ def muon_settings(cfg):
     }
 
 
-def build_mars(groups, cfg, placement):
-    return placement.make(MARS, groups, mars_type=cfg.mars_type, routing=cfg.mars_routing)
+def build_mars(groups, cfg, parallel):
+    return parallel.make(MARS, groups, mars_type=cfg.mars_type, routing=cfg.mars_routing)
 
 
-def build_adamw(groups, cfg, placement):
-    return placement.make(torch.optim.AdamW, groups)
+def build_adamw(groups, cfg, parallel):
+    return parallel.make(torch.optim.AdamW, groups)
 
 
-def build_muon(groups, cfg, placement):
+def build_muon(groups, cfg, parallel):
     muon, adamw = groups
-    return ChainedOptimizer(placement.make(Muon, [muon]), placement.make(torch.optim.AdamW, [adamw]))
+    return ChainedOptimizer(parallel.make(Muon, [muon]), parallel.make(torch.optim.AdamW, [adamw]))
 
 
 CIFAR_OPTIMIZERS = Registry(
     OptimizerEntry(
-        optimizer_name="mars",
+        name="mars",
         description="MARS (mars_type) on the tensors mars_routing names, AdamW (lr_1d, betas_1d, weight_decay_1d) "
         "on the rest",
         keys=frozenset({"learning_rate", "weight_decay", "gamma", "mars_betas", "mars_routing", "mars_type"})
@@ -128,7 +129,7 @@ CIFAR_OPTIMIZERS = Registry(
         build=build_mars,
     ),
     OptimizerEntry(
-        optimizer_name="adamw",
+        name="adamw",
         description="torch.optim.AdamW",
         keys=frozenset({"learning_rate", "weight_decay", "beta1", "beta2"}),
         group_settings=adamw_settings,
@@ -136,13 +137,14 @@ CIFAR_OPTIMIZERS = Registry(
         build=build_adamw,
     ),
     OptimizerEntry(
-        optimizer_name="muon",
+        name="muon",
         description="the reference's Muon (vision/muon.py) on the tensors of 2+ dimensions, AdamW (lr_1d) on the rest",
         keys=frozenset({"learning_rate", "lr_1d", "weight_decay", "beta1", "beta2"}),
         group_settings=muon_settings,
         split=by_dimension,
         build=build_muon,
     ),
+    key="optimizer_name",
 )
 
 
@@ -156,8 +158,8 @@ class CifarConfig:
     net: Literal["resnet10", "resnet18", "resnet34"] = key("resnet18", "the reference's CIFAR ResNet", fixed=True)
     width: int = key(64, "channels of the first stage, doubled by each next one (ResNet-18: 64)", positive, fixed=True)
     # --- optimizer
-    optimizer_name: Literal[tuple(CIFAR_OPTIMIZERS.optimizer_names())] = key(
-        "mars", "the optimizer", fixed=True, choices=CIFAR_OPTIMIZERS.optimizer_names()
+    optimizer_name: Literal[tuple(CIFAR_OPTIMIZERS.descriptions())] = key(
+        "mars", "the optimizer", fixed=True, choices=CIFAR_OPTIMIZERS.descriptions()
     )
     learning_rate: float = key(
         0.1, "lr of MARS's tensors, of everything under AdamW, of Muon's tensors (--lr there)", positive
@@ -220,9 +222,9 @@ def model_args(cfg, num_classes):
 
 
 def build_optimizer(model, cfg):
-    """The optimizer cfg names, over model's parameters (on their device)."""
+    """The optimizer cfg names, over model's parameters (on their device): an optimizers.TrainingOptimizer."""
     device_type = next(model.parameters()).device.type
-    return optimizers.build(CIFAR_OPTIMIZERS.entry(cfg), model, cfg, Placement(device_type))
+    return optimizers.build_optimizer(model, cfg, Parallelism.single(device_type), CIFAR_OPTIMIZERS)
 
 
 def lr_factor(epoch, cfg):
@@ -256,7 +258,7 @@ class Run:
     data: CifarData
     model: torch.nn.Module
     model_args: dict
-    optimizer: torch.optim.Optimizer
+    optimizer: optimizers.TrainingOptimizer
     rng: RNGState
     saved_epoch: int = 0  # the epoch out_dir's checkpoint holds (0: none written or resumed yet)
 
@@ -283,7 +285,7 @@ def load_resume_checkpoint(cfg):
             f"{path} lacks {', '.join(missing)}: it was not written by vision/train_cifar.py, so it cannot be "
             "resumed; start a new run in a new --out_dir"
         )
-    changed = launch.fixed_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS.entry(cfg))
+    changed = launch.fixed_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS)
     if changed:
         key, old, new = changed[0]
         raise CheckpointError(
@@ -320,13 +322,13 @@ def setup(cfg):
     progress = Progress()
     if ckpt is not None:
         # the moments and step counts are the checkpoint's, the hyperparameters this configuration's
-        optimizers.load_state(run.optimizer, ckpt["optimizer"], CIFAR_OPTIMIZERS.entry(cfg), cfg)
+        run.optimizer.load_state_dict(ckpt["optimizer"])
         run.rng.load_state_dict(ckpt["rng"])
         progress.load_state_dict(ckpt["progress"])
         run.saved_epoch = progress.epoch
     # Everything is checked: the first change to out_dir, as train.py makes it (what a killed save left goes,
     # --overwrite=True removes the old run, a resume says where it continues and what it changes).
-    changes = launch.config_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS.entry(cfg)) if ckpt is not None else ()
+    changes = launch.config_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS) if ckpt is not None else ()
     run_dir.prepare_out_dir(cfg, start, ckpt, changes, at=f"epoch {progress.epoch}")
     return run, progress, ckpt is not None
 
@@ -355,7 +357,7 @@ def train_epoch(run, epoch, progress):
         for step, (images, labels) in enumerate(run.data.train_batches(cfg.seed, epoch, cfg.batch_size), 1):
             logits = model(images)
             loss = F.cross_entropy(logits, labels)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             progress.iter_num += 1
