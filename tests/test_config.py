@@ -190,7 +190,7 @@ def test_help_lists_every_key_with_type_default_and_meaning():
         line = next(line for line in run.stdout.splitlines() if line.startswith(f"  --{field.name}="))
         assert repr(getattr(TrainConfig(), field.name)) in line
         assert field.metadata["help"]
-    assert "[one of: mars, adamw, muon, moonlight]" in run.stdout
+    assert "[one of: mars-adamw, mars-lion, mars-shampoo, mars-m, adamw, muon, moonlight]" in run.stdout
 
 
 @pytest.mark.slow
