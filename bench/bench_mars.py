@@ -37,7 +37,7 @@ import time
 
 import torch
 
-import mars
+import mars_triton
 from bench.common import print_table, row, time_it
 from mars import MARS
 
@@ -349,8 +349,8 @@ def call_overhead_rows(device, quick=True):
     """The host's cost of a step: GPT-2 small's 75 tensors at width 8, where the arithmetic is negligible, so
     what is left is issuing the work. On CUDA, fused=True's whole step (its table and two launches) against
     AdamW(fused=True)'s; a step whose host time exceeds its GPU time is launch-bound. On a CPU the kernel does not
-    run: the step with its two launches left out, what mars.py adds to Triton's own cost of a launch (not
-    measured here). Both against the default path's too, in the note."""
+    run: the step with its two launches left out, what mars.py and mars_triton.py add to Triton's own cost of a
+    launch (not measured here). Both against the default path's too, in the note."""
     shapes = gpt2_small_shapes(n_embd=8, vocab_size=8, block_size=8)
     steps = 10 if quick else 40
     cpu = device != "cuda"
@@ -376,12 +376,12 @@ def _launches_left_out():
         def __getitem__(self, grid):
             return lambda *args, **constants: None
 
-    kernels, interpreted = mars._kernels, mars._kernels_interpreted
-    mars._kernels, mars._kernels_interpreted = (lambda: (NoLaunch(), NoLaunch())), (lambda: True)
+    kernels, interpreted = mars_triton._kernels, mars_triton._kernels_interpreted
+    mars_triton._kernels, mars_triton._kernels_interpreted = (lambda: (NoLaunch(), NoLaunch())), (lambda: True)
     try:
         yield
     finally:
-        mars._kernels, mars._kernels_interpreted = kernels, interpreted
+        mars_triton._kernels, mars_triton._kernels_interpreted = kernels, interpreted
 
 
 def _shampoo_rows(device, params, n_layer, n_embd, hyper, quick):

@@ -1,4 +1,4 @@
-"""fused=True, MARS's Triton kernel (mars.py, "fused=True"): two launches per device and dtype for every tensor of
+"""fused=True, MARS's Triton kernel (mars_triton.py): two launches per device and dtype for every tensor of
 every group, one compiled variant for any shapes, numbers and number of optimizers, equal to the reference path.
 
 On a CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 and makes its
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import mars
+import mars_triton
 from mars import MARS
 
 pytest.importorskip("triton", reason="fused=True runs a Triton kernel: pip install -r requirements-test.txt")
@@ -64,17 +65,17 @@ class Launches:
 
 @pytest.fixture
 def launches(monkeypatch):
-    record = Launches(mars._kernels())
-    monkeypatch.setattr(mars, "_kernels", lambda: (record.spy(0), record.spy(1)))
-    monkeypatch.setattr(mars, "_kernels_interpreted", lambda: True)
-    fused_mars = mars._fused_mars
+    record = Launches(mars_triton._kernels())
+    monkeypatch.setattr(mars_triton, "_kernels", lambda: (record.spy(0), record.spy(1)))
+    monkeypatch.setattr(mars_triton, "_kernels_interpreted", lambda: True)
+    fused_step = mars_triton.step
 
-    def kept(parts):
-        rest = fused_mars(parts)
+    def kept(parts, **helpers):
+        rest = fused_step(parts, **helpers)
         record.left += [p for part in rest for p in part.params]
         return rest
 
-    monkeypatch.setattr(mars, "_fused_mars", kept)
+    monkeypatch.setattr(mars_triton, "step", kept)
     return record
 
 
@@ -295,16 +296,16 @@ import json, re, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import mars
+import mars_triton
 
 found = []
 for pair in sys.argv[1:]:
     dtype, last_grad_dtype = (getattr(torch, name) for name in pair.split(","))
     compute = "fp64" if dtype == torch.float64 else "fp32"
     signature = dict(table="*i64", hyper="*fp64", programs="*i64", sums="*" + compute)
-    for kernel in mars._kernels():
+    for kernel in mars_triton._kernels():
         for aligned in (True, False):
-            constants = dict(mars._kernel_constants(dtype, last_grad_dtype, rows=[]), ALIGNED=aligned)
+            constants = dict(mars_triton._kernel_constants(dtype, last_grad_dtype, rows=[]), ALIGNED=aligned)
             source = ASTSource(kernel, signature | dict.fromkeys(constants, "constexpr"), constexprs=constants)
             ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
             memory = sorted(set(re.findall(r"(?:ld|st)\\.global\\.[\\w.]+", ptx)))
@@ -356,7 +357,7 @@ def test_a_device_the_kernel_does_not_run_on_is_refused_at_the_step_before_anyth
         p.grad = torch.ones_like(p)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mars, "_kernels_interpreted", lambda: False)
+        mp.setattr(mars_triton, "_kernels_interpreted", lambda: False)
         with pytest.raises(RuntimeError, match="float32 and cpu: construct MARS with fused=None .*TRITON_INTERPRET=1"):
             optimizer.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -1,5 +1,6 @@
 """The optimizer as a distribution of its own (pyproject.toml's [project], issue 29): `pip install <checkout>`
-gives the single module mars, with its version, requiring torch and nothing of the trainer."""
+gives the module mars, with its version, and mars_triton, fused=True's kernel, requiring torch and nothing of the
+trainer; and mars.py copied alone steps on every path but fused=True, which it refuses saying what is missing."""
 
 import importlib.util
 import os
@@ -8,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from train_helpers import ROOT
+import torch
+from train_helpers import ROOT, subprocess_env
 
 import mars
 
@@ -43,20 +45,82 @@ def test_pip_installs_the_optimizer_alone_with_its_version(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     installed = sorted(p.name for p in site.iterdir() if p.name != "__pycache__")
-    assert installed == ["mars.py", f"mars_optimizer-{mars.__version__}.dist-info"]
+    assert installed == ["mars.py", f"mars_optimizer-{mars.__version__}.dist-info", "mars_triton.py"]
 
     probe = (
         "import importlib.metadata as metadata, mars; "
         "print(mars.__file__); print(mars.__version__); "
         "print(metadata.version('mars-optimizer')); print(metadata.requires('mars-optimizer')); "
-        "from mars import MARS; print(MARS.__name__)"
+        "from mars import MARS; print(MARS.__name__); "
+        "import mars_triton; print(mars_triton.__file__)"
     )
     empty = tmp_path / "elsewhere"
     empty.mkdir()
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"}
     imported = subprocess.run([sys.executable, "-c", probe], cwd=empty, env=env, capture_output=True, text=True)
     assert imported.returncode == 0, imported.stderr
-    where, version, distribution_version, requires, name = imported.stdout.splitlines()
-    assert where == str(site / "mars.py")
+    where, version, distribution_version, requires, name, kernel_where = imported.stdout.splitlines()
+    assert where == str(site / "mars.py") and kernel_where == str(site / "mars_triton.py")
     assert version == distribution_version == mars.__version__
     assert requires == "['torch>=2.9']" and name == "MARS"
+
+
+# Steps MARS three times per rule on the multi-tensor and single-tensor paths and saves the parameters (argv[1]);
+# prints whether mars_triton can be imported and what MARS(fused=True) answers.
+STEP_EACH_PATH = """
+import importlib.util, sys
+import torch
+import mars
+
+print(importlib.util.find_spec("mars_triton") is not None)
+results = {}
+for mars_type in mars.MARS_TYPES:
+    for foreach in (None, False):
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in [(6, 4), (4,)]]
+        results["start"] = [p.detach().clone() for p in params]
+        optimizer = mars.MARS(params, lr=1e-2, mars_type=mars_type, weight_decay=0.1, foreach=foreach)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator)
+            optimizer.step()
+        results[(mars_type, foreach)] = [p.detach() for p in params]
+torch.save(results, sys.argv[1])
+try:
+    mars.MARS(params, fused=True)
+    print("constructed")
+except ValueError as error:
+    print(f"ValueError: {error}")
+"""
+
+
+@pytest.mark.slow
+def test_mars_py_copied_alone_steps_every_default_path_and_refuses_fused_true_saying_what_is_missing(tmp_path):
+    """mars.py in an empty directory, without mars_triton.py: it imports, and every rule steps on both default
+    paths as in the repository, bit for bit (the same code and kernels on the same inputs, one thread each);
+    fused=True fails at construction in one line naming the missing file and the way out."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy2(os.path.join(ROOT, "mars.py"), alone)
+    runs = {}
+    for where, path in (("alone", alone), ("repository", ROOT)):
+        saved = tmp_path / f"{where}.pt"
+        env = {**subprocess_env(), "PYTHONPATH": str(path)}
+        run = subprocess.run(
+            [sys.executable, "-c", STEP_EACH_PATH, str(saved)], cwd=path, env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr
+        runs[where] = run.stdout.splitlines(), torch.load(saved)
+    (kernel_found, fused), alone_params = runs["alone"]
+    assert kernel_found == "False"
+    assert fused == (
+        "ValueError: fused=True needs mars_triton.py beside mars.py (pip install <this repository> installs both); "
+        "without it, use fused=None (the default path)"
+    )
+    (kernel_found, _), repository_params = runs["repository"]
+    assert kernel_found == "True"
+    start = alone_params.pop("start")
+    assert alone_params.keys() == repository_params.keys() - {"start"} and len(alone_params) == 2 * len(mars.MARS_TYPES)
+    for key, params in alone_params.items():
+        assert all(torch.equal(a, b) for a, b in zip(params, repository_params[key], strict=True)), key
+        assert all(not torch.equal(a, b) for a, b in zip(params, start)), key  # it stepped

@@ -143,20 +143,20 @@ def test_mars_fused_trains_through_the_kernel(data_path, tmp_path, capsys, monke
     """--mars_fused=True gives MARS fused=True: every step's tensors go through MARS's Triton kernel (on a CPU in
     Triton's interpreter: tests/conftest.py), and it trains as the default path does, to float32 rounding."""
     pytest.importorskip("triton", reason="fused=True runs a Triton kernel: pip install -r requirements-test.txt")
-    import mars
+    import mars_triton
 
     default, fused = str(tmp_path / "default"), str(tmp_path / "fused")
     run_ok(tiny_args(data_path, default, max_iters=4), capsys)
     steps, left = [], []
-    fused_mars = mars._fused_mars
+    fused_step = mars_triton.step
 
-    def counted(parts):
-        rest = fused_mars(parts)
+    def counted(parts, **helpers):
+        rest = fused_step(parts, **helpers)
         steps.append(sum(len(part.params) for part in parts))
         left.extend(rest)
         return rest
 
-    monkeypatch.setattr(mars, "_fused_mars", counted)
+    monkeypatch.setattr(mars_triton, "step", counted)
     run_ok(tiny_args(data_path, fused, max_iters=4, mars_fused=True), capsys)
     assert len(steps) == 4 and all(n > 0 for n in steps) and not left
     losses = {out: [r["train/loss"] for r in read_metrics(out) if "train/loss" in r] for out in (default, fused)}
