@@ -10,8 +10,6 @@ from train_helpers import choose_kernels, make_char_data
 from marsgpt.checkpoint import save_checkpoint
 from model import GPT, GPTConfig
 
-choose_kernels()
-
 
 def interpret_triton_kernels_as_gpus_round():
     """fused=True runs MARS's Triton kernel; on a CPU, in Triton's interpreter (set before the first kernel is
@@ -36,7 +34,10 @@ def interpret_triton_kernels_as_gpus_round():
     interpreter._convert_float = convert_float
 
 
+# First: Triton decides at its import whether its own library functions (tl.sum, ...) are interpreted, and
+# choose_kernels may import it (through inductor's cache settings) before any kernel is built.
 interpret_triton_kernels_as_gpus_round()
+choose_kernels()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: intra-op threads would only contend (and spin) with the other worker's.
     torch.set_num_threads(1)
