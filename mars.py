@@ -794,14 +794,23 @@ def _fused_kernel():
     mars.py alone steps on every other path."""
     try:
         import mars_triton
+
+        return mars_triton
     except ModuleNotFoundError as error:
         if error.name != "mars_triton":
             raise
-        raise ValueError(
-            "fused=True needs mars_triton.py beside mars.py (pip install <this repository> installs both); without "
-            "it, use fused=None (the default path)"
-        ) from None
-    return mars_triton
+    if __package__:  # mars.py copied into a package of the user's (myproject/optim/mars.py): its neighbour there
+        import importlib
+
+        try:
+            return importlib.import_module(f"{__package__}.mars_triton")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__package__}.mars_triton":
+                raise
+    raise ValueError(
+        "fused=True needs mars_triton.py beside mars.py (pip install <this repository> installs both); without "
+        "it, use fused=None (the default path)"
+    )
 
 
 def _by_device_and_dtype(params, *lists):

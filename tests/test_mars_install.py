@@ -124,3 +124,37 @@ def test_mars_py_copied_alone_steps_every_default_path_and_refuses_fused_true_sa
     for key, params in alone_params.items():
         assert all(torch.equal(a, b) for a, b in zip(params, repository_params[key], strict=True)), key
         assert all(not torch.equal(a, b) for a, b in zip(params, start)), key  # it stepped
+
+
+@pytest.mark.slow
+def test_mars_copied_into_a_package_finds_its_kernel_beside_it(tmp_path):
+    """mars.py and mars_triton.py copied into a package of the user's (myproject/optim/): fused=True finds the
+    kernel module beside mars.py, not only on sys.path; with mars.py alone there it says the file is missing."""
+    package = tmp_path / "myproject" / "optim"
+    package.mkdir(parents=True)
+    for folder in (package.parent, package):
+        (folder / "__init__.py").write_text("")
+    shutil.copy2(os.path.join(ROOT, "mars.py"), package)
+    probe = (
+        "import torch\n"
+        "from myproject.optim.mars import MARS\n"
+        "try:\n"
+        "    MARS([torch.nn.Parameter(torch.zeros(2, 2))], fused=True)\n"
+        "    print('constructed')\n"
+        "except ValueError as error:\n"
+        "    print(f'ValueError: {error}')\n"
+    )
+    env = {**subprocess_env(), "PYTHONPATH": str(tmp_path)}
+
+    def answer():
+        run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    assert answer().startswith("ValueError: fused=True needs mars_triton.py beside mars.py")
+    shutil.copy2(os.path.join(ROOT, "mars_triton.py"), package)
+    found = answer()  # the module found; it then checks Triton, as it does beside a top-level mars.py
+    if importlib.util.find_spec("triton") is not None:
+        assert found == "constructed"
+    else:
+        assert found.startswith("ValueError: fused=True runs MARS's step as a Triton kernel, and Triton cannot be")
