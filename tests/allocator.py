@@ -6,15 +6,16 @@ silently drop these checks."""
 import pytest
 
 
-def allocator_peak(fn):
-    """The most bytes the CPU allocator held during fn(), beyond what it held before (fn runs once unmeasured
-    first, so tensors it keeps from one call to the next, such as gradients, exist from the start)."""
+def allocator_peak(fn, warm_up=True):
+    """The most bytes the CPU allocator held during fn(), beyond what it held before (with warm_up, fn runs once
+    unmeasured first, so tensors it keeps from one call to the next, such as gradients, exist from the start)."""
     try:
         from torch._C._profiler import _EventType
         from torch.profiler import ProfilerActivity, profile
     except ImportError as e:
         pytest.fail(f"torch's profiler allocation events are gone ({e}): update tests/allocator.py for this torch")
-    fn()
+    if warm_up:
+        fn()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     allocations = []

@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 import torch._dynamo
+from allocator import allocator_peak
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mars
@@ -770,28 +771,9 @@ def test_sparse_gradient_raises():
 
 
 def step_allocations(opt):
-    """The most bytes the CPU allocator holds at once during opt.step(), beyond what it held before (torch's
-    profiler's allocation events; an internal API, so its absence fails the test)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        opt.step()
-    events = []
-
-    def walk(node):
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    held = peak = 0
-    for _, size in sorted(events):
-        held += size
-        peak = max(peak, held)
-    return peak
+    """The most bytes the CPU allocator holds at once during opt.step(), beyond what it held before (the step
+    measured as it comes: a warm-up step would change the state it allocates)."""
+    return allocator_peak(opt.step, warm_up=False)
 
 
 @pytest.mark.parametrize("last_grad_dtype", [None, torch.bfloat16])
