@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from marsgpt import launch, memory_plan, metrics
+from marsgpt.compile_cache import compile_counts
 from marsgpt.config import load_config, print_help, wants_help
 from marsgpt.launch import Progress, Run, setup
 from marsgpt.metrics import LogWindow
@@ -296,7 +297,8 @@ def step_and_log(
     run: Run, progress: Progress, window: LogWindow, time_s: Callable[[], float], first: bool = False
 ) -> None:
     """Optimizer step progress.iter_num, its bookkeeping, and a train line every log_interval steps. With a
-    compiled model, the first step of a process (`first`) is timed on its own: it includes the compile."""
+    compiled model, the first step of a process (`first`) is timed on its own: it includes the compile, whose
+    graphs it counts (compiled, or found in the compile cache)."""
     t0 = time.perf_counter()
     result = train_step(run, progress.iter_num)
     progress.iter_num += 1
@@ -304,7 +306,8 @@ def step_and_log(
     progress.clip_count += result.clipped
     window.add(result.loss, result.skipped)
     if first and run.compiled and run.dist.is_master:
-        run.metrics.write({**stamp(progress, time_s()), metrics.FIRST_STEP_S: time.perf_counter() - t0})
+        first_step = {metrics.FIRST_STEP_S: time.perf_counter() - t0, **compile_counts()}
+        run.metrics.write({**stamp(progress, time_s()), **first_step})
     if result.skipped:
         record_skip(run, progress, result, time_s())
     else:

@@ -263,6 +263,11 @@ class TrainConfig:
         "auto", "autocast dtype: auto = bfloat16 where CUDA supports it, else float16 + GradScaler; float32 on CPU"
     )
     compile: bool | None = key(None, "torch.compile the model; None = on CUDA only")
+    compile_cache: bool = key(
+        True,
+        "compiled: keep what the run compiled in out_dir/compile_cache.bin, which a resume loads, so that a job "
+        "requeued onto other nodes compiles nothing again (marsgpt/compile_cache.py)",
+    )
     deterministic: bool = key(
         False,
         "CUDA: deterministic kernels (torch.use_deterministic_algorithms, math attention), so a resume is bit-exact; "

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from marsgpt import checkpoint, memory_plan, metrics, optimizers, tokens
 from marsgpt.checkpoint import CheckpointError, RNGState
+from marsgpt.compile_cache import CompileCache
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
 from marsgpt.memory_plan import MemoryPlan, plan_memory
 from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
@@ -160,6 +161,10 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
     if dist_info.is_master:
         changes = config_changes(ckpt["config"], cfg, OPTIMIZERS) if ckpt else []
         directory.prepare(cfg, start, ckpt, changes)
+    if compile_model and cfg.compile_cache:
+        directory.compile_cache = CompileCache(cfg.out_dir, dist_info.is_master, start_iter=progress.iter_num)
+        if ckpt is not None:
+            directory.compile_cache.load()  # what the run compiled before, ahead of this process's first compile
     run.metrics = directory.metrics = open_metrics(cfg, dist_info, progress, start, ckpt)
     return run, progress, ckpt is not None
 

@@ -38,6 +38,9 @@ MOMENTUM_NORM, MOMENTUM_NORM_SQ, MOMENTUM_DIV = "momentum_norm", "momentum_norm_
 # A compiled model's timings: the seconds each evaluation took (on its validation record) and the process's
 # first optimizer step took (a record of its own); the first of each includes compiling its graph.
 EVAL_S, FIRST_STEP_S = "eval_s", "first_step_s"
+# On the first step's record: the graphs inductor had compiled in the process by then, and those it found in its
+# cache (marsgpt/compile_cache.py: a resume loads what the run compiled before).
+GRAPHS_COMPILED, GRAPHS_FROM_CACHE = "graphs_compiled", "graphs_from_cache"
 # Notes a resume records at its step, in words: the data changed there (allow_data_change=True); records of the
 # steps before it were lost (the file was cut short by a crash, or damaged).
 DATA_CHANGE, LOST_RECORDS = "data_change", "lost_records"

@@ -62,7 +62,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, metrics, shards
+from marsgpt import checkpoint, compile_cache, metrics, shards
 from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
 from marsgpt.config import ConfigError, config_to_dict
 from marsgpt.files import atomic_writer, copy_file, os_reason, process_alive, remove_stale_temporaries
@@ -242,6 +242,8 @@ def prepare_out_dir(cfg, start, ckpt=None, changes=(), at=None):
     if cfg.overwrite and start.init_from != "resume":
         for path in run_files(cfg.out_dir):
             os.remove(path)
+        with contextlib.suppress(FileNotFoundError):  # what the old run compiled: this one may compile otherwise
+            os.remove(os.path.join(cfg.out_dir, compile_cache.FILE_NAME))
     shards.remove_unreferenced(cfg.out_dir, checkpoint_files(cfg.out_dir), announce=True)
     for note in start.notes:
         print(note, flush=True)
@@ -582,6 +584,7 @@ class RunDir:
         self.write_failed = False
         self.metrics = None  # the run's MetricsLog, whose failed writes stop the run too
         self.parts, self.extras = {}, {}
+        self.compile_cache = None  # a compiled run's compile_cache.CompileCache (launch.setup), saved with a checkpoint
         self.data = None  # the fingerprint of the data (rank 0, from the Start: prepare)
         self.latest = None  # (path, iteration) of the newest intact checkpoint on disk (rank 0)
         self.saved_iter = None  # the iteration of the newest checkpoint written or resumed
@@ -781,6 +784,8 @@ class RunDir:
             state.update({DATA_FINGERPRINT: self.data, METRICS_SIZE: self.metrics.sync()})
         self._in_flight = (copies, time.monotonic())
         self.writer.save(self.ckpt_path, state, copies)
+        if self.compile_cache is not None and self.dist.is_master:
+            self.compile_cache.save(progress.iter_num)
 
     # --- what happened, and where a stopped run continues
 
@@ -917,11 +922,11 @@ def copy_run(source, destination):
     """Copy the run directory `source` into the new directory `destination` so that the copy resumes from
     intact checkpoints even while a run trains in `source`: each checkpoint file, then exactly the shard
     directory it names (a sharded one), then metrics.jsonl, checkpoints.jsonl and config.json -- after the
-    checkpoints, so that they hold every record a checkpoint covers (MetricsLog.sync). run.lock and the
-    temporary files of a save in flight stay behind. A checkpoint file is only ever replaced whole (a rename),
-    so the copy of one is some version of it; a shard directory goes once no checkpoint file names it, so when
-    one vanishes during its copy the run has written a newer checkpoint, which is copied instead. Returns the
-    names of the checkpoint files copied."""
+    checkpoints, so that they hold every record a checkpoint covers (MetricsLog.sync) -- and compile_cache.bin.
+    run.lock and the temporary files of a save in flight stay behind. A checkpoint file is only ever replaced
+    whole (a rename), so the copy of one is some version of it; a shard directory goes once no checkpoint file
+    names it, so when one vanishes during its copy the run has written a newer checkpoint, which is copied
+    instead. Returns the names of the checkpoint files copied."""
     if os.path.lexists(destination):
         raise RunDirError(f"{destination} exists: give a new directory to copy {source} into")
     os.makedirs(destination)
@@ -936,7 +941,7 @@ def copy_run(source, destination):
                 continue
         else:
             raise RunDirError(f"{path} was replaced {COPY_ATTEMPTS} times while it was copied; copy again")
-    for name in (metrics.FILE_NAME, SAVES_NAME, CONFIG_NAME):
+    for name in (metrics.FILE_NAME, SAVES_NAME, CONFIG_NAME, compile_cache.FILE_NAME):
         with contextlib.suppress(FileNotFoundError):
             copy_file(os.path.join(source, name), os.path.join(destination, name))
     return copied

@@ -201,17 +201,23 @@ def compiled_run(steps, train_argv):
     graph break; dynamo's counters count the graphs and the breaks. Returns the compile seconds, the graphs,
     the breaks, tokens/s, MFU as train.py logs it, peak memory beside the memory plan train.py printed, and
     which attention kernel ran; a recompile or an out-of-memory error ends the timed steps and is reported.
-    steps=0: the compile seconds alone (gpu_check's second run, its compile cache warm)."""
+    The run's compile_cache.bin (marsgpt/compile_cache.py) is written after the timed steps, as train.py writes it
+    with a checkpoint. steps=0: the compile seconds alone, after loading the compile_cache.bin in out_dir, if any
+    (gpu_check's second run: a requeued job on another node). Both count the graphs inductor compiled and those it
+    found in its cache."""
     from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel
 
     import train
+    from marsgpt.compile_cache import CompileCache, compile_counts
     from marsgpt.config import load_config
 
     cfg = load_config(train_argv)
     dist_info = train.setup_distributed(cfg)
     torch._dynamo.reset()
     counters.clear()
+    if not steps:
+        CompileCache(cfg.out_dir, dist_info.is_master).load()
     backend = CPU_COMPILE_BACKEND if dist_info.device_type == "cpu" else None
     with models_built_on(dist_info.device), compiled_by(backend):
         run, _, _ = train.setup(cfg, dist_info)
@@ -234,7 +240,7 @@ def compiled_run(steps, train_argv):
         result["eval_s"] = time.perf_counter() - t0
         if not steps:
             run.metrics.close()
-            return dict(result, graphs=counters["stats"]["unique_graphs"])
+            return dict(result, graphs=counters["stats"]["unique_graphs"], **compile_counts())
         for it in range(1, WARM_UP_STEPS):
             train.train_step(run, it)
         result["graphs_after_warm_up"] = counters["stats"]["unique_graphs"]
@@ -245,6 +251,8 @@ def compiled_run(steps, train_argv):
                 result["steps"] += 1
             step_s = (time.perf_counter() - t0) / steps
             train.evaluate(run, run.val_batches)
+        if run.directory.compile_cache is not None:
+            run.directory.compile_cache.save(WARM_UP_STEPS + steps)
         mfu, mfu_llmc = train.step_mfu(run, step_s)
         result.update(
             step_s=step_s,
@@ -255,6 +263,7 @@ def compiled_run(steps, train_argv):
     except RuntimeError as e:  # a recompile under the stance, out of memory
         result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     result.update(
+        **compile_counts(),
         graphs=counters["stats"]["unique_graphs"],
         graph_breaks={reason: count for reason, count in counters["graph_break"].items()},
         attention_kernel=attention_kernel(run),

@@ -270,15 +270,18 @@ def test_on_cuda_the_paper_config_s_compile_is_judged_against_its_cold_start_tar
     assert on_cpu.status == PASS and on_cpu.result.endswith("cold (judged on CUDA only)")
 
 
-def test_a_warm_compile_passes_when_its_first_step_is_shorter_than_the_cold_one():
-    cold, warm = compiled_result(), dict(first_step_s=8.0, eval_s=2.0, backend="inductor", graphs=6)
+def test_a_requeued_compile_passes_when_it_compiles_no_graph_and_its_first_step_is_shorter_than_the_cold_one():
+    cold = compiled_result()
+    warm = dict(first_step_s=8.0, eval_s=2.0, backend="inductor", graphs=6, graphs_compiled=0, graphs_from_cache=9)
     row = gpu_check.warm_compile_row("w", "c", OK, 45, warm, cold, cuda=True)
     assert row.status == PASS
     assert row.result == (
-        "first step 8.0 s, first evaluation 2.0 s with the cache the first run left; "
-        "cold: first step 23.5 s, first evaluation 6.2 s"
+        "first step 8.0 s, first evaluation 2.0 s from the compile_cache.bin the first run left, the inductor cache "
+        "empty (0 graphs compiled, 9 from the cache); cold: first step 23.5 s, first evaluation 6.2 s"
     )
     assert gpu_check.warm_compile_row("w", "c", OK, 45, dict(warm, first_step_s=24.0), cold, True).status == FAIL
+    compiled_again = gpu_check.warm_compile_row("w", "c", OK, 45, dict(warm, graphs_compiled=2), cold, True)
+    assert compiled_again.status == FAIL and "(2 graphs compiled, 9 from the cache)" in compiled_again.result
     no_cold = gpu_check.warm_compile_row("w", "c", OK, 45, warm, {}, True)
     assert no_cold.status == FAIL and no_cold.result.endswith("cold: not measured")
     timed_out = gpu_check.warm_compile_row("w", "c", Finished(-9, "", timed_out=True), 45, {}, cold, True)
@@ -967,7 +970,7 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     resume = rows["resume", "killed with SIGKILL and resumed (not compiled, --deterministic=True)"]["details"]
     assert resume["losses"] > 0 and resume["max_abs_difference"] == 0
     assert 0 <= resume["resumed_from"] < gpu_check.RESUME_RUN["max_iters"]
-    warm = rows["small_mars_warm", f"{what}: compile, warm cache"]
+    warm = rows["small_mars_warm", f"{what}: compile, requeued elsewhere"]
     assert warm["status"] == PASS and warm["details"]["first_step_s"] > 0
     quickstart = rows["quickstart", "the quickstart: scripts/quickstart.sh's commands"]
     assert quickstart["status"] == PASS and quickstart["details"]["steps"] == gpu_check.QUICKSTART_CPU["max_iters"]
