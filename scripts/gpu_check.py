@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -408,6 +409,8 @@ def check_launch(torchrun, ctx):
 # compiled, and 8 micro-batches (DDP's no_sync ones, then the one that all-reduces), on --device=cpu too
 COMPILED_RUN = dict(compile=True, gradient_accumulation_steps=8, eval_iters=2)
 TIMED_STEPS = 10
+# small_mars's steps under torch.profiler after its timed ones: what the GPU ran, by kind, and how busy it was
+PROFILED_STEPS = 2
 # TORCH_LOGS for the compiled run: every recompile and graph break, with its reason, in the check's log
 COMPILE_LOGS = "recompiles,graph_breaks"
 # The compiled runs' inductor cache (and Triton's, inside it): empty for small_mars, whose compile is a cold
@@ -512,25 +515,27 @@ def attention_row(what, command, result, cuda):
     return Row(what, command, f"{kernel}; expected {expected}", PASS if ok else FAIL, dict(kernel=kernel))
 
 
-def compiled_rows(what, command, finished, budget_s, result, cuda, targets=None):
+def compiled_rows(what, command, finished, budget_s, result, cuda, targets=None, profiled=False):
     """The rows of one compiled run (scripts/gpu_check_worker.py compiled_run), or one failed row when the
-    worker wrote no result. targets: its compile's (compile_rows)."""
+    worker wrote no result. targets: its compile's (compile_rows); profiled: a profile was asked for."""
     if not result:
         return [Row(what, command, failure(finished, budget_s), FAIL)]
     rows = compile_rows(what, command, result, cuda, targets)
     rows.append(throughput_result_row(what, command, result))
     rows.append(compiled_memory_row(f"{what}: peak memory", command, result))
     rows.append(attention_row(f"{what}: attention kernel", command, result, cuda))
+    if profiled:
+        rows.append(profile_row(f"{what}: profile", command, result, cuda))
     if not finished.ok:  # the worker wrote its result and then failed: say how
         rows.append(Row(what, command, failure(finished, budget_s), FAIL))
     return rows
 
 
-def compiled_argv(ctx, config, steps, **overrides):
+def compiled_argv(ctx, config, steps, profiled=0, **overrides):
     """(argv of the compiled worker through torchrun on one rank, the train.py command the table shows)."""
     train_args = ctx.train_args(ctx.check.name, [config], keep=COMPILED_RUN.keys(), **COMPILED_RUN, **overrides)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    argv = [sys.executable, *launcher, *WORKER, "compiled", ctx.result_path, str(steps), *train_args]
+    argv = [sys.executable, *launcher, *WORKER, "compiled", ctx.result_path, str(steps), str(profiled), *train_args]
     return argv, "torchrun --nproc_per_node=1 " + ctx.short(["train.py", *train_args])
 
 
@@ -538,12 +543,32 @@ def compile_env(ctx, cache=COMPILE_CACHE):
     return dict(TORCH_LOGS=COMPILE_LOGS, TORCHINDUCTOR_CACHE_DIR=os.path.join(ctx.work, cache))
 
 
+def profile_row(what, command, result, cuda):
+    """What the device ran in the profiled steps (scripts/gpu_check_worker.py profile_steps): how busy it was from
+    its first kernel to its last (a gap is the device waiting for the host) and each kind of kernel's share of its
+    time; the trace's file. Fails when there is no profile."""
+    profile = result.get("profile")
+    if not profile:
+        return Row(what, command, f"not measured: {result.get('error') or 'the run ended before its profile'}", FAIL)
+    kinds = ", ".join(f"{kind} {share:.0%}" for kind, share in sorted(profile["kinds"].items(), key=lambda k: -k[1]))
+    text = (
+        f"{profile['steps']} steps over {profile['span_s']:.2f} s: {'the GPU' if cuda else 'the CPU operators'} "
+        f"busy {profile['busy']:.0%} of it; by kind: {kinds}; trace {profile['trace']}"
+    )
+    return Row(what, command, text, PASS, profile)
+
+
 def check_compiled(config, ctx, **overrides):
-    argv, command = compiled_argv(ctx, config, TIMED_STEPS, **overrides)
+    profiled = 0 if overrides else PROFILED_STEPS  # the paper config's own path
+    argv, command = compiled_argv(ctx, config, TIMED_STEPS, profiled, **overrides)
     finished = ctx.run(argv, env=compile_env(ctx))
     result = read_json(ctx.result_path) if os.path.isfile(ctx.result_path) else {}
-    targets = None if overrides else COLD_START_TARGETS_S  # the paper config's own path
-    rows = compiled_rows(ctx.check.what, command, finished, ctx.budget_s, result, ctx.cuda, targets)
+    if result.get("profile"):  # its trace beside the logs, which outlive <work>
+        kept = os.path.join(ctx.logs, os.path.basename(result["profile"]["trace"]))
+        shutil.move(result["profile"]["trace"], kept)
+        result["profile"]["trace"] = os.path.join(os.path.basename(ctx.logs), os.path.basename(kept))
+    targets = None if overrides else COLD_START_TARGETS_S
+    rows = compiled_rows(ctx.check.what, command, finished, ctx.budget_s, result, ctx.cuda, targets, profiled > 0)
     reference = os.path.join(ctx.work, f"{DETERMINISM_BASELINE}.json")
     if overrides.get("deterministic") and os.path.isfile(reference):
         rows.append(determinism_row(f"{ctx.check.what}: against the default", command, result, read_json(reference)))

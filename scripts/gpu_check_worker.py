@@ -5,7 +5,7 @@
     python -m scripts.gpu_check_worker optimizer RESULT.json [N_EMBD]         # bench/bench_mars.py's rows
     python -m scripts.gpu_check_worker memory RESULT.json [train.py args]     # peak memory of 2 steps
     python -m torch.distributed.run --standalone --nproc_per_node=1 \\
-        -m scripts.gpu_check_worker compiled RESULT.json STEPS [train.py args]  # the compiled model under DDP
+        -m scripts.gpu_check_worker compiled RESULT.json STEPS PROFILED [train.py args]  # compiled, under DDP
     python -m torch.distributed.run --standalone --nproc_per_node=N \\
         -m scripts.gpu_check_worker fsdp RESULT.json cuda|cpu               # bench_fsdp's sharded steps
 
@@ -15,9 +15,13 @@ peak-memory counters start from zero, and the driver can kill it when its time b
 
 import contextlib
 import functools
+import gzip
 import json
+import math
 import os
+import re
 import resource
+import shutil
 import sys
 import time
 
@@ -33,6 +37,19 @@ MEMORY_STEPS = 2
 # The compiled run: a first step (the training graph's compile) and an evaluation (the evaluation graph's),
 # a second step, then the timed steps with recompiles forbidden.
 WARM_UP_STEPS = 2
+# What the device ran in a step, by kind: the first pattern a kernel's name matches (in lower case) names its kind.
+# On the CPU the names are the operators torch.profiler sees at the top level.
+KERNEL_KINDS = (
+    ("NCCL", r"nccl"),
+    ("copies", r"memcpy|memset|^aten::copy_|^aten::to\b"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|^aten::(mm|addmm|bmm|matmul|linear)$"),
+    ("attention", r"flash|fmha|cudnn|attention"),
+    ("MARS kernel", r"^(norm_pass|update_pass)"),
+    ("multi-tensor (optimizer step, clipping)", r"multi_tensor|fused_adam|^aten::_foreach|^aten::_fused"),
+    ("inductor's fused", r"^triton_|^cpp_fused|compiled"),
+    ("other", r""),
+)
+TOP_KERNELS = 8  # the kernels a profile names, by their summed time
 # --device=cpu compiles with dynamo's aot_eager backend: dynamo's graphs, graph breaks and recompiles are the
 # same with any backend, and inductor's C++ kernels take minutes to build on a shared CPU.
 CPU_COMPILE_BACKEND = "aot_eager"
@@ -193,7 +210,74 @@ def attention_kernel(run):
     return fused[0] if fused else MATH_KERNEL
 
 
-def compiled_run(steps, train_argv):
+def busy_union(spans):
+    """The time (µs) covered by at least one of the (start, end) spans: overlapping kernels (streams) count once."""
+    busy, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def kernel_kind(name):
+    return next(kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name.lower()))
+
+
+def profile_summary(spans):
+    """spans: (name, start_us, end_us) of what the device ran over the profiled steps. How long from the first start
+    to the last end, the share of it the device was busy (a gap is the device waiting for the host), each kind's
+    share of the summed kernel time (KERNEL_KINDS) and the TOP_KERNELS largest kernels."""
+    if not spans:
+        return None
+    first, last = min(start for _, start, _ in spans), max(end for _, _, end in spans)
+    summed, by_name = {}, {}
+    for name, start, end in spans:
+        kind = kernel_kind(name)
+        summed[kind] = summed.get(kind, 0.0) + end - start
+        total, calls = by_name.get(name, (0.0, 0))
+        by_name[name] = (total + end - start, calls + 1)
+    all_time = sum(summed.values()) or 1.0
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
+    return dict(
+        span_s=(last - first) / 1e6,
+        busy=busy_union([(start, end) for _, start, end in spans]) / max(last - first, 1e-9),
+        kinds={kind: summed.get(kind, 0.0) / all_time for kind, _ in KERNEL_KINDS if kind in summed},
+        top=[dict(name=name[:100], ms=total / 1e3, calls=calls) for name, (total, calls) in top],
+    )
+
+
+def profile_steps(run, first_iter, count, trace_path):
+    """`count` more steps under torch.profiler: on CUDA what the GPU ran (its kernels, copies and collectives; the
+    host's operators are left out, so the profiler's own host time does not open gaps), on the CPU its top-level
+    operators. Returns profile_summary with the steps and the trace, written gzipped to trace_path (Perfetto and
+    chrome://tracing read it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    import train
+
+    cuda = run.dist.device_type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for it in range(first_iter, first_iter + count):
+            train.train_step(run, it)
+        if cuda:
+            torch.cuda.synchronize(run.dist.device)
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.cpu_parent is None]
+    summary = profile_summary([(e.name, e.time_range.start, e.time_range.end) for e in events])
+    plain = trace_path.removesuffix(".gz")
+    prof.export_chrome_trace(plain)
+    with open(plain, "rb") as source, gzip.open(trace_path, "wb") as target:
+        shutil.copyfileobj(source, target)
+    os.remove(plain)
+    return summary and dict(summary, steps=count, trace=trace_path)
+
+
+def compiled_run(steps, train_argv, profiled=0, result_path=None):
     """The path a paper run takes on a GPU, as train.main takes it: train.setup's compiled model under DDP
     (launched by torchrun, one rank), its first step and first evaluation (each compiles its graphs), a second
     step, then `steps` timed steps and an evaluation with recompiles forbidden
@@ -204,7 +288,9 @@ def compiled_run(steps, train_argv):
     The run's compile_cache.bin (marsgpt/compile_cache.py) is written after the timed steps, as train.py writes it
     with a checkpoint. steps=0: the compile seconds alone, after loading the compile_cache.bin in out_dir, if any
     (gpu_check's second run: a requeued job on another node). Both count the graphs inductor compiled and those it
-    found in its cache."""
+    found in its cache. profiled > 0: that many steps more under torch.profiler (profile_steps) once the result so
+    far is written to result_path, so that a profile cut short by the time budget leaves the measurements; its
+    trace goes beside it (<result>_trace.json.gz)."""
     from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel
 
@@ -271,6 +357,11 @@ def compiled_run(steps, train_argv):
         plan_bytes=run.memory_plan.total_bytes,
     )
     result.update(cuda_memory(dist_info.device) if dist_info.device_type == "cuda" else host_memory())
+    if profiled and not result["error"]:
+        write_result(result_path, result)
+        trace_path = f"{result_path.removesuffix('.json')}_trace.json.gz"
+        with torch.compiler.set_stance("fail_on_recompile"):
+            result["profile"] = profile_steps(run, WARM_UP_STEPS + steps, profiled, trace_path)
     run.metrics.close()
     return result
 
@@ -321,17 +412,21 @@ def main(argv):
     elif kind == "memory":
         result = peak_memory(rest)
     elif kind == "compiled":
-        result = compiled_run(int(rest[0]), rest[1:])
+        result = compiled_run(int(rest[0]), rest[2:], profiled=int(rest[1]), result_path=result_path)
     elif kind == "fsdp":
         result = fsdp_steps(rest[0])
     elif kind == "optimizer":
         result = bench_mars_rows(*(int(n) for n in rest))
     else:
         result = device_info()
-    if os.environ.get("RANK", "0") == "0":
-        with atomic_writer(result_path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    write_result(result_path, result)
     return 0
+
+
+def write_result(path, result):
+    if os.environ.get("RANK", "0") == "0":
+        with atomic_writer(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -270,6 +270,59 @@ def test_on_cuda_the_paper_config_s_compile_is_judged_against_its_cold_start_tar
     assert on_cpu.status == PASS and on_cpu.result.endswith("cold (judged on CUDA only)")
 
 
+# A profile as profile_summary gives it (made up, not measured)
+H200_LIKE_PROFILE = dict(
+    steps=2,
+    span_s=1.05,
+    busy=0.93,
+    kinds={"matmul": 0.55, "attention": 0.15, "inductor's fused": 0.2, "multi-tensor (optimizer step, clipping)": 0.1},
+    top=[dict(name="nvjet_tst_128x256", ms=300.0, calls=96)],
+)
+
+
+def test_the_profile_merges_overlapping_kernels_into_busy_time_and_sorts_them_by_kind():
+    spans = [  # (name, start, end) in microseconds, as torch.profiler gives them; two streams overlap at 10-20
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 20),
+        ("triton_per_fused_add_native_layer_norm_0", 10, 30),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 50, 60),
+        ("void at::native::multi_tensor_apply_kernel<...>", 60, 70),
+        ("norm_pass", 70, 75),
+        ("Memcpy HtoD (Pinned -> Device)", 90, 100),
+        ("pytorch_flash::flash_fwd_kernel<...>", 100, 140),
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 140, 150),
+        ("void at::native::vectorized_elementwise_kernel<...>", 150, 160),
+    ]
+    summary = worker.profile_summary(spans)
+    assert summary["span_s"] == 160e-6
+    assert summary["busy"] == pytest.approx(125 / 160)  # the gaps 30-50 and 75-90; 10-20 counted once
+    total = 20 + 20 + 10 + 10 + 5 + 10 + 40 + 10 + 10
+    assert summary["kinds"] == pytest.approx(
+        {
+            "NCCL": 10 / total,
+            "copies": 10 / total,
+            "matmul": 30 / total,
+            "attention": 40 / total,
+            "MARS kernel": 5 / total,
+            "multi-tensor (optimizer step, clipping)": 10 / total,
+            "inductor's fused": 20 / total,
+            "other": 10 / total,
+        }
+    )
+    assert [k["name"] for k in summary["top"][:2]] == ["pytorch_flash::flash_fwd_kernel<...>", spans[0][0]]
+    assert worker.profile_summary([]) is None
+
+
+def test_the_profile_row_names_how_busy_the_gpu_was_and_fails_without_a_profile():
+    result = compiled_result(profile=dict(H200_LIKE_PROFILE, trace="logs/small_mars_trace.json.gz"))
+    row = gpu_check.profile_row("w", "c", result, cuda=True)
+    assert row.status == PASS and row.result == (
+        "2 steps over 1.05 s: the GPU busy 93% of it; by kind: matmul 55%, inductor's fused 20%, attention 15%, "
+        "multi-tensor (optimizer step, clipping) 10%; trace logs/small_mars_trace.json.gz"
+    )
+    cut_short = gpu_check.profile_row("w", "c", compiled_result(), cuda=True)
+    assert cut_short.status == FAIL and cut_short.result == "not measured: the run ended before its profile"
+
+
 def test_a_requeued_compile_passes_when_it_compiles_no_graph_and_its_first_step_is_shorter_than_the_cold_one():
     cold = compiled_result()
     warm = dict(first_step_s=8.0, eval_s=2.0, backend="inductor", graphs=6, graphs_compiled=0, graphs_from_cache=9)
@@ -773,7 +826,9 @@ def test_on_cuda_main_warms_the_node_then_reads_it_and_runs_the_real_path(tmp_pa
             result = dict(import_s=21.5, devices=[f"cuda:{i}" for i in range(8)], seconds=33.0)
         elif "compiled" in argv:
             path = argv[argv.index("compiled") + 1]
-            result = compiled_result()
+            trace = path.removesuffix(".json") + "_trace.json.gz"
+            open(trace, "wb").close()
+            result = compiled_result(profile=dict(H200_LIKE_PROFILE, trace=trace))
         else:
             out_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("--out_dir="))
             os.makedirs(out_dir)
@@ -815,7 +870,11 @@ def test_on_cuda_main_warms_the_node_then_reads_it_and_runs_the_real_path(tmp_pa
         "GPT-2 small, MARS (paper config, compiled, DDP)",
         "GPT-2 small, MARS (paper config, compiled, DDP): peak memory",
         "GPT-2 small, MARS (paper config, compiled, DDP): attention kernel",
+        "GPT-2 small, MARS (paper config, compiled, DDP): profile",
     ]
+    assert all(status == PASS for _, _, status in rows)
+    assert compiled[compiled.index("compiled") + 2 : compiled.index("compiled") + 4] == ["10", "2"]  # steps, profiled
+    assert (out / "logs" / "small_mars_trace.json.gz").is_file()  # moved out of <work>, which goes
     assert report["rows"][0]["result"] == "33.0 s (21.5 s importing), on " + ", ".join(f"cuda:{i}" for i in range(8))
 
 
@@ -955,6 +1014,9 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     graphs = rows["small_mars", f"{what}: graph breaks and recompiles"]["details"]
     assert graphs["graph_breaks"] == {} and graphs["graphs"] == graphs["graphs_after_warm_up"] >= 2
     assert rows["small_mars", f"{what}: attention kernel"]["details"]["kernel"] == "flash (CPU)"
+    profile = rows["small_mars", f"{what}: profile"]["details"]
+    assert profile["steps"] == gpu_check.PROFILED_STEPS and 0 < profile["busy"] <= 1
+    assert (out / profile["trace"]).is_file()
     # FSDP2: train.py sharded over 2 gloo ranks with its checkpoint in 2 shard files; the sharded steps measured
     launch = rows["fsdp", "FSDP2: train.py --zero_stage=3 under torchrun, 2 processes"]
     assert launch["details"]["shard_files"] == 2 and "FSDP2 over 2 GPUs" in launch["result"]
