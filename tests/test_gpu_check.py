@@ -3,12 +3,14 @@ the table and each row's pass/fail rule (fed made-up results), the memory-plan h
 of every check end to end."""
 
 import dataclasses
+import gzip
 import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -310,6 +312,51 @@ def test_the_profile_merges_overlapping_kernels_into_busy_time_and_sorts_them_by
     )
     assert [k["name"] for k in summary["top"][:2]] == ["pytorch_flash::flash_fwd_kernel<...>", spans[0][0]]
     assert worker.profile_summary([]) is None
+
+
+def test_on_cuda_the_profile_takes_the_gpu_s_activity_alone_and_keeps_the_trace_gzipped(tmp_path, monkeypatch):
+    """profile_steps on CUDA (torch.profiler and torch.cuda mocked): the profiler records the GPU's activity alone,
+    the steps run inside it, the summary is of the CUDA events, and the trace is written gzipped."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    import train
+
+    def event(name, device_type, start, end):
+        return SimpleNamespace(
+            name=name, device_type=device_type, cpu_parent=None, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    asked, steps = [], []
+
+    class Profile:
+        def __init__(self, activities):
+            asked.append(activities)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [event("aten::mm", DeviceType.CPU, 0, 100), event("nvjet_tst", DeviceType.CUDA, 10, 30)]
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                f.write('{"traceEvents": []}')
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(train, "train_step", lambda run, it: steps.append(it))
+    run = SimpleNamespace(dist=SimpleNamespace(device_type="cuda", device="cuda:0"))
+    trace = str(tmp_path / "small_mars_trace.json.gz")
+    summary = worker.profile_steps(run, 12, 2, trace)
+    assert asked == [[ProfilerActivity.CUDA]] and steps == [12, 13]
+    assert summary["kinds"] == {"matmul": 1.0} and summary["span_s"] == 20e-6 and summary["steps"] == 2
+    with gzip.open(trace, "rt") as f:
+        assert json.load(f) == {"traceEvents": []}
+    assert os.listdir(tmp_path) == ["small_mars_trace.json.gz"]
 
 
 def test_the_profile_row_names_how_busy_the_gpu_was_and_fails_without_a_profile():
