@@ -12,6 +12,7 @@ questions of a planned one (planned: no process group). Nothing else reads zero_
 
 import contextlib
 import dataclasses
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,8 @@ from marsgpt import fsdp
 from marsgpt.config import TrainConfig
 from marsgpt.runtime import Dist, SetupError
 from marsgpt.zero import ShardedOptimizer
+
+DDP_KEYWORDS = inspect.signature(DDP.__init__).parameters  # the keywords this torch's DDP takes
 
 
 @dataclasses.dataclass
@@ -201,14 +204,17 @@ def wrap_ddp(model: torch.nn.Module, dist_info: Dist) -> torch.nn.Module:
     beside them, one gradient-sized copy less (6.2 GB on GPT-2 XL). That holds only while they stay there:
     zero_grad clears them in place instead of setting them to None (Parallelism.gradients_to_none), and they exist
     before DDP is built, so DDP places them in its buckets at once -- else the no_sync micro-batches of the first
-    step would accumulate into gradients of their own beside the buckets. broadcast_buffers=False: the GPT's only
-    buffers are the compiled attention's per-layer factors (model.CausalSelfAttention.layer_factor_as_data), the
-    same constants on every rank, which DDP would otherwise broadcast from rank 0 before every forward pass."""
+    step would accumulate into gradients of their own beside the buckets. No buffer sync before each forward pass:
+    the GPT's only buffers are the compiled attention's per-layer factors
+    (model.CausalSelfAttention.layer_factor_as_data), the same constants on every rank. torch 2.13 names that
+    forward_sync_buffers=False (its broadcast_buffers=False warns on every launch); earlier torch (2.11 on the
+    H200 of docs/gpu.md) knows only broadcast_buffers."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
+    no_buffer_sync = "forward_sync_buffers" if "forward_sync_buffers" in DDP_KEYWORDS else "broadcast_buffers"
     return DDP(
         model,
         device_ids=[dist_info.local_rank] if dist_info.device_type == "cuda" else None,
         gradient_as_bucket_view=True,
-        broadcast_buffers=False,
+        **{no_buffer_sync: False},
     )

@@ -8,6 +8,8 @@ import math
 import os
 import subprocess
 import sys
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -787,6 +789,24 @@ def test_ddp_gradients_stay_in_the_buckets_through_accumulation(data_path, tmp_p
         for n_storages, nbytes in report["storages"]:
             assert n_storages <= 2  # DDP's first bucket is small, the rest one: never one per parameter
             assert nbytes == report["plan_gradient_bytes"]
+
+
+def test_ddp_syncs_no_buffer_before_a_forward_pass_and_warns_nothing():
+    """wrap_ddp: the GPT's buffers (the per-layer attention factors) are the same constants on every rank, so DDP
+    syncs none before each forward pass; on torch 2.13 through forward_sync_buffers=False, where
+    broadcast_buffers=False printed a FutureWarning on every launch."""
+    import torch.distributed as dist
+
+    from marsgpt import parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            ddp = parallel.wrap_ddp(torch.nn.Linear(2, 2), SimpleNamespace(device_type="cpu", local_rank=0))
+        assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+    finally:
+        dist.destroy_process_group()
 
 
 def test_an_error_that_is_not_the_repositorys_keeps_its_traceback(data_path, tmp_path, monkeypatch):
