@@ -18,7 +18,7 @@ import sys
 import torch
 
 from marsgpt import metrics
-from marsgpt.files import atomic_writer, os_reason
+from marsgpt.files import atomic_write_bytes, os_reason
 
 FILE_NAME = "compile_cache.bin"
 
@@ -74,8 +74,7 @@ class CompileCache:
         if artifact_keys(info) <= self.held:
             return
         try:
-            with atomic_writer(self.path) as f:
-                f.write(blob)
+            atomic_write_bytes(self.path, blob)
         except OSError as e:
             self._say(f"warning: cannot write {self.path}: {os_reason(e)}; a resume will compile again", sys.stderr)
 
