@@ -441,6 +441,38 @@ def test_on_cuda_the_quickstart_runs_the_script_s_commands_whole_with_a_cold_com
     assert "--max_iters=100" in cpu["train"]
 
 
+def test_the_requeued_compile_starts_on_an_empty_inductor_cache_with_the_cold_run_s_compile_cache_bin(
+    tmp_path, monkeypatch
+):
+    """check_compile_warm on CUDA (the worker mocked): small_mars's compile_cache.bin copied into the relaunch's
+    out_dir, the relaunch given an inductor cache directory of its own, and its row judged."""
+    launched = []
+
+    def run_command(argv, log_path, timeout_s, stop_at=None, env=None):
+        out_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("--out_dir="))
+        launched.append((os.listdir(out_dir), env))
+        result = dict(first_step_s=8.0, eval_s=2.0, backend="inductor", graphs_compiled=0, graphs_from_cache=9)
+        with open(argv[argv.index("compiled") + 1], "w") as f:
+            json.dump(result, f)
+        return Finished(0, "")
+
+    monkeypatch.setattr(gpu_check, "run_command", run_command)
+    ctx = gpu_check.Context(device="cuda", work=str(tmp_path), logs=str(tmp_path))
+    os.makedirs(ctx.out_dir("small_mars"))
+    with open(os.path.join(ctx.out_dir("small_mars"), "compile_cache.bin"), "wb") as f:
+        f.write(b"the cold run's")
+    with open(os.path.join(tmp_path, "small_mars.json"), "w") as f:
+        json.dump(compiled_result(), f)
+    ctx.check, ctx.deadline = gpu_check.CHECKS_BY_NAME["small_mars_warm"], float("inf")
+    [row] = gpu_check.check_compile_warm(gpu_check.SMALL_MARS, ctx)
+    [(files, env)] = launched
+    assert files == ["compile_cache.bin"]
+    with open(os.path.join(ctx.out_dir("small_mars_warm"), "compile_cache.bin"), "rb") as f:
+        assert f.read() == b"the cold run's"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(tmp_path, "compile_cache_requeued")
+    assert row.status == PASS and "(0 graphs compiled, 9 from the cache)" in row.result
+
+
 def test_the_deterministic_run_is_reported_against_the_default_one():
     default = compiled_result()
     deterministic = compiled_result(tokens_per_sec=245_760.0, peak_allocated_bytes=23.6 * 2**30, deterministic=True)

@@ -791,7 +791,7 @@ def test_ddp_gradients_stay_in_the_buckets_through_accumulation(data_path, tmp_p
             assert nbytes == report["plan_gradient_bytes"]
 
 
-def test_ddp_syncs_no_buffer_before_a_forward_pass_and_warns_nothing():
+def test_ddp_syncs_no_buffer_before_a_forward_pass_and_warns_nothing(monkeypatch):
     """wrap_ddp: the GPT's buffers (the per-layer attention factors) are the same constants on every rank, so DDP
     syncs none before each forward pass; on torch 2.13 through forward_sync_buffers=False, where
     broadcast_buffers=False printed a FutureWarning on every launch."""
@@ -805,6 +805,11 @@ def test_ddp_syncs_no_buffer_before_a_forward_pass_and_warns_nothing():
             warnings.simplefilter("error", FutureWarning)
             ddp = parallel.wrap_ddp(torch.nn.Linear(2, 2), SimpleNamespace(device_type="cpu", local_rank=0))
         assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+        # a torch whose DDP does not know forward_sync_buffers (2.11, the H200's image) gets broadcast_buffers=False
+        monkeypatch.setattr(parallel, "DDP_KEYWORDS", {})
+        with pytest.warns(FutureWarning, match="`broadcast_buffers` is deprecated"):
+            ddp = parallel.wrap_ddp(torch.nn.Linear(2, 2), SimpleNamespace(device_type="cpu", local_rank=0))
+        assert ddp.forward_sync_buffers is False
     finally:
         dist.destroy_process_group()
 
