@@ -162,7 +162,9 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
         changes = config_changes(ckpt["config"], cfg, OPTIMIZERS) if ckpt else []
         directory.prepare(cfg, start, ckpt, changes)
     if compile_model and cfg.compile_cache:
-        directory.compile_cache = CompileCache(cfg.out_dir, dist_info.is_master, start_iter=progress.iter_num)
+        directory.compile_cache = CompileCache(
+            cfg.out_dir, dist_info.device, announce=dist_info.is_master, start_iter=progress.iter_num
+        )
         if ckpt is not None:
             directory.compile_cache.load()  # what the run compiled before, ahead of this process's first compile
     run.metrics = directory.metrics = open_metrics(cfg, dist_info, progress, start, ckpt)

@@ -303,7 +303,7 @@ def compiled_run(steps, train_argv, profiled=0, result_path=None):
     torch._dynamo.reset()
     counters.clear()
     if not steps:
-        CompileCache(cfg.out_dir, dist_info.is_master).load()
+        CompileCache(cfg.out_dir, dist_info.device, announce=dist_info.is_master).load()
     backend = CPU_COMPILE_BACKEND if dist_info.device_type == "cpu" else None
     with models_built_on(dist_info.device), compiled_by(backend):
         run, _, _ = train.setup(cfg, dist_info)

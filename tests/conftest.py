@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import tempfile
 
 import pytest
 import torch
@@ -33,6 +34,10 @@ def interpret_triton_kernels_as_gpus_round():
 
     interpreter._convert_float = convert_float
 
+
+# The user's signing key (marsgpt/user_key.py) in a folder of the test session's, not the real ~/.config; the runs a
+# test launches inherit it.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="marsgpt-test-config-")
 
 # First: Triton decides at its import whether its own library functions (tl.sum, ...) are interpreted, and
 # choose_kernels may import it (through inductor's cache settings) before any kernel is built.
