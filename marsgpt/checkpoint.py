@@ -133,11 +133,12 @@ def iteration(ckpt):
     return progress.get("iter_num") if isinstance(progress, dict) else None
 
 
-def save_checkpoint(path, state):
+def save_checkpoint(path, state, guard=None):
     """Write `state` to `path` atomically, with its checksum trailer: a crash, kill -9 or full disk leaves any
-    previous file intact. A failure raises CheckpointError naming the file and the OS reason."""
+    previous file intact. A failure raises CheckpointError naming the file and the OS reason. `guard`: called
+    before the file is renamed into place (files.atomic_writer); what it raises leaves the previous file."""
     try:
-        with atomic_writer(path) as f, contextlib.closing(HashingFile(f)) as hashing:
+        with atomic_writer(path, guard=guard) as f, contextlib.closing(HashingFile(f)) as hashing:
             try:
                 torch.save(state, hashing)
             except RuntimeError:
@@ -157,12 +158,12 @@ def no_space(error):
     return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
 
 
-def keep_copy(src, dst):
+def keep_copy(src, dst, guard=None):
     """Make `dst` an independent copy of the finished checkpoint `src` (best.pt, kept ckpt_<iter>.pt): damage
     done to one file later never reaches the other (files.copy_file). Its trailer comes along, so the copy
     verifies on its own."""
     try:
-        copy_file(src, dst)
+        copy_file(src, dst, guard)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {dst}: {os_reason(e)}") from None
 
@@ -302,50 +303,67 @@ class CheckpointWriter:
     then a thread writes it atomically and makes its copies (best.pt, kept ones). One write is in flight
     at a time: the next save, or wait(), first waits for it and raises its error, if any (always a
     CheckpointError, whatever went wrong). The thread also hands each outcome to its caller the moment it
-    is known: on_saved(path, iteration) after the file and its copies are in place, on_error(error) after
-    a failure, so a failed write is reported at once rather than at the next save. With a GPT-2 XL
-    checkpoint (~25 GB) on storage at 40 MB/s a synchronous save would stall every rank for ten minutes and
-    trip the collective timeout; here it costs the device-to-host copy. The cost is host memory for one
-    copy of the state on the saving rank.
+    is known: on_saved(path, iteration, copies) once the file is in place (`copies`: those made; a copy that
+    fails does not unmake the file), on_error(error) after a failure, so a failed write is reported at once
+    rather than at the next save. `guard` is called before each file is renamed into place (save_checkpoint).
+    With a GPT-2 XL checkpoint (~25 GB) on storage at 40 MB/s a synchronous save would stall every rank for ten
+    minutes and trip the collective timeout; here it costs the device-to-host copy. The cost is host memory for
+    one copy of the state on the saving rank.
     """
 
-    def __init__(self, on_saved=None, on_error=None):
+    def __init__(self, on_saved=None, on_error=None, guard=None):
         self._done = threading.Event()  # no write in flight
         self._done.set()
         self._error = None
-        self.on_saved, self.on_error = on_saved, on_error
+        self.on_saved, self.on_error, self.guard = on_saved, on_error, guard
+        self.iteration = None  # the iteration of the checkpoint in flight, or of the last one started
 
     def save(self, path, state, copies=()):
         self.wait()
         snapshot = cpu_copy(state)
 
         def write():
-            save_checkpoint(path, snapshot)
-            for dst in copies:
-                keep_copy(path, dst)
+            save_checkpoint(path, snapshot, self.guard)
+            return self.make_copies(copies, lambda dst: keep_copy(path, dst, self.guard))
 
         self._start(path, write, iteration(state))
 
+    @staticmethod
+    def make_copies(copies, copy):
+        """copy(dst) for each of `copies` until one fails: (the copies made, the CheckpointError or None)."""
+        made = []
+        for dst in copies:
+            try:
+                copy(dst)
+            except CheckpointError as e:
+                return made, e
+            made.append(dst)
+        return made, None
+
     def _start(self, path, write, iteration):
-        """Run write() in the writer's thread; its outcome goes to on_saved(path, iteration) or on_error."""
+        """Run write() in the writer's thread: it writes the file (raising when that fails) and returns what
+        make_copies returns. The outcome goes to on_saved(path, iteration, copies made) and on_error."""
         self._done.clear()
+        self.iteration = iteration
         threading.Thread(target=self._write, args=(path, write, iteration), daemon=False).start()
 
     def _write(self, path, write, iteration):
         try:
+            written = False
             try:
-                write()
+                made, error = write()
+                written = True
             except CheckpointError as e:
-                self._error = e
+                error = e
             except Exception as e:  # anything else would end the thread unseen, and training would go on unsaved
                 error = CheckpointError(f"cannot write checkpoint {path}: {type(e).__name__}: {e}")
                 error.__cause__ = e
+            if written and self.on_saved is not None:
+                self.on_saved(path, iteration, made)
+            if error is not None:
                 self._error = error
-            if self._error is not None:
                 if self.on_error is not None:
-                    self.on_error(self._error)
-            elif self.on_saved is not None:
-                self.on_saved(path, iteration)
+                    self.on_error(error)
         finally:
             self._done.set()
 

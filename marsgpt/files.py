@@ -15,28 +15,31 @@ import shutil
 
 
 @contextlib.contextmanager
-def atomic_writer(path, mode="wb"):
+def atomic_writer(path, mode="wb", guard=None):
     """Open `path` for writing under a temporary name in the same directory; rename over `path` on success.
 
     The bytes are flushed and fsync'ed before the rename (the temporary file sits beside `path`, so the
     rename cannot cross filesystems), and the directory is fsync'ed after it, so the rename itself
     survives a power loss. An interrupted writer leaves only ``<path>.tmp.<pid>`` behind (removed when
-    the interruption is an exception).
+    the interruption is an exception). `guard`: called just before the rename; what it raises leaves `path` as
+    it was (a run checks there that it still holds its directory's lock).
     """
-    with atomic_path(path) as tmp, open(tmp, mode) as f:
+    with atomic_path(path, guard) as tmp, open(tmp, mode) as f:
         yield f
         f.flush()
         os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
-def atomic_path(path):
+def atomic_path(path, guard=None):
     """The temporary name beside `path` to create a complete file under (its bytes already on disk), renamed
-    over `path` on success, then the directory fsync'ed; removed when the body raises (atomic_writer's
-    renaming)."""
+    over `path` on success -- once guard() returned, when given -- then the directory fsync'ed; removed when the
+    body or the guard raises (atomic_writer's renaming)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         yield tmp
+        if guard is not None:
+            guard()
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -75,16 +78,16 @@ def process_alive(pid):
     return True
 
 
-def copy_file(src, dst):
+def copy_file(src, dst, guard=None):
     """Make `dst` a copy of `src` that shares nothing with it, written atomically and made durable.
 
     A hard link would cost nothing, but it is the same file: `truncate` or `cp other.pt src` (which writes into
     src's existing inode) would damage both. copy_file_range lets the kernel copy without passing the bytes
     through Python, and where the filesystem can clone (XFS and btrfs reflinks, NFS 4.2's server-side copy)
     the copy costs no data I/O and still shares nothing writable: a write into either file gives it blocks
-    of its own. Elsewhere it falls back to a plain read and write.
+    of its own. Elsewhere it falls back to a plain read and write. `guard`: as for atomic_writer.
     """
-    with open(src, "rb") as source, atomic_writer(dst) as target:
+    with open(src, "rb") as source, atomic_writer(dst, guard=guard) as target:
         remaining = os.fstat(source.fileno()).st_size
         try:
             while remaining > 0:

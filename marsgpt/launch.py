@@ -167,7 +167,7 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
         )
         if ckpt is not None:
             directory.compile_cache.load()  # what the run compiled before, ahead of this process's first compile
-    run.metrics = directory.metrics = open_metrics(cfg, dist_info, progress, start, ckpt)
+    run.metrics = directory.use_metrics(open_metrics(cfg, dist_info, progress, start, ckpt))
     return run, progress, ckpt is not None
 
 

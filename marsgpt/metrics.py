@@ -109,6 +109,7 @@ class MetricsLog:
         self.wandb = None
         self.wandb_run_id = wandb_run_id
         self.failed = None
+        self.guard = None  # called before each record is written: what it raises skips the record (a lost lock)
         self.repairs, self.lost = [], None
         if not self.enabled:
             return
@@ -176,6 +177,11 @@ class MetricsLog:
         if not self.enabled or self.failed:
             return
         record = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}
+        if self.guard is not None:
+            try:
+                self.guard()
+            except Exception:  # another launch holds out_dir now: the run stops at its next step boundary
+                return
         try:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()

@@ -53,11 +53,9 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
-import uuid
 
 import torch
 import torch.distributed as dist
@@ -65,11 +63,11 @@ import torch.distributed as dist
 from marsgpt import checkpoint, compile_cache, metrics, shards
 from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
 from marsgpt.config import ConfigError, config_to_dict
-from marsgpt.files import atomic_writer, copy_file, os_reason, process_alive, remove_stale_temporaries
+from marsgpt.files import atomic_writer, copy_file, os_reason, remove_stale_temporaries
+from marsgpt.run_lock import LockError, LockLost, RunLock
 
 BEST_NAME = "best.pt"
 CONFIG_NAME = "config.json"
-LOCK_NAME = "run.lock"
 KEPT_NAME = re.compile(r"ckpt_(\d+)\.pt")
 
 
@@ -258,225 +256,6 @@ def prepare_out_dir(cfg, start, ckpt=None, changes=(), at=None):
 
 
 # ---------------------------------------------------------------------------------------------------
-# One run per out_dir.
-
-
-def _read_text(path):
-    with open(path) as f:
-        return f.read()
-
-
-def _process_start(pid):
-    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat's 22nd field), or None where that
-    cannot be read: it tells a live holder from another process that was given its pid later."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _machine():
-    """What processes that can see each other's pids share: the boot (a reboot ends every holder) and the pid
-    namespace (two containers on one host each have their own pids)."""
-    parts = []
-    with contextlib.suppress(OSError):
-        parts.append(_read_text("/proc/sys/kernel/random/boot_id").strip())
-    with contextlib.suppress(OSError):
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    return "/".join(parts)
-
-
-def describe_holder(holder):
-    if holder is None:
-        return "an unknown holder (its record cannot be read)"
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
-    return f"pid {holder.get('pid')} on {holder.get('host')} since {since}"
-
-
-class RunLock:
-    """One run per out_dir: out_dir/run.lock, created only if it does not exist, held for the run's life.
-
-    fcntl locks are not honoured by every network filesystem and do not reach across nodes, but creating a
-    file that must not exist yet (O_EXCL) is atomic on all of them (NFS since v3, Lustre, GPFS). The file
-    records its holder -- host, pid, when it started, the machine identity and process start time that tell
-    a live holder from a reused pid, and the directory it guards (path and inode) -- and a heartbeat: a
-    thread refreshes its modification time every timeout_s / 4 seconds, and checks that the file is still its
-    own (`lost` says when not). A holder that cannot write its record (a full disk) removes the file again.
-
-    A launch that finds the lock judges the holder. A lock that guards another directory (this out_dir is a
-    copy of a run's, `cp -r` or rsync taking run.lock along) is no holder's here. On the same machine a holder
-    is alive while its process is. On another machine it is alive while its heartbeat is younger than
-    timeout_s: the launch watches the heartbeat for the rest of that bound (at most wait_limit_s), and one that
-    moves is alive. A lock still empty EMPTY_LOCK_WAIT_S after it is found belongs to a launch that died between
-    creating and writing it. A live holder refuses the launch in one line naming it; a dead one's lock is taken
-    over, with a message. Takeovers go through a second O_EXCL file, so two launches that find the same dead
-    holder do not both take its place.
-    """
-
-    EMPTY_LOCK_WAIT_S = 2.0  # a launch writes its record microseconds after creating the file (NFS: one round trip)
-
-    def __init__(self, path, token, timeout_s):
-        self.path, self.token, self.timeout_s = path, token, timeout_s
-        self.lost = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="run.lock heartbeat", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def acquire(cls, directory, timeout_s, wait_limit_s):
-        """The lock on `directory`, taken over from a dead holder if need be; RunDirError when a live one holds
-        it; OSError when the directory cannot be written."""
-        path = os.path.join(directory, LOCK_NAME)
-        token = uuid.uuid4().hex
-        mine = dict(
-            host=socket.gethostname(),
-            machine=_machine(),
-            pid=os.getpid(),
-            process_start=_process_start(os.getpid()),
-            since=time.time(),
-            token=token,
-            directory=os.path.realpath(directory),
-            inode=os.stat(directory).st_ino,
-        )
-        for _attempt in range(20):  # each round ends with the lock, or with its holder judged
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                text, holder, mtime_ns = cls._read_written(path)
-                if text is None:  # released meanwhile
-                    continue
-                reason = cls._judge(directory, text, holder, mtime_ns, mine, timeout_s, wait_limit_s)
-                if cls._take_over(path, text):
-                    print(f"out_dir {directory}: took over the lock of {describe_holder(holder)}: {reason}", flush=True)
-                continue
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(json.dumps(mine))
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError:  # a full disk: no empty lock is left for the next launch to wonder about
-                with contextlib.suppress(OSError):
-                    os.remove(path)
-                raise
-            return cls(path, token, timeout_s)
-        raise RunDirError(f"out_dir {directory}: could not take {path}: other launches keep taking it; try again")
-
-    @staticmethod
-    def _read(path):
-        """(text, holder dict or None when it cannot be parsed, mtime in ns), or (None, None, None) when gone."""
-        try:
-            mtime_ns = os.stat(path).st_mtime_ns
-            text = _read_text(path)
-        except FileNotFoundError:
-            return None, None, None
-        try:
-            holder = json.loads(text)
-        except ValueError:  # being written this moment, or not ours: the heartbeat rule judges it
-            holder = None
-        return text, holder if isinstance(holder, dict) else None, mtime_ns
-
-    @classmethod
-    def _read_written(cls, path):
-        """_read, once the lock holds more than nothing: a launch that has just created it (the loser of two
-        launches at the same moment finds the winner's) writes its record at once. An empty text after
-        EMPTY_LOCK_WAIT_S is returned as it is."""
-        deadline = time.monotonic() + cls.EMPTY_LOCK_WAIT_S
-        text, holder, mtime_ns = cls._read(path)
-        while text == "" and time.monotonic() < deadline:
-            time.sleep(0.01)
-            text, holder, mtime_ns = cls._read(path)
-        return text, holder, mtime_ns
-
-    @staticmethod
-    def _judge(directory, text, holder, mtime_ns, mine, timeout_s, wait_limit_s):
-        """Why the holder is dead (a reason to print), or RunDirError when it is alive."""
-        path = os.path.join(directory, LOCK_NAME)
-        refusal = RunDirError(
-            f"out_dir {directory} is in use by the run of {describe_holder(holder)} (it holds {path}); wait "
-            "for it to end or stop it, or use another --out_dir"
-        )
-        if text == "":
-            return "the lock is empty: the launch that created it ended before writing to it (a full disk, a kill)"
-        # Another path and another inode: a copy. One of the two alone is this directory seen through another
-        # mount point or symlink (the path), or moved or restored in place (the inode): judged as its holder.
-        guarded = holder.get("directory") if holder is not None else None
-        if guarded is not None and guarded != mine["directory"] and holder.get("inode") != mine["inode"]:
-            return f"it guards {guarded}; this out_dir is a copy of that run's"
-        if holder is not None and (holder.get("host"), holder.get("machine")) == (mine["host"], mine["machine"]):
-            pid = holder.get("pid")
-            started = _process_start(pid) if isinstance(pid, int) else None
-            if isinstance(pid, int) and process_alive(pid) and started in (None, holder.get("process_start")):
-                raise refusal
-            return "its process is gone"
-        age = time.time() - mtime_ns / 1e9
-        if age >= timeout_s:
-            return f"its heartbeat stopped {age:.0f} s ago (lock_timeout_s={timeout_s})"
-        wait = min(timeout_s - age, wait_limit_s)
-        print(
-            f"out_dir {directory} is locked by {describe_holder(holder)}, last refreshed {age:.0f} s ago: "
-            f"watching for {wait:.0f} s whether that run is alive",
-            flush=True,
-        )
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, timeout_s / 20))
-            try:
-                if os.stat(path).st_mtime_ns != mtime_ns:
-                    raise refusal
-            except FileNotFoundError:
-                return "it was released"
-        if wait < timeout_s - age:
-            raise RunDirError(
-                f"out_dir {directory} is locked by {describe_holder(holder)}, not refreshed for "
-                f"{age + wait:.0f} s; it is taken over once it is lock_timeout_s={timeout_s} s old: launch again then"
-            )
-        return f"its heartbeat stopped for lock_timeout_s={timeout_s} s"
-
-    @staticmethod
-    def _take_over(path, text):
-        """Remove the lock judged dead, if it is still the one judged (`text`); False when another launch is
-        taking it over or has taken it (the caller looks again)."""
-        claim = path + ".takeover"
-        try:
-            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            with contextlib.suppress(OSError):
-                if time.time() - os.stat(claim).st_mtime > 60:  # left by a launch that died while taking over
-                    os.remove(claim)
-            time.sleep(0.2)
-            return False
-        try:
-            if RunLock._read(path)[0] != text:
-                return False
-            os.remove(path)
-            return True
-        finally:
-            os.close(fd)
-            os.remove(claim)
-
-    def _beat(self):
-        while not self._stop.wait(max(self.timeout_s / 4, 0.05)):
-            text, holder, _ = self._read(self.path)
-            if text is not None and holder is None:
-                continue  # a read that met a write: look again at the next beat
-            if holder is None or holder.get("token") != self.token:
-                taker = "removed" if text is None else f"taken by {describe_holder(holder)}"
-                self.lost = f"the lock on its out_dir ({self.path}) was {taker}"
-                return
-            with contextlib.suppress(OSError):  # a passing filesystem error: the next beat tries again
-                os.utime(self.path)
-
-    def release(self):
-        self._stop.set()
-        self._thread.join()
-        text, holder, _ = self._read(self.path)
-        if holder is not None and holder.get("token") == self.token:
-            with contextlib.suppress(OSError):
-                os.remove(self.path)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Signals, and the requests every rank agrees on at each step.
 
 
@@ -578,7 +357,7 @@ class RunDir:
         self.lock = None  # rank 0's, from start()
         self.created = False  # out_dir was made by this launch (removed again if it ends empty)
         self.signals = signals or StopSignals()  # installed by train.main: a stop signal ends the run
-        self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed)
+        self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed, guard=self.guard)
         self.parallel = None  # the run's parallel.Parallelism (register): whether its checkpoints are sharded
         self.sharded = False  # every rank writes its rows of each checkpoint (shards.py), not rank 0 one file
         self.write_failed = False
@@ -589,7 +368,7 @@ class RunDir:
         self.latest = None  # (path, iteration) of the newest intact checkpoint on disk (rank 0)
         self.saved_iter = None  # the iteration of the newest checkpoint written or resumed
         self.held_back = None  # why a due checkpoint was not written (a suspect state), until one is
-        self._in_flight = ((), 0.0)  # the copies of the checkpoint being written, and when its save began
+        self._save_began = 0.0  # when the save in flight began
         self.clock = time.monotonic()  # when the last checkpoint was written (rank 0's checkpoint_minutes)
         self.agreed = Requests()
 
@@ -604,10 +383,10 @@ class RunDir:
                 os.makedirs(os.path.realpath(self.path))
                 self.created = True
             # Under DDP the other ranks wait for this decision for at most ddp_timeout_s.
-            wait_limit = (
-                cfg.lock_timeout_s if self.dist.world_size == 1 else min(cfg.lock_timeout_s, cfg.ddp_timeout_s / 2)
-            )
+            wait_limit = math.inf if self.dist.world_size == 1 else cfg.ddp_timeout_s / 2
             self.lock = RunLock.acquire(self.path, cfg.lock_timeout_s, wait_limit)
+        except LockError as e:
+            raise RunDirError(str(e)) from None
         except OSError as e:
             raise RunDirError(
                 f"cannot write in out_dir {self.path}: {os_reason(e)}; give an --out_dir on a writable file system"
@@ -624,7 +403,7 @@ class RunDir:
             self.latest, self.saved_iter = (start.path, start.iteration), start.iteration
         changed = changes or start.data_change or (ckpt is not None and DATA_FINGERPRINT not in ckpt)
         if ckpt is None or (changed and not cfg.eval_only):
-            with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w") as f:
+            with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w", guard=self.guard) as f:
                 json.dump({**config_to_dict(cfg), DATA_FINGERPRINT: start.data}, f, indent=1)
 
     def register(self, cfg, parts, extras, parallel):
@@ -639,7 +418,12 @@ class RunDir:
         if self.sharded:
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s))
             self.writer = shards.ShardedCheckpointWriter(
-                self.dist.rank, group, shards.new_token(group), on_saved=self._saved, on_error=self._write_failed
+                self.dist.rank,
+                group,
+                shards.new_token(group),
+                on_saved=self._saved,
+                on_error=self._write_failed,
+                guard=self.guard,
             )
 
     def restore(self, ckpt, path):
@@ -782,45 +566,59 @@ class RunDir:
         self.wait_for_writes()  # a failure of the last write was reported; this one may find room again
         if self.dist.is_master:  # the records up to this step on disk first, and how long they are
             state.update({DATA_FINGERPRINT: self.data, METRICS_SIZE: self.metrics.sync()})
-        self._in_flight = (copies, time.monotonic())
+        self._save_began = time.monotonic()
         self.writer.save(self.ckpt_path, state, copies)
         if self.compile_cache is not None and self.dist.is_master:
             self.compile_cache.save(progress.iter_num)
 
     # --- what happened, and where a stopped run continues
 
-    def _saved(self, path, iteration):  # the writer's thread
+    def guard(self):
+        """Before each write this run commits to out_dir (rank 0's): lock.LockLost unless it still holds the lock."""
+        if self.lock is not None:
+            self.lock.check()
+
+    def use_metrics(self, metrics_log):
+        """The run's MetricsLog: its failed writes stop the run too, and it writes only while the run holds out_dir."""
+        self.metrics = metrics_log
+        metrics_log.guard = self.guard
+        return metrics_log
+
+    def _saved(self, path, iteration, copies):  # the writer's thread
         self.latest = (path, iteration)
         if not self.dist.is_master:
             return
-        self._record_save(path, iteration)
+        self._record_save(path, iteration, copies)
         if self.sharded:  # the directory the replaced ckpt.pt named goes
             shards.remove_unreferenced(self.path, checkpoint_files(self.path))
 
-    def _record_save(self, path, iteration):
-        """Rank 0, once a checkpoint and its copies are on disk: a line in checkpoints.jsonl (the file, its
-        copies, its iteration, when, and how long the write took), the run's record that it has saved something
-        (decide_start starts over only a run that has none)."""
-        copies, began = self._in_flight
+    def _record_save(self, path, iteration, copies):
+        """Rank 0, once a checkpoint is on disk: a line in checkpoints.jsonl (the file, the copies made of it, its
+        iteration, when, and how long the write took), the run's record that it has saved something (decide_start
+        starts over only a run that has none)."""
         entry = dict(
             iter=iteration,
             file=os.path.basename(path),
             copies=[os.path.basename(copy) for copy in copies],
             saved_at=datetime.datetime.now().isoformat(timespec="seconds"),
-            write_s=round(time.monotonic() - began, 3),
+            write_s=round(time.monotonic() - self._save_began, 3),
         )
         record = os.path.join(self.path, SAVES_NAME)
         try:
+            self.guard()
             with open(record, "a") as f:
                 f.write(json.dumps(entry) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
             self._write_failed(f"cannot append to {record}: {os_reason(e)}")
+        except LockLost:  # the stop at the next step boundary says so
+            pass
 
     def _write_failed(self, error):  # the writer's thread: reported at once, acted on at the next step
         self.write_failed = True
-        if self.dist.is_master:  # a sharded save fails on every rank at once: rank 0 says it
+        lost = self.lock is not None and self.lock.lost is not None  # the stop at the next step boundary says so
+        if self.dist.is_master and not lost:  # a sharded save fails on every rank at once: rank 0 says it
             sys.stderr.write(f"error: {error}\n")  # one write: no other thread's output lands inside the line
             sys.stderr.flush()
 
@@ -831,6 +629,8 @@ class RunDir:
         return line if self.dist.is_master else None
 
     def _failed_write_line(self, what):
+        if self.lock is not None and self.lock.lost is not None:  # not a failure of the disk: another launch's
+            return f"error: {self.lock.lost}; {what} without writing more"
         return f"{what}: a write failed (above); {self.resume_advice()} once {self.path} has room"
 
     def diverged(self, progress):

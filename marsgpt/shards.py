@@ -110,7 +110,7 @@ def _hashing_writer(path):
     return writer
 
 
-def write(pointer, tree, shards, names, name, group, rank):
+def write(pointer, tree, shards, names, name, group, rank, guard=None):
     """Every rank: dcp.save its rows of `shards` into shards/<name>.tmp beside `pointer`; rank 0 then renames the
     directory to shards/<name> and writes `tree` with the record of the directory to `pointer`, and returns the
     record (the other ranks None). A failure on any rank raises CheckpointError on every rank, naming the
@@ -143,11 +143,11 @@ def write(pointer, tree, shards, names, name, group, rank):
         kept = "the previous one is kept"
         raise CheckpointError(f"cannot write checkpoint {directory}: {os_reason(e)}; {kept}") from None
     record = {"directory": f"{SHARDS_DIR}/{name}", "files": files, "names": names}
-    checkpoint.save_checkpoint(pointer, {**tree, SHARDS_KEY: record})
+    checkpoint.save_checkpoint(pointer, {**tree, SHARDS_KEY: record}, guard)
     return record
 
 
-def copy(tree, record, dst):
+def copy(tree, record, dst, guard=None):
     """Make the checkpoint file `dst` (best.pt, a kept ckpt_<iter>.pt) a copy of the sharded checkpoint whose
     contents are `tree` and `record` (as write returned it, in the same directory) that shares nothing with it:
     its directory copied file by file (files.copy_file) under a name of its own, then `dst` naming it."""
@@ -163,7 +163,7 @@ def copy(tree, record, dst):
         fsync_directory(root)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {directory}: {os_reason(e)}") from None
-    checkpoint.save_checkpoint(dst, {**tree, SHARDS_KEY: dict(record, directory=f"{SHARDS_DIR}/{name}")})
+    checkpoint.save_checkpoint(dst, {**tree, SHARDS_KEY: dict(record, directory=f"{SHARDS_DIR}/{name}")}, guard)
 
 
 class ShardedCheckpointWriter(CheckpointWriter):
@@ -172,8 +172,8 @@ class ShardedCheckpointWriter(CheckpointWriter):
     `group`: a process group of every rank for the background writes' own collectives; `token`: the same
     string on every rank, unique to this launch, in the names of its directories."""
 
-    def __init__(self, rank, group, token, on_saved=None, on_error=None):
-        super().__init__(on_saved=on_saved, on_error=on_error)
+    def __init__(self, rank, group, token, on_saved=None, on_error=None, guard=None):
+        super().__init__(on_saved=on_saved, on_error=on_error, guard=guard)
         self.rank, self.group, self.token, self.saves = rank, group, token, 0
 
     def save(self, path, state, copies=()):
@@ -184,9 +184,8 @@ class ShardedCheckpointWriter(CheckpointWriter):
         name = f"{checkpoint.iteration(state):07d}.{self.token}.{self.saves}"
 
         def write_all():
-            record = write(path, tree, shards, names, name, self.group, self.rank)
-            for dst in copies if self.rank == 0 else ():
-                copy(tree, record, dst)
+            record = write(path, tree, shards, names, name, self.group, self.rank, self.guard)
+            return self.make_copies(copies if self.rank == 0 else (), lambda dst: copy(tree, record, dst, self.guard))
 
         self._start(path, write_all, checkpoint.iteration(state))
 

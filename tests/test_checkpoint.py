@@ -223,9 +223,9 @@ def test_a_wait_interrupted_by_ctrl_c_still_waits_for_the_write_the_next_time(tm
     interrupted wait, the next one still waits until the file is written."""
     release, real_save = threading.Event(), checkpoint.save_checkpoint
 
-    def held_save(path, snapshot):
+    def held_save(path, snapshot, guard=None):
         release.wait()
-        real_save(path, snapshot)
+        real_save(path, snapshot, guard)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", held_save)
     writer = checkpoint.CheckpointWriter()
@@ -390,13 +390,47 @@ def test_a_failed_background_write_is_handed_over_at_once(tmp_path, monkeypatch)
     writer = checkpoint.CheckpointWriter(on_saved=lambda *a: saved.append(a), on_error=on_error)
     writer.save(str(tmp_path / "ckpt.pt"), state(1, iter_num=3))
     writer.wait()
-    assert saved == [(str(tmp_path / "ckpt.pt"), 3)]
+    assert saved == [(str(tmp_path / "ckpt.pt"), 3, [])]
     monkeypatch.setattr(checkpoint.torch, "save", lambda obj, f: (_ for _ in ()).throw(OSError(errno.EROFS, "RO")))
     writer.save(str(tmp_path / "ckpt.pt"), state(2))
     assert happened.wait(60)  # without wait(): the thread said so itself
     assert "cannot write checkpoint" in str(failed[0]) and "[EROFS] RO" in str(failed[0])
     with pytest.raises(checkpoint.CheckpointError):
         writer.wait()
+
+
+def test_a_copy_that_fails_does_not_unmake_the_checkpoint_it_copies(tmp_path):
+    """best.pt's copy meets a directory in its place: ckpt.pt is on disk and handed over as saved (with the copies
+    that were made), then the copy's failure -- so a stop line names the checkpoint that is on disk."""
+    events = []
+    writer = checkpoint.CheckpointWriter(
+        on_saved=lambda *a: events.append(("saved", *a)), on_error=lambda e: events.append(("error", str(e)))
+    )
+    os.mkdir(tmp_path / "best.pt")
+    kept, best, ckpt = (str(tmp_path / name) for name in ("ckpt_0000005.pt", "best.pt", "ckpt.pt"))
+    writer.save(ckpt, state(1, iter_num=5), copies=[kept, best])
+    with pytest.raises(checkpoint.CheckpointError):
+        writer.wait()
+    assert events[0] == ("saved", ckpt, 5, [kept])
+    assert events[1][0] == "error" and f"cannot write checkpoint {best}: [EISDIR]" in events[1][1]
+    assert checkpoint.verify(ckpt).iter == 5 and checkpoint.verify(kept).iter == 5
+
+
+def test_a_guard_that_raises_leaves_the_previous_checkpoint_in_place(tmp_path):
+    """save_checkpoint's guard runs just before the rename (a run checks its lock there): what it raises leaves
+    the previous file and no temporary one."""
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, state(1, iter_num=1))
+
+    class Taken(Exception):
+        pass
+
+    def taken():
+        raise Taken("the lock was taken")
+
+    with pytest.raises(Taken):
+        checkpoint.save_checkpoint(path, state(2, iter_num=2), guard=taken)
+    assert checkpoint.verify(path).iter == 1 and os.listdir(tmp_path) == ["ckpt.pt"]
 
 
 @pytest.mark.parametrize("how", ["a small write", "torch.save"])

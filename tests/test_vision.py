@@ -400,10 +400,10 @@ def _dies_mid_epoch_2(monkeypatch):
 def _dies_saving_epoch_2(monkeypatch):
     real_save = checkpoint.save_checkpoint
 
-    def save(path, state):
+    def save(path, state, guard=None):
         if state["progress"]["epoch"] == 2:
             raise Killed  # epoch 2's metrics record is written, its checkpoint is not
-        real_save(path, state)
+        real_save(path, state, guard)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", save)
 
