@@ -338,20 +338,24 @@ def record_skip(run: Run, progress: Progress, result: StepResult, time_s: float)
 # main(): one run, and the exit status of whatever ended it.
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, signals: StopSignals | None = None) -> int:
     """Train as `argv` (train.py's arguments) configures; the exit status (launch.exit_status: the one line on
-    stderr and the status of whatever ended the run)."""
+    stderr and the status of whatever ended the run). `signals`: the StopSignals the caller installed and keeps
+    (the command line's, until the process exits: a signal that arrives as it ends is answered, not fatal); by
+    default main installs its own and puts the previous handlers back as it returns."""
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
         print_help()
         return 0
+    own_signals = signals is None
+    signals = StopSignals().install() if own_signals else signals
     cfg = dist_info = directory = progress = status = None
     try:
         cfg = load_config(argv)
         if cfg.dry_run:
             return memory_plan.dry_run(cfg)
         dist_info = setup_distributed(cfg)
-        directory = RunDir(cfg, dist_info, StopSignals().install(), argv)
+        directory = RunDir(cfg, dist_info, signals, argv)
         run, progress, _ = setup(cfg, dist_info, directory)
         if dist_info.is_master:
             launch.describe(run, progress)
@@ -365,8 +369,18 @@ def main(argv: list[str] | None = None) -> int:
         if directory is not None:
             directory.close()  # the checkpoint in flight on disk, the lock released
         leave_process_group(dist_info, timed_out=status == launch.TIMED_OUT)
+        if own_signals:
+            signals.restore()
     return status
 
 
+def cli() -> None:
+    """`python train.py ...`: main with the stop signals taken over until the process exits."""
+    signals = StopSignals().install()
+    status = main(sys.argv[1:], signals)
+    signals.ignore_from_now()
+    exit_process(status)
+
+
 if __name__ == "__main__":
-    exit_process(main())
+    cli()

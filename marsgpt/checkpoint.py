@@ -55,7 +55,7 @@ import zipfile
 import numpy as np
 import torch
 
-from marsgpt.files import DIGEST, atomic_writer, copy_file, file_digest, os_reason
+from marsgpt.files import DIGEST, atomic_writer, copy_file, file_digest, open_file_digest, os_reason
 
 CKPT_NAME = "ckpt.pt"  # the checkpoint a run directory resumes from (marsgpt/run_dir.py names the rest)
 COMPILE_PREFIX = "_orig_mod."  # torch.compile's wrapper names every parameter with this prefix
@@ -182,20 +182,23 @@ def read_trailer(path):
     checksums, or another program's). DamagedCheckpoint when the file's end is a trailer that cannot be the
     one written (its length does not fit the file's)."""
     with open(path, "rb") as f:
-        file_size = f.seek(0, os.SEEK_END)
-        if file_size < FOOTER_SIZE:
-            return None
-        f.seek(file_size - FOOTER_SIZE)
-        footer = f.read(FOOTER_SIZE)
-        if not (footer.startswith(FOOTER_PREFIX) and footer[-11:-1].isdigit()):
-            return None
-        record_size = int(footer[-11:-1])
-        f.seek(max(file_size - FOOTER_SIZE - record_size, 0))
-        try:
-            record = json.loads(f.read(record_size))
-            trailer = Trailer(record[DIGEST], int(record["size"]), record["iter"])
-        except (ValueError, KeyError, TypeError):
-            raise DamagedCheckpoint(f"{path} is damaged: its checksum record cannot be read") from None
+        return trailer_of(f, path)
+
+
+def trailer_of(f, path):
+    """read_trailer of the checkpoint open as `f` (binary), read through its descriptor; `path` names it."""
+    file_size = os.fstat(f.fileno()).st_size
+    if file_size < FOOTER_SIZE:
+        return None
+    footer = os.pread(f.fileno(), FOOTER_SIZE, file_size - FOOTER_SIZE)
+    if not (footer.startswith(FOOTER_PREFIX) and footer[-11:-1].isdigit()):
+        return None
+    record_size = int(footer[-11:-1])
+    try:
+        record = json.loads(os.pread(f.fileno(), record_size, max(file_size - FOOTER_SIZE - record_size, 0)))
+        trailer = Trailer(record[DIGEST], int(record["size"]), record["iter"])
+    except (ValueError, KeyError, TypeError):
+        raise DamagedCheckpoint(f"{path} is damaged: its checksum record cannot be read") from None
     if trailer.size + record_size + FOOTER_SIZE != file_size:
         raise DamagedCheckpoint(
             f"{path} is damaged: it has {file_size:,} bytes but was written with "
@@ -207,10 +210,15 @@ def read_trailer(path):
 def verify(path):
     """Check the checkpoint file `path` against its checksum, reading it once; return its Trailer, or None when
     it has none (nothing to check against). DamagedCheckpoint, naming the file, when the bytes differ."""
-    trailer = read_trailer(path)
-    if trailer is None:
-        return None
-    if file_digest(path, trailer.size) != trailer.digest:
+    with open(path, "rb") as f:
+        return verified_trailer(f, path)
+
+
+def verified_trailer(f, path):
+    """verify of the checkpoint open as `f`: its trailer and its hash read through one descriptor, so a file renamed
+    over `path` meanwhile does not make this one look damaged."""
+    trailer = trailer_of(f, path)
+    if trailer is not None and open_file_digest(f, trailer.size) != trailer.digest:
         raise DamagedCheckpoint(f"{path} is damaged: its bytes do not match the {DIGEST} recorded when it was written")
     return trailer
 
@@ -480,32 +488,70 @@ def read_whole(ckpt):
 
 
 def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True, whole=True):
-    """The checkpoint dict at `path` (a file, or a run directory), checked against its checksum and loaded onto
-    the CPU. DamagedCheckpoint names a file whose bytes are not the ones written, or that torch cannot read.
+    """read_checkpoint's checkpoint dict alone."""
+    return read_checkpoint(path, mmap, missing_advice, verify_checksum, whole)[0]
 
-    A sharded checkpoint's directory is checked file by file too, and its tensors read whole (whole=False: left
-    as placeholders, with the directory's path made absolute, for a sharded run to read its rows of with
-    read_shards).
+
+READ_ATTEMPTS = 5  # a reader of a live run's checkpoint that a save keeps replacing tries this often
+
+
+def read_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True, whole=True):
+    """(the checkpoint dict at `path` (a file, or a run directory), its Trailer or None): checked against its
+    checksum and loaded onto the CPU. DamagedCheckpoint names a file whose bytes are not the ones written, or that
+    torch cannot read.
+
+    The trailer, the hash and torch.load read one open file, so a reader of a live run (sample.py, hellaswag, an
+    export) gets the file it opened whole even when the run renames a newer one over it meanwhile. A sharded
+    checkpoint's directory is checked file by file too, and its tensors read whole (whole=False: left as
+    placeholders, with the directory's path made absolute, for a sharded run to read its rows of with read_shards);
+    when it turns out gone or changed because the run replaced the checkpoint meanwhile, the newer one is read.
 
     mmap=True maps the file instead of reading it: the tensors are paged in from the page cache as they
     are copied to their device, so the 8 ranks of a node resuming a GPT-2 XL run share one copy of the
     file in memory instead of holding 8 (about 200 GB). The mapping is private (copy-on-write), and
     checkpoints are only ever replaced by a rename, which leaves a mapped file intact. `missing_advice`
-    ends the error for a missing file: what the user of this tool should do. verify_checksum=False skips
-    the hashing pass, for a file this process has just verified.
+    ends the error for a missing file: what the user of this tool should do. verify_checksum=False skips the
+    hashing passes, for a file this process has just verified.
     """
     path = checkpoint_path(path)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path}; {missing_advice}")
-    if verify_checksum:
-        verify(path)
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            f = open(path, "rb")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise CheckpointError(f"no checkpoint at {path}; {missing_advice}") from None
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path}: {os_reason(e)}") from None
+        with f:
+            try:
+                return _read_open(f, path, mmap, verify_checksum, whole)
+            except CheckpointError:
+                if attempt + 1 == READ_ATTEMPTS or not replaced(path, f):
+                    raise
+
+
+def replaced(path, f):
+    """Whether `path` names another file now than the one open as `f` (a rename over it)."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        now = os.stat(path)
+    except OSError:
+        return False
+    opened = os.fstat(f.fileno())
+    return (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
+
+
+def _read_open(f, path, mmap, verify_checksum, whole):
+    trailer = verified_trailer(f, path) if verify_checksum else trailer_of(f, path)
+    # torch maps a path, not a file object: /proc/self/fd/<n> is the path of the file open as f (Linux)
+    source = f"/proc/self/fd/{f.fileno()}" if os.path.isdir("/proc/self/fd") else path
+    try:
+        ckpt = torch.load(source if mmap else f, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DamagedCheckpoint(
             f"{path} is not a readable checkpoint ({reason}); it may be truncated or from an incompatible version"
         ) from None
+    if mmap and source == path and replaced(path, f):
+        raise DamagedCheckpoint(f"{path} was replaced while it was read")
     if not isinstance(ckpt, dict) or any(key not in ckpt for key in REQUIRED_KEYS):
         raise CheckpointError(f"{path} is not a training checkpoint (expected the keys {', '.join(REQUIRED_KEYS)})")
     if has_shards(ckpt):
@@ -516,7 +562,7 @@ def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_check
             verify_shards(ckpt)
         if whole:
             ckpt = read_whole(ckpt)
-    return ckpt
+    return ckpt, trailer
 
 
 def strip_compile_prefix(state_dict):
@@ -575,8 +621,8 @@ def load_model(path_or_out_dir, device="cpu", missing_advice=TOOL_ADVICE):
     from model import GPT, GPTConfig  # here, so this module stays importable without model.py's cost
 
     path = checkpoint_path(path_or_out_dir)
-    ckpt = load_checkpoint(path, missing_advice=missing_advice)
-    if read_trailer(path) is None:
+    ckpt, trailer = read_checkpoint(path, missing_advice=missing_advice)
+    if trailer is None:
         print(
             f"note: {path} has no checksum (written before checksums, or by another program): not verified",
             file=sys.stderr,

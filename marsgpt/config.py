@@ -387,6 +387,10 @@ class _Schema:
             raise ConfigError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+        except SystemExit as e:  # exit 0 with no run and no word would look like success
+            raise ConfigError(
+                f"{path} called sys.exit({e.code!r}) while it was read: a config file only assigns keys"
+            ) from None
         except Exception as e:
             raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
         before, given = dict(values), {}

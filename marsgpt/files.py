@@ -113,15 +113,24 @@ HASH_CHUNK = 16 << 20  # bytes hashed per read
 def file_digest(path, size=None):
     """The hex SHA-256 of the first `size` bytes of the file `path` (all of it by default), or None when it has
     fewer."""
-    digest, buffer = hashlib.new(DIGEST), bytearray(HASH_CHUNK)
     with open(path, "rb", buffering=0) as f:
-        remaining = os.fstat(f.fileno()).st_size if size is None else size
-        while remaining:
-            read = f.readinto(memoryview(buffer)[: min(remaining, HASH_CHUNK)])
-            if not read:
-                return None
-            digest.update(memoryview(buffer)[:read])
-            remaining -= read
+        return open_file_digest(f, size)
+
+
+def open_file_digest(f, size=None):
+    """file_digest of the file open as `f` (binary), read from its start through its own descriptor: what it hashes
+    is that file, whatever is renamed over its path meanwhile."""
+    digest, buffer = hashlib.new(DIGEST), bytearray(HASH_CHUNK)
+    fd = f.fileno()
+    remaining = os.fstat(fd).st_size if size is None else size
+    offset = 0
+    while remaining:
+        read = os.preadv(fd, [memoryview(buffer)[: min(remaining, HASH_CHUNK)]], offset)
+        if not read:
+            return None
+        digest.update(memoryview(buffer)[:read])
+        remaining -= read
+        offset += read
     return digest.hexdigest()
 
 

@@ -212,11 +212,8 @@ def choose_checkpoint(out_dir, paths):
     passed = []
     for path in sorted(paths, key=checkpoint_order):
         try:
-            trailer = checkpoint.verify(path)
-            ckpt = checkpoint.load_checkpoint(path, mmap=True, verify_checksum=False, whole=False)
-            if checkpoint.has_shards(ckpt):
-                checkpoint.verify_shards(ckpt)
-        except DamagedCheckpoint as e:
+            ckpt, trailer = checkpoint.read_checkpoint(path, mmap=True, whole=False)
+        except CheckpointError as e:  # damaged, gone meanwhile, unreadable, not a training checkpoint
             passed.append(str(e))
             continue
         if os.path.basename(path) != CKPT_NAME and CKPT_NAME not in map(os.path.basename, paths):
@@ -260,7 +257,7 @@ def prepare_out_dir(cfg, start, ckpt=None, changes=(), at=None):
 
 
 class StopSignals:
-    """The signals that end a run, as train.main takes them over.
+    """The signals that end a run, as train.py's command line takes them over for the life of the process.
 
     SIGTERM (a scheduler's preemption or time limit, `kill`, torchrun passing one on), SIGUSR1 (what
     scripts/slurm_mars_small.sbatch asks SLURM for before the time limit) and SIGHUP (the terminal of the ssh
@@ -268,23 +265,32 @@ class StopSignals:
     handler only records the first one; the loop acts on it. After a SIGHUP the terminal cannot take output any
     more (a write to it fails with EIO): stdout and stderr, where they were that terminal, go to /dev/null.
 
-    SIGINT (Ctrl-C) stops the run where it is (a KeyboardInterrupt: a step that hangs stops too), and every later
-    SIGINT is ignored, so the way out can wait for the checkpoint in flight to reach the disk (torchrun passes
-    a Ctrl-C on to each rank again; a user who cannot wait quits at once with Ctrl-\\, SIGQUIT).
+    SIGINT (Ctrl-C) stops the run where it is (a KeyboardInterrupt: a step that hangs stops too), except inside a
+    save (deferred_interrupt): the save is handed to the writer first, so the checkpoint of the step just finished
+    is the one the way out waits for. A second stop signal of any kind is answered with a line and does not stop
+    the process while it finishes; a third quits at once, losing the checkpoint in flight (as Ctrl-\\, SIGQUIT,
+    does). `speaks`: this process says so (rank 0; the others stay quiet).
 
     A SIGHUP or SIGINT the process was started ignoring stays ignored: `nohup` asks that the run survive the
     terminal, and a shell script's background job (`&`) that its Ctrl-C not reach it.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+    QUIT_AT = 3  # the stop signal that quits at once
 
     def __init__(self):
-        self.received = 0
+        self.received = 0  # the first stop signal (not SIGINT): the loop stops at the next step boundary
+        self.interrupted = False  # a SIGINT arrived
+        self.count = 0  # stop signals and SIGINTs so far
+        self.speaks = True
+        self.saving = None  # inside a save: the iteration being saved (deferred_interrupt)
+        self._pending = False  # a SIGINT that arrived inside a save, raised once the save is handed over
         self._previous = {}
         self._terminal = []  # the standard streams' descriptors that are a terminal
 
     def install(self):
-        """Take the signals over (train.main does; a RunDir built elsewhere leaves them alone); returns self."""
+        """Take the signals over (train.py's command line does; a RunDir built elsewhere leaves them alone);
+        returns self."""
         if threading.current_thread() is not threading.main_thread():  # Python sets handlers from there only
             return self
         handlers = {s: self._record for s in self.SIGNALS} | {signal.SIGINT: self._interrupt}
@@ -296,21 +302,69 @@ class StopSignals:
         return self
 
     def _record(self, signum, frame):
-        self.received = self.received or signum
         if signum == signal.SIGHUP:
             devnull = os.open(os.devnull, os.O_WRONLY)
             for fd in self._terminal:
                 os.dup2(devnull, fd)
             os.close(devnull)
+        if self._again(signum):
+            return
+        self.received = self.received or signum
 
     def _interrupt(self, signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if self._again(signum) or self.interrupted:
+            return
+        self.interrupted = True
+        if self.saving is not None:
+            self._pending = True
+            self._say(f"interrupted: handing the checkpoint of iter {self.saving} to the disk first")
+            return
         raise KeyboardInterrupt
+
+    def _again(self, signum):
+        """Count a stop signal; True when it is not the first (it was answered, or the process quits now)."""
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count >= self.QUIT_AT:
+            self._say(f"{name} a third time: quitting at once; a checkpoint in flight is lost")
+            os._exit(128 + signum)
+        if self.count == 1:
+            return False
+        self._say(
+            f"{name} again: still finishing (a checkpoint in flight reaches the disk first); a third signal "
+            "(or Ctrl-\\) quits at once, losing it"
+        )
+        return True
+
+    def _say(self, line):
+        if self.speaks:  # os.write: a handler may run inside another print, which print cannot reenter
+            with contextlib.suppress(OSError):
+                os.write(2, (line + "\n").encode())
+
+    @contextlib.contextmanager
+    def deferred_interrupt(self, iteration):
+        """A save of `iteration` that a Ctrl-C does not cut short: an interrupt arriving inside is raised when the
+        block ends (the state handed to the writer, which the way out waits for)."""
+        self.saving = iteration
+        try:
+            yield
+        finally:
+            self.saving = None
+        if self._pending:
+            self._pending = False
+            raise KeyboardInterrupt
 
     def restore(self):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+    def ignore_from_now(self):
+        """The process is about to exit: the signals taken over are ignored from now on. Python's teardown puts
+        back the default handler (which kills) in place of any Python one, so a second SIGTERM that arrived during
+        it ended a run that had stopped cleanly with status 143; an ignored signal stays ignored through it."""
+        for s in self._previous:
+            signal.signal(s, signal.SIG_IGN)
 
 
 @dataclasses.dataclass
@@ -356,7 +410,8 @@ class RunDir:
         self.ckpt_path = os.path.join(self.path, CKPT_NAME)
         self.lock = None  # rank 0's, from start()
         self.created = False  # out_dir was made by this launch (removed again if it ends empty)
-        self.signals = signals or StopSignals()  # installed by train.main: a stop signal ends the run
+        self.signals = signals or StopSignals()  # installed by train.py's command line: a stop signal ends the run
+        self.signals.speaks = dist_info.is_master
         self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed, guard=self.guard)
         self.parallel = None  # the run's parallel.Parallelism (register): whether its checkpoints are sharded
         self.sharded = False  # every rank writes its rows of each checkpoint (shards.py), not rank 0 one file
@@ -545,6 +600,12 @@ class RunDir:
         return None
 
     def _save(self, progress, time_s, is_best, at_evaluation):
+        """Hand the state at this step boundary to the writer; a Ctrl-C meanwhile waits until it is handed over
+        (StopSignals.deferred_interrupt), so the checkpoint the way out waits for is this one."""
+        with self.signals.deferred_interrupt(progress.iter_num):
+            self._hand_over(progress, time_s, is_best, at_evaluation)
+
+    def _hand_over(self, progress, time_s, is_best, at_evaluation):
         progress.elapsed_s = time_s
         state = {name: part.state_dict() for name, part in self.parts.items()}  # every rank: the parts gather
         self.saved_iter, self.clock = progress.iter_num, time.monotonic()
@@ -658,7 +719,8 @@ class RunDir:
         (e.g. 'interrupted'): rank 0 first says that it waits, when a checkpoint is in flight."""
         if why and self.dist.is_master and self.writer.in_flight:
             print(
-                f"{why}: waiting for the checkpoint in flight to reach the disk (Ctrl-\\ quits at once, losing it)",
+                f"{why}: waiting for the checkpoint of iter {self.writer.iteration} to reach the disk (a third "
+                "signal, or Ctrl-\\, quits at once, losing it)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -700,13 +762,13 @@ class RunDir:
 
     def close(self):
         """Whatever ended the run: the checkpoint in flight reaches the disk, metrics.jsonl is closed, the lock
-        is released, the signal handlers are restored; an out_dir this launch made and left empty goes."""
+        is released; an out_dir this launch made and left empty goes. The signal handlers stay (their owner
+        restores them): a stop signal that arrives after this is answered, not the default that kills."""
         self.wait_for_writes()
         if self.metrics is not None:
             self.metrics.close()
         if self.lock is not None:
             self.lock.release()
-        self.signals.restore()
         if self.created:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.realpath(self.path))  # only if empty

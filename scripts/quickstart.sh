@@ -7,14 +7,8 @@
 # Running it again continues the run in its out_dir (--init_from=auto): an interrupted or preempted one
 # from its newest checkpoint, a finished one only samples again. To train afresh over it:
 #   bash scripts/quickstart.sh --init_from=scratch --overwrite=True
+# The three steps run in one Python process this script becomes (exec, scripts/quickstart.py), so a signal
+# to the script's pid stops the training itself, with a checkpoint the same command continues.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out_dir=out-quickstart
-for arg in "$@"; do
-    case "$arg" in
-        --out_dir=*) out_dir="${arg#--out_dir=}" ;;
-    esac
-done
-python -m data.stdlib_char.prepare
-python train.py config/quickstart.py --init_from=auto "$@"
-python sample.py --out_dir="$out_dir" --start="def " --num_samples=1 --max_new_tokens=400
+exec python -m scripts.quickstart "$@"

@@ -452,3 +452,31 @@ def test_a_shard_file_that_meets_a_full_disk_names_itself_and_the_os_reason(tmp_
                 else:
                     torch.save(torch.zeros(3 << 20, dtype=torch.uint8), stream)
         assert raised.value.errno == errno.ENOSPC and raised.value.filename == "__0_0.distcp", raised.value
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize("moment", ["before its hash", "before torch reads it"])
+def test_a_checkpoint_renamed_over_while_a_reader_reads_it_is_read_whole_not_called_damaged(
+    tmp_path, monkeypatch, moment, mmap
+):
+    """A reader of a live run (sample.py, hellaswag, export_hf: checkpoint.load_model) meets the run's next save
+    renamed over ckpt.pt between reading the trailer and hashing the bytes, or between the hash and torch.load: it
+    reads the file it opened, whole (the trailer, the hash and torch.load go through one open file). Before, the
+    trailer and the bytes came from two opens and a healthy file was called damaged."""
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_checkpoint(path, state(1, iter_num=1))
+    newer = str(tmp_path / "newer.pt")
+    checkpoint.save_checkpoint(newer, {**state(2, iter_num=2), "padding": torch.zeros(999)})
+    real = {"before its hash": checkpoint.open_file_digest, "before torch reads it": checkpoint.torch.load}[moment]
+    name = {"before its hash": "open_file_digest", "before torch reads it": "load"}[moment]
+    owner = checkpoint if name == "open_file_digest" else checkpoint.torch
+
+    def renamed_first(*args, **kwargs):
+        if os.path.exists(newer):
+            os.replace(newer, path)  # the run's save lands this moment
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, renamed_first)
+    ckpt, trailer = checkpoint.read_checkpoint(path, mmap=mmap)
+    assert trailer.iter == 1 and ckpt["progress"]["iter_num"] == 1 and torch.equal(ckpt["model"]["w"], torch.ones(3))
+    assert not os.path.exists(newer) and checkpoint.verify(path).iter == 2  # the rename did land

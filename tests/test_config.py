@@ -173,6 +173,17 @@ def test_command_line_error_is_one_line_and_exit_2(argv, message):
     assert run.stderr.startswith(message) and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("exit_call", ["sys.exit(0)", "sys.exit()", "raise SystemExit(3)"])
+def test_a_config_file_that_exits_is_an_error_not_a_silent_success(tmp_path, exit_call):
+    """train.py with a config file that exits while it is read ended with status 0, no output and no run."""
+    path = write(tmp_path, "exits.py", f"import sys\nn_layer = 2\n{exit_call}\n")
+    run = subprocess.run([sys.executable, "train.py", path], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert run.stderr.startswith(f"error: {path} called sys.exit(") and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.rstrip().endswith("while it was read: a config file only assigns keys")
+
+
 def test_printed_config_is_a_config_file_that_loads_back(tmp_path, capsys):
     argv = [os.path.join(ROOT, "config/train_gpt2_small_muon.py"), "--betas_1d=(0.8, 0.9)", "--compile=False"]
     assert main(argv) == 0

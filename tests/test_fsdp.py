@@ -270,7 +270,7 @@ def test_ctrl_c_during_a_sharded_save_keeps_it_and_the_next_launch_resumes_it_bi
     try:
         seen = wait_for_line(proc, "renaming")
         proc.send_signal(signal.SIGINT)
-        seen += wait_for_line(proc, "interrupted: waiting for the checkpoint in flight to reach the disk")
+        seen += wait_for_line(proc, "interrupted: waiting for the checkpoint of iter 2 to reach the disk")
         open(release, "w").close()
         output = seen + proc.communicate(timeout=240)[0]
     finally:

@@ -526,6 +526,32 @@ def test_a_full_disk_is_reported_at_once_with_the_os_reason(data_path, tmp_path,
         assert iteration_of(os.path.join(out, "ckpt.pt")) == 14
 
 
+def test_a_copy_that_fails_after_its_checkpoint_was_written_names_that_checkpoint(
+    data_path, tmp_path, capsys, monkeypatch
+):
+    """The disk fills between ckpt.pt and best.pt's copy at iter 5: the stop line and checkpoints.jsonl named iter 0
+    while ckpt.pt held iter 5. Now both name iter 5, the copy that failed is named once, and best.pt stays as it was
+    (iter 0's)."""
+    real_copy = checkpoint.keep_copy
+
+    def full_for_best(src, dst, guard=None):
+        if dst.endswith("best.pt") and checkpoint.read_trailer(src).iter == 5:
+            raise checkpoint.CheckpointError(f"cannot write checkpoint {dst}: [ENOSPC] No space left on device")
+        return real_copy(src, dst, guard)
+
+    monkeypatch.setattr(checkpoint, "keep_copy", full_for_best)
+    out = str(tmp_path / "out")
+    status, printed, err = run(tiny_args(data_path, out, max_iters=10, eval_interval=5), capsys)
+    assert status == 1
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert err.count("error: ") == 1 and f"error: cannot write checkpoint {out}/best.pt: [ENOSPC]" in err, err
+    assert f"a write failed (above); resume from {ckpt} (iter 5) with --init_from=resume (or auto)" in err, err
+    with open(os.path.join(out, "checkpoints.jsonl")) as f:
+        saves = [json.loads(line) for line in f]
+    assert [(save["iter"], save["copies"]) for save in saves] == [(0, ["best.pt"]), (5, [])]
+    assert iteration_of(ckpt) == 5 and iteration_of(os.path.join(out, "best.pt")) == 0
+
+
 @pytest.mark.slow
 def test_a_full_disk_while_appending_metrics_is_one_line_and_stops_the_run(data_path, tmp_path, start):
     with tmpfs(str(tmp_path / "disk"), size="8m") as disk:

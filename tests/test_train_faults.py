@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import termios
+import time
 
 import pytest
 import torch
@@ -209,7 +210,7 @@ def test_ctrl_c_during_a_save_waits_for_it_and_the_run_resumes_from_it(data_path
     proc = launch(args, env=subprocess_env(TEST_HOLD_SAVE=f"3:{release}"))
     seen = wait_for_line(proc, "renaming")
     proc.send_signal(signal.SIGINT)
-    seen += wait_for_line(proc, "interrupted: waiting for the checkpoint in flight to reach the disk")
+    seen += wait_for_line(proc, "interrupted: waiting for the checkpoint of iter 8 to reach the disk")
     open(release, "w").close()
     output = seen + proc.communicate(timeout=60)[0]
     assert proc.returncode == 130, output
@@ -218,6 +219,78 @@ def test_ctrl_c_during_a_save_waits_for_it_and_the_run_resumes_from_it(data_path
     assert "Traceback" not in output and torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 8
     output = run_to_end(args + ["--init_from=auto"])
     assert f"resuming {ckpt} at iter 8" in output
+    assert_same_run(out, uninterrupted)
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_while_the_next_save_waits_for_a_slow_one_keeps_the_next_one(
+    data_path, uninterrupted, tmp_path, presses
+):
+    """Storage slower than the checkpoints (fsync taking seconds on a loaded network file system): the iter-4 save
+    is still being written when iter 8's is due, and the run waits for it. Ctrl-C then (once, or twice 0.3 s apart)
+    printed that it waited for the checkpoint in flight, then "resume from ckpt.pt (iter 4)": the iter-8 state was
+    dropped. Now the interrupt waits until iter 8's state is handed to the writer, the way out waits for it to reach
+    the disk, and the run ends (130) naming iter 8, which the same command continues to the uninterrupted end."""
+    out, release = str(tmp_path / "out"), str(tmp_path / "release")
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    proc = launch(args, env=subprocess_env(TEST_HOLD_SAVE=f"2:{release}"))
+    seen = wait_for_line(proc, "waiting on the held save")
+    for press in range(presses):
+        time.sleep(0.3 * press)
+        proc.send_signal(signal.SIGINT)
+    seen += wait_for_line(proc, "interrupted: handing the checkpoint of iter 8 to the disk first")
+    if presses == 2:
+        seen += wait_for_line(proc, "SIGINT again: still finishing")
+    open(release, "w").close()
+    output = seen + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, output
+    ckpt = os.path.join(out, "ckpt.pt")
+    assert "interrupted: waiting for the checkpoint of iter 8 to reach the disk" in output, output
+    assert re.search(rf"^interrupted at iter 8; resume from {re.escape(ckpt)} \(iter 8\)", output, re.M), output
+    assert "Traceback" not in output and torch.load(ckpt, weights_only=True)["progress"]["iter_num"] == 8
+    output = run_to_end(args + ["--init_from=auto"])
+    assert f"resuming {ckpt} at iter 8" in output
+    assert_same_run(out, uninterrupted)
+
+
+def test_a_third_ctrl_c_quits_at_once_and_the_next_launch_resumes_the_last_checkpoint_on_disk(
+    data_path, uninterrupted, tmp_path
+):
+    out, never = str(tmp_path / "out"), str(tmp_path / "never")
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    proc = launch(args, env=subprocess_env(TEST_HOLD_SAVE=f"3:{never}"))  # iter 8's save never lands
+    seen = wait_for_line(proc, "renaming")
+    for _press in range(3):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    output = seen + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, output
+    assert "SIGINT a third time: quitting at once; a checkpoint in flight is lost" in output, output
+    output = run_to_end(args + ["--init_from=auto"])
+    assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 4" in output  # iter 8's was never renamed into place
+    assert_same_run(out, uninterrupted)
+
+
+@pytest.mark.parametrize("spacing", ["0.05 s", "once out_dir is released"])
+def test_two_sigterms_stop_the_run_with_a_checkpoint_and_exit_0(data_path, uninterrupted, tmp_path, spacing):
+    """A scheduler and a user, or a preemption notice sent twice: the second SIGTERM is answered with a line and the
+    run still ends as the first asked, exit 0 -- also when it lands as the process ends, after the run released
+    out_dir (it used to meet the default handler put back as the run closed: exit 143)."""
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    proc = launch(args, env=subprocess_env(TEST_PAUSE=f"0:5:{tmp_path / 'never'}"))
+    seen = wait_for_line(proc, "paused before step 5")
+    proc.send_signal(signal.SIGTERM)
+    if spacing == "0.05 s":
+        time.sleep(0.05)
+    else:
+        while os.path.exists(os.path.join(out, "run.lock")):
+            time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    output = seen + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    assert output.count("stopped by SIGTERM after iter ") == 1 and "Traceback" not in output, output
+    run_to_end(args + ["--init_from=resume"])
     assert_same_run(out, uninterrupted)
 
 

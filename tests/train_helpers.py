@@ -8,6 +8,8 @@ so train.py and marsgpt/checkpoint.py carry no test code:
     TEST_HOLD_SAVE=N:PATH  the N-th rename of a finished ckpt.pt (in a sharded save: once its shard directory
                            is complete) prints 'renaming <path>' and waits until the file PATH exists:
                            meanwhile the test kills the process, interrupts it, copies out_dir
+                           (and the main thread, when it then waits for that save to finish, prints 'waiting on the
+                           held save': the next save is due, as on storage slower than the run's checkpoints)
     TEST_FAIL=RANK:ITER:MODE   on rank RANK, just before step ITER: MODE 'raise' (the rank dies)
                            or 'hang' (prints 'hanging before step ITER' and stops: no more steps,
                            no answer to collectives)
@@ -275,6 +277,14 @@ def _install_hooks():
             real_replace(src, dst)
 
         checkpoint.os.replace = replace  # the os module: only this process, only for this test
+        real_wait = checkpoint.CheckpointWriter.wait
+
+        def wait(writer):
+            if writer.in_flight and renames[0] == int(hold) and not os.path.exists(release):
+                print("waiting on the held save", flush=True)
+            return real_wait(writer)
+
+        checkpoint.CheckpointWriter.wait = wait
 
     if os.environ.get("TEST_FAIL"):
         rank, fail_iter, mode = os.environ["TEST_FAIL"].split(":")
@@ -334,4 +344,4 @@ if __name__ == "__main__":  # started by launch() with PYTHONPATH=ROOT (subproce
     _install_hooks()
     import train
 
-    train.exit_process(train.main(sys.argv[1:]))
+    train.cli()
