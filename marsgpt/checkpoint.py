@@ -453,6 +453,59 @@ def verify_shards(ckpt):
             )
 
 
+class MetadataUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint's .metadata read as data: its format is a pickle, which could run any code, so
+    only the classes that metadata is made of are found (dcp's metadata dataclasses and storage records, torch's
+    dtypes, Size and layouts, paths); anything else is an UnpicklingError, as torch.load(weights_only=True) refuses
+    a checkpoint file that names other classes. The checksum in the checkpoint file catches damage; this holds
+    against a file someone wrote to run code, with a checksum recomputed to match."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "PurePosixPath", "Path"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module, name):
+        import torch.distributed.checkpoint.metadata as metadata
+
+        found = getattr(metadata, name, None) if module == metadata.__name__ else None
+        if isinstance(found, type) and found.__module__ == module:  # a class dcp's metadata module defines
+            return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which dcp's metadata never holds")
+
+
+def _metadata_as_data(directory):
+    """dcp's FileSystemReader for `directory`, its .metadata read through MetadataUnpickler here and now:
+    DamagedCheckpoint, naming the file, when it is not dcp's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    path = os.path.join(directory, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not dcp's Metadata")
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise DamagedCheckpoint(f"{path} cannot be read as dcp's metadata: {e}") from None
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(directory)
+
+
 def read_shards(ckpt, make):
     """The checkpoint dict `ckpt` (as load_checkpoint returns it, its directory verified) with each meta tensor
     replaced by the tensor make(meta) returns, filled from the shard files: a DTensor gets this rank's rows, a
@@ -473,10 +526,11 @@ def read_shards(ckpt, make):
         return buffers[name]
 
     tree = walk({k: v for k, v in ckpt.items() if k != SHARDS_KEY}, fill)
+    reader = _metadata_as_data(record["directory"])
     try:
         with warnings.catch_warnings():  # no_dist's note that it reads in one process: what it is asked to do
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(buffers, checkpoint_id=record["directory"], no_dist=True)
+            dcp.load(buffers, storage_reader=reader, no_dist=True)
     except (Exception, dcp.api.CheckpointException) as e:
         raise CheckpointError(f"{record['directory']} cannot be read: {dcp_failure(e)[0]}") from None
     return tree

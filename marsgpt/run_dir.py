@@ -5,35 +5,46 @@ another node. docs/training.md has the table of what survives what.
     ckpt.pt            the newest checkpoint: what a resume continues
     best.pt            the checkpoint of the best evaluation so far (save_best)
     ckpt_<iter>.pt     a checkpoint kept every keep_every_n_evals evaluations
+    previous.pt        a sharded run's ckpt.pt before its newest save, kept until the next (shards.PREVIOUS_NAME)
     shards/            a sharded run's (zero_stage=3): the directory of each checkpoint above, holding every
                        rank's rows of the parameters and optimizer state (marsgpt/shards.py)
     metrics.jsonl      the run's records (marsgpt/metrics.py)
     checkpoints.jsonl  a line for each checkpoint written: the run's record that it saved something
     config.json        the run's configuration and its data's fingerprint: written when it starts and when a
                        resume changes either
-    run.lock           who holds the directory (machine, pid, since when, which directory), refreshed while it runs
+    run.lock           who holds the directory (machine, pid, since when, which directory, its lock_timeout_s),
+                       refreshed while it runs (marsgpt/run_lock.py)
+    compile_cache.bin  what a compiled run compiled, signed with this user's key (marsgpt/compile_cache.py)
 
 The rules, each in one place below:
-- One run per out_dir (RunLock). A launch holds the directory for the run's life; a second one is refused
-  in one line naming the holder; a lock left by a dead run, or copied along with a run's directory, is taken
-  over with a message.
+- Every file here is data. Nothing read from out_dir runs code: checkpoints through torch.load(weights_only=True),
+  a sharded checkpoint's dcp metadata through an unpickler that finds only dcp's classes, the compile cache only
+  when this user's key signed it (docs/training.md, "What a run directory holds"). A name of the run's holding
+  something it can neither read nor replace (a directory, a dangling symlink) is refused in one line.
+- One run per out_dir (marsgpt/run_lock.py). A launch holds the directory for the run's life; a second one is
+  refused in one line naming the holder; a lock left by a dead run, or copied along with a run's directory, is
+  taken over with a message; a holder whose lock was taken writes nothing more.
 - What a launch does there (decide_start), before anything in it changes. init_from=auto resumes the
   newest intact checkpoint (ckpt.pt, else the newest kept copy or best.pt) and never starts over on top of
   a run's files, unless that run never completed a checkpoint (nothing to continue: the same command starts
   it over); nothing else of an earlier run is deleted or overwritten without --overwrite=True.
 - Integrity: every checkpoint carries the checksum of its bytes (marsgpt/checkpoint.py), and a sharded one of
   each file of its directory, and is verified when loaded; a damaged one is named and passed over for the
-  newest intact one.
+  newest intact one. Readers verify and load through one open file, so a file renamed over it meanwhile is not
+  called damaged.
 - Copies: best.pt and the kept ckpt_<iter>.pt are copies that share nothing with ckpt.pt (files.copy_file; a
-  sharded checkpoint's directory is copied too). A sharded directory no checkpoint file names (replaced, or left
+  sharded checkpoint's directory is copied too). A sharded run keeps the checkpoint before its newest as
+  previous.pt, with its directory, until the next save: a plain `cp -r` taken mid-save holds one of the two
+  whole. A sharded directory no checkpoint file names (replaced, or left
   by a crash) is removed after each save and at each launch. copy_run copies a whole run directory so that the
   copy resumes, also while a run trains in it.
 - When a checkpoint is written (RunDir.save_if_due): after every evaluation, every checkpoint_interval
   steps, every checkpoint_minutes minutes, and when a signal stops the run -- never from a suspect state
   (steps being skipped as non-finite, non-finite weights, a non-finite evaluation).
 - Signals (StopSignals): SIGTERM, SIGUSR1 or SIGHUP on any rank ends the run at the next step boundary with one
-  checkpoint all ranks agree on, exit status 0 and one line saying where it is; Ctrl-C stops it at once, and
-  the way out waits for the checkpoint in flight.
+  checkpoint all ranks agree on, exit status 0 and one line saying where it is; Ctrl-C stops it at once (130),
+  but not inside a save, and the way out waits for the checkpoint in flight, naming its iteration. A second
+  signal is answered with a line; a third quits at once.
 - Failed writes (a checkpoint, a copy, metrics.jsonl) are reported at once, one line naming the file and
   the OS reason, and stop the run at the next step boundary: training on without a checkpoint burns GPU
   hours that the next preemption takes back, where a stopped job is seen at once and continues, with
@@ -82,7 +93,7 @@ DATA_FINGERPRINT, METRICS_SIZE = "data_fingerprint", "metrics_size"
 # The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
 # unless told to, or unless the run never completed a checkpoint (no checkpoints.jsonl).
 SAVES_NAME = "checkpoints.jsonl"
-RUN_FILE_NAMES = (CKPT_NAME, BEST_NAME, metrics.FILE_NAME, SAVES_NAME)
+RUN_FILE_NAMES = (CKPT_NAME, BEST_NAME, shards.PREVIOUS_NAME, metrics.FILE_NAME, SAVES_NAME)
 
 
 class RunDirError(Exception):
@@ -101,12 +112,13 @@ class RunStopped(Exception):
 
 def is_checkpoint(path):
     name = os.path.basename(path)
-    return name in (CKPT_NAME, BEST_NAME) or KEPT_NAME.fullmatch(name) is not None
+    return name in (CKPT_NAME, BEST_NAME, shards.PREVIOUS_NAME) or KEPT_NAME.fullmatch(name) is not None
 
 
 def checkpoint_files(out_dir):
-    """The checkpoint files in out_dir: ckpt.pt, best.pt and the kept ckpt_<iter>.pt there are."""
-    return [path for path in run_files(out_dir, (CKPT_NAME, BEST_NAME)) if is_checkpoint(path)]
+    """The checkpoint files in out_dir: ckpt.pt, best.pt, a sharded run's previous.pt and the kept ckpt_<iter>.pt
+    there are."""
+    return [path for path in run_files(out_dir, (CKPT_NAME, BEST_NAME, shards.PREVIOUS_NAME)) if is_checkpoint(path)]
 
 
 def run_files(out_dir, names=RUN_FILE_NAMES):
@@ -135,6 +147,37 @@ class Start:
     data_change: str = ""  # how the data differs from the resumed checkpoint's, when allow_data_change let it
 
 
+def what_is_at(path):
+    """'a directory', 'a dangling symlink' or 'not a regular file' for what is at `path` (symlinks followed)."""
+    if os.path.isdir(path):
+        return "a directory"
+    if os.path.islink(path) and not os.path.exists(path):
+        return "a dangling symlink"
+    return "not a regular file"
+
+
+def refuse_misplaced(out_dir):
+    """RunDirError naming the first of the run's own names in out_dir that holds something a run can neither read
+    nor replace -- a directory or a dangling symlink where a file goes, a file where shards/ goes -- before anything
+    there changes: a resume would otherwise train until its first write into it fails, or write through a symlink
+    to wherever it points."""
+    if not os.path.isdir(out_dir):
+        return
+    files = {*RUN_FILE_NAMES, CONFIG_NAME, compile_cache.FILE_NAME}
+    for name in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, name)
+        if (name in files or KEPT_NAME.fullmatch(name)) and not os.path.isfile(path):
+            raise RunDirError(
+                f"{path} is {what_is_at(path)}, not the file a run keeps under that name: move it away or remove "
+                "it, then launch again"
+            )
+        if name == shards.SHARDS_DIR and not os.path.isdir(path):
+            raise RunDirError(
+                f"{path} is not a directory, where a sharded run keeps its checkpoints' shards: move it away or "
+                "remove it, then launch again"
+            )
+
+
 def decide_start(cfg, names=RUN_FILE_NAMES):
     """What init_from means for this launch in out_dir (a Start): 'auto' resumes when out_dir holds a
     checkpoint, else starts fresh; 'resume' resumes (the newest intact checkpoint: choose_checkpoint) or fails.
@@ -146,6 +189,7 @@ def decide_start(cfg, names=RUN_FILE_NAMES):
     could continue, so the same command starts it over (and says so) instead of being refused forever. An
     eval_only run's records are its result: they stay.
     """
+    refuse_misplaced(cfg.out_dir)
     previous = run_files(cfg.out_dir, names)
     checkpoints = [path for path in previous if is_checkpoint(path)]
     if cfg.init_from in ("resume", "auto") and checkpoints:
@@ -650,7 +694,7 @@ class RunDir:
         if not self.dist.is_master:
             return
         self._record_save(path, iteration, copies)
-        if self.sharded:  # the directory the replaced ckpt.pt named goes
+        if self.sharded:  # the directory the replaced previous.pt named goes
             shards.remove_unreferenced(self.path, checkpoint_files(self.path))
 
     def _record_save(self, path, iteration, copies):

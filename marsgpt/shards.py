@@ -38,6 +38,9 @@ from marsgpt.checkpoint import CheckpointError, CheckpointWriter, dcp_failure, p
 from marsgpt.files import copy_file, fsync_directory, os_reason
 
 SHARDS_DIR = "shards"  # beside the checkpoint files: one directory per sharded checkpoint
+# The checkpoint file ckpt.pt was before the newest save, kept (with the directory it names) until the next one: a
+# plain copy of out_dir (cp -r, rsync) taken while a save replaces ckpt.pt and its directory holds it whole.
+PREVIOUS_NAME = "previous.pt"
 SHARDS_KEY = checkpoint.SHARDS_KEY
 
 
@@ -112,9 +115,9 @@ def _hashing_writer(path):
 
 def write(pointer, tree, shards, names, name, group, rank, guard=None):
     """Every rank: dcp.save its rows of `shards` into shards/<name>.tmp beside `pointer`; rank 0 then renames the
-    directory to shards/<name> and writes `tree` with the record of the directory to `pointer`, and returns the
-    record (the other ranks None). A failure on any rank raises CheckpointError on every rank, naming the
-    directory and the first rank's OS reason."""
+    directory to shards/<name>, copies the checkpoint file `pointer` was to previous.pt beside it, and writes `tree`
+    with the record of the directory to `pointer`, and returns the record (the other ranks None). A failure on any
+    rank raises CheckpointError on every rank, naming the directory and the first rank's OS reason."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -143,6 +146,12 @@ def write(pointer, tree, shards, names, name, group, rank, guard=None):
         kept = "the previous one is kept"
         raise CheckpointError(f"cannot write checkpoint {directory}: {os_reason(e)}; {kept}") from None
     record = {"directory": f"{SHARDS_DIR}/{name}", "files": files, "names": names}
+    previous = os.path.join(os.path.dirname(os.path.abspath(pointer)), PREVIOUS_NAME)
+    try:
+        with contextlib.suppress(FileNotFoundError):  # the first save: nothing before it
+            copy_file(pointer, previous, guard)
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoint {previous}: {os_reason(e)}; the previous one is kept") from None
     checkpoint.save_checkpoint(pointer, {**tree, SHARDS_KEY: record}, guard)
     return record
 

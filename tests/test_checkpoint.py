@@ -1,10 +1,12 @@
 """marsgpt/checkpoint.py: atomic and background saves, checksums, independent copies, safe and memory-mapped
 loads, the RNG part."""
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
 import os
+import pickle
 import random
 import signal
 import sys
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from marsgpt import checkpoint
+from marsgpt.files import file_digest
 from marsgpt.parallel import Parallelism
 
 
@@ -480,3 +483,57 @@ def test_a_checkpoint_renamed_over_while_a_reader_reads_it_is_read_whole_not_cal
     ckpt, trailer = checkpoint.read_checkpoint(path, mmap=mmap)
     assert trailer.iter == 1 and ckpt["progress"]["iter_num"] == 1 and torch.equal(ckpt["model"]["w"], torch.ones(3))
     assert not os.path.exists(newer) and checkpoint.verify(path).iter == 2  # the rename did land
+
+
+def sharded_checkpoint(out_dir, weights):
+    """A checkpoint file in the sharded format (shards.py's), its tensor `weights` in shards/s/ written by dcp (one
+    process, plain tensors: what a reader meets, whatever wrote the rows), with its record of names and checksums."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = os.path.join(out_dir, "shards", "s")
+    dcp.save({"model/w": weights}, checkpoint_id=directory, no_dist=True)
+    files = {name: file_record(os.path.join(directory, name)) for name in os.listdir(directory)}
+    record = {"directory": "shards/s", "files": files, "names": {"model/w": "model/w"}}
+    tree = {"model": {"w": torch.empty(weights.shape, device="meta")}, "model_args": {}, "progress": {"iter_num": 3}}
+    path = os.path.join(out_dir, "ckpt.pt")
+    checkpoint.save_checkpoint(path, {**tree, checkpoint.SHARDS_KEY: record})
+    return path, directory, tree, record
+
+
+def file_record(path):
+    return {"sha256": file_digest(path), "size": os.path.getsize(path)}
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_sharded_checkpoint_s_dcp_metadata_is_read_as_data(tmp_path):
+    """dcp's .metadata is a pickle. Replaced by one that runs code, its checksum recomputed into the checkpoint file
+    as someone who can write the run directory would: torch's own reader runs it; the checkpoint's reader refuses
+    the file in one line and runs nothing. The genuine file reads whole."""
+    import torch.distributed.checkpoint as dcp
+
+    weights = torch.arange(6.0).reshape(2, 3)
+    path, directory, tree, record = sharded_checkpoint(str(tmp_path), weights)
+    assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], weights)
+
+    marker = tmp_path / "ran"
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        pickle.dump(Payload(str(marker)), f)
+    files = dict(record["files"], **{".metadata": file_record(os.path.join(directory, ".metadata"))})
+    checkpoint.save_checkpoint(path, {**tree, checkpoint.SHARDS_KEY: dict(record, files=files)})
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.load_checkpoint(path)
+    assert not marker.exists()
+    assert str(refused.value) == (
+        f"{directory}/.metadata cannot be read as dcp's metadata: it names io.open, which dcp's metadata never holds"
+    )
+    assert isinstance(refused.value, checkpoint.DamagedCheckpoint)  # a resume passes over it
+    with contextlib.suppress(Exception, dcp.api.CheckpointException):  # what the guard is for: torch unpickles it
+        dcp.load({"model/w": torch.empty(2, 3)}, checkpoint_id=directory, no_dist=True)
+    assert marker.exists()

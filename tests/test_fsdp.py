@@ -320,6 +320,40 @@ def test_a_copy_of_a_live_sharded_run_resumes_even_when_a_save_replaces_what_it_
     assert whole(backup)["progress"]["iter_num"] == 6
 
 
+def test_a_plain_cp_of_a_live_sharded_run_holds_an_intact_checkpoint_whatever_order_it_copies_in(data_path, tmp_path):
+    """`cp -r` of a zero_stage=3 job that saves at every step boundary, in the order that lost it: cp lists shards/
+    before the iteration-2 save's directory appears (copying the directories there were: iteration 1's, which ckpt.pt
+    names, and the one before), and copies the checkpoint files only after that save has replaced ckpt.pt and
+    rotated the old directories. The copy's ckpt.pt then names a directory it lacks; before, nothing named the
+    complete one it has, and it held no intact checkpoint. Now previous.pt names it: the copy resumes from it
+    (iteration 1) to the end."""
+    out, copy, release, pause = (str(tmp_path / name) for name in ("out", "copy", "release", "pause"))
+    shape = dict(max_iters=4, eval_interval=4, checkpoint_interval=1, gradient_accumulation_steps=4, zero_stage=3)
+    args = tiny_args(data_path, out, **shape, save_best=False)
+    proc = start_torchrun(args, TEST_HOLD_SAVE=f"3:{release}", TEST_PAUSE=f"0:2:{pause}")
+    try:
+        wait_for_line(proc, "renaming", timeout=240)  # iteration 2's directory complete, ckpt.pt still iteration 1's
+        shards = os.path.join(out, "shards")
+        for name in os.listdir(shards):  # cp's pass over shards/, made before iteration 2's directories appeared
+            if int(name.split(".")[0]) < 2:  # shards.py names each <iteration>.<launch>.<save>
+                shutil.copytree(os.path.join(shards, name), os.path.join(copy, "shards", name))
+        open(release, "w").close()
+        wait_for_line(proc, "paused before step 2")  # iteration 2's save on disk, the old directories rotated
+        for path in run_dir.checkpoint_files(out):  # cp reaches the checkpoint files
+            shutil.copy(path, os.path.join(copy, os.path.basename(path)))
+        open(f"{pause}.2", "w").close()
+        assert proc.wait(timeout=240) == 0
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    assert sorted(os.listdir(copy)) == ["ckpt.pt", "previous.pt", "shards"]
+    resumed = launch(tiny_args(data_path, copy, **shape, save_best=False, init_from="auto"))
+    output, _ = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, output
+    assert f"resuming {os.path.join(copy, 'previous.pt')} at iter 1" in output and "is missing" in output, output
+    assert whole(os.path.join(copy, "ckpt.pt"))["progress"]["iter_num"] == 4
+
+
 def test_sigterm_to_one_sharded_rank_stops_the_job_at_one_checkpoint_which_resumes_bit_for_bit(
     runs, data_path, tmp_path
 ):
