@@ -496,6 +496,24 @@ def describe(run: Run, progress: Progress) -> None:
 TIMED_OUT = 1  # the exit status after a collective timed out
 
 
+def say_stop(line, directory, progress, interrupted=False):
+    """The line that ends a run early, on stderr and in metrics.jsonl (metrics.STOPPED), where it stays with the
+    run. After a Ctrl-C (`interrupted`) it goes to the terminal too when stderr is not that terminal: the same
+    Ctrl-C ends a pipe's reader (`2>&1 | tee log`), which takes the line with it unread."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+        written = True
+    except OSError:  # the pipe is closed already
+        written = False
+    if interrupted or not written:
+        with contextlib.suppress(OSError, ValueError):
+            if not written or not sys.stderr.isatty():
+                with open("/dev/tty", "w") as terminal:  # ENXIO where the process has no terminal
+                    terminal.write(line + "\n")
+    if directory is not None and progress is not None:
+        directory.record_stop(line, progress)
+
+
 def exit_status(
     error: BaseException,
     cfg: TrainConfig | None,
@@ -514,21 +532,22 @@ def exit_status(
         return 2
     if isinstance(error, RunStopped):  # a signal, divergence, a failed write: rank 0 knows the checkpoints
         if error.line:
-            print(error.line, file=sys.stderr)
+            say_stop(error.line, directory, progress)
         return error.status
     if isinstance(error, KeyboardInterrupt):  # Ctrl-C (torchrun passes it to every rank): one line, no traceback
         if master and directory is None:  # while reading the configuration or joining the ranks
-            print("interrupted before the run started", file=sys.stderr)
+            say_stop("interrupted before the run started", None, None)
         elif master:
             directory.wait_for_writes("interrupted")  # a save in flight is the newest checkpoint
             where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
-            print(f"interrupted {where}; {directory.resume_advice()}", file=sys.stderr)
+            say_stop(f"interrupted {where}; {directory.resume_advice()}", directory, progress, interrupted=True)
         return 130
     if is_collective_timeout(error, dist_info):
-        print(
+        say_stop(
             f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
             f"(another rank died or hangs); {directory.resume_advice()}",
-            file=sys.stderr,
+            directory,
+            progress,
         )
         return TIMED_OUT
     return None

@@ -788,6 +788,12 @@ class RunDir:
             return "no checkpoint was written yet: run the same command without --init_from=resume to start over"
         return "no checkpoint was written yet: run the same command again to start over"  # decide_start
 
+    def record_stop(self, line, progress):
+        """Rank 0: the line that stopped the run, as a record of metrics.jsonl (metrics.STOPPED)."""
+        if self.dist.is_master and self.metrics is not None:
+            stamp = metrics.stamp(progress.iter_num, progress.tokens, progress.elapsed_s)
+            self.metrics.write({**stamp, metrics.STOPPED: line})
+
     def finish(self, progress):
         """The end of a run that reached max_iters (or evaluated, eval_only): its exit status once the last
         checkpoint is on disk, and a line saying what it holds; 1, with a line, when a write failed."""

@@ -283,8 +283,13 @@ def exit_process(code):
     """End this process with `code`. A torchrun rank leaves without the interpreter's teardown, which DDP over
     gloo sometimes aborts, failing a finished run (docs/training.md, "Checkpoints and faults"). Everything is
     written and closed by the time a rank gets here."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a pipe its reader closed (`| tee log` ended by the same Ctrl-C): nothing more goes there
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())  # so the interpreter's own flush as it exits does not fail again
+            os.close(devnull)
     if "RANK" in os.environ:
         os._exit(code)
     sys.exit(code)

@@ -137,9 +137,10 @@ def in_this_process(args):
 
 
 def records(out_dir):
-    """metrics.jsonl without its wall-clock fields."""
+    """metrics.jsonl without its wall-clock fields and a stop's record (only an interrupted run has one)."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+        lines = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in lines if run_dir.metrics.STOPPED not in r]
 
 
 def val_losses(out_dir, last=None):

@@ -6,6 +6,7 @@ ranks.
 Every run is a subprocess with one thread (train_helpers.subprocess_env), so runs compare bit for bit.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -68,10 +69,12 @@ def final_state(out_dir):
 
 
 def losses(out_dir):
-    """Every record of metrics.jsonl without its wall-clock fields."""
+    """Every record of metrics.jsonl without its wall-clock fields, and without the record of a stop (which only an
+    interrupted run has)."""
     timing = {"time_s", "tokens_per_sec", "step_ms", "mfu"}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in f]
+        records = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k not in timing} for r in records if metrics.STOPPED not in r]
 
 
 def assert_same_run(out_a, out_b):
@@ -197,6 +200,8 @@ def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_identical(data_path, un
     assert proc.returncode == 130, output
     assert f"interrupted at iter 10; resume from {os.path.join(out, 'ckpt.pt')}" in output
     assert "Traceback" not in output
+    stop = [r for r in metrics.read_records(out) if metrics.STOPPED in r]  # the line stays with the run too
+    assert [(r["iter"], r[metrics.STOPPED]) for r in stop] == [(10, output.strip().splitlines()[-1])]
     run_to_end(args + ["--init_from=resume"])
     assert_same_run(out, uninterrupted)
 
@@ -292,6 +297,34 @@ def test_two_sigterms_stop_the_run_with_a_checkpoint_and_exit_0(data_path, unint
     assert output.count("stopped by SIGTERM after iter ") == 1 and "Traceback" not in output, output
     run_to_end(args + ["--init_from=resume"])
     assert_same_run(out, uninterrupted)
+
+
+def test_ctrl_c_through_2_to_1_tee_still_shows_where_the_run_continues(data_path, tmp_path):
+    """`python train.py ... 2>&1 | tee log` in a terminal: Ctrl-C reaches tee too, which ends first, so the line
+    saying where the run continues went into a closed pipe and was never seen. It goes to the terminal instead
+    (and into metrics.jsonl), and the run still ends with 130."""
+    out = str(tmp_path / "out")
+    args = tiny_args(data_path, out, **RESUME_RUN)
+    command = f"{shlex.join([sys.executable, 'tests/train_helpers.py', *args])} 2>&1 | tee {tmp_path / 'log'}"
+    pid, fd = pty.fork()
+    if pid == 0:  # a shell in a terminal of its own, as a user's
+        os.chdir(ROOT)
+        os.environ.update(subprocess_env(TEST_FAIL="0:10:hang"))
+        os.execvp("bash", ["bash", "-c", command + "; exit ${PIPESTATUS[0]}"])
+    try:
+        read_until(fd, "hanging before step 10")
+        os.write(fd, b"\x03")  # Ctrl-C, typed
+        seen = b""
+        with contextlib.suppress(OSError):  # EIO once every process on the terminal has ended
+            while chunk := os.read(fd, 4096):
+                seen += chunk
+        seen = seen.decode(errors="replace")
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 130, seen
+    assert f"interrupted at iter 10; resume from {os.path.join(out, 'ckpt.pt')} (iter 8)" in seen
+    assert any(metrics.STOPPED in r for r in metrics.read_records(out))
 
 
 def read_until(fd, text):
