@@ -13,7 +13,7 @@ MARS rule's step on the whole, unsharded model in one process (the other rank wa
 sharded step divides the work (Newton-Schulz: whole matrices at their owners). "Bytes sent" counts the buffers
 step() hands to collectives on one rank (an all-reduce's tensor, an all-to-all's send buffer with the rank's own
 share left out): the forward's all-gathers and the backward's reduce-scatters are FSDP2's and the same for every
-optimizer. The owner rows need no ranks: mars.balanced_owners over GPT-2's matrix shapes, as the busiest rank's
+optimizer. The owner rows need no ranks: mars_sharded.balanced_owners over GPT-2's matrix shapes, as the busiest rank's
 Newton-Schulz multiply-adds against the mean, beside round-robin in parameter order.
 
 On GPUs: scripts/gpu_check.py's fsdp check runs `measure` under torchrun, one rank per GPU over NCCL, on GPT-2
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mars
+import mars_sharded
 from bench.common import print_table, row
 from mars import MARS
 from marsgpt.fsdp import ShardedMuon
@@ -235,10 +235,10 @@ def owner_rows():
     for size, (n_layer, width) in {"small": (12, 768), "xl": (48, 1600)}.items():
         blocks = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * n_layer
         for rule, shapes in (("mars-m", blocks), ("mars-shampoo", blocks + [(50304, width), (1024, width)])):
-            costs = [mars.newton_schulz_cost(shape) for shape in shapes]
+            costs = [mars_sharded.newton_schulz_cost(shape) for shape in shapes]
             for world in (8, 64):
                 load = [0] * world
-                for cost, owner in zip(costs, mars.balanced_owners(costs, world)):
+                for cost, owner in zip(costs, mars_sharded.balanced_owners(costs, world)):
                     load[owner] += cost
                 mean = sum(costs) / world
                 round_robin = max(sum(costs[r::world]) for r in range(world)) / mean

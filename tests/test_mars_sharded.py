@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from doc_examples import docs_example
 from train_helpers import subprocess_env
 
-import mars
+import mars_sharded
 from mars import MARS
 from model import GPT, GPTConfig, hidden_matrix_params
 
@@ -260,8 +260,8 @@ def torch_optimizer_against_one_process(rank, world, name):
 
 
 def shard_local_norms(buckets):
-    """mars._whole_norms without its all-reduce: each shard clipped by its own norm (the negative control)."""
-    return [list(torch._foreach_norm(c, dtype=mars._opmath(c[0].dtype))) for c, _ in buckets]
+    """mars_sharded._whole_norms without its all-reduce: each shard clipped by its own norm (the negative control)."""
+    return [list(torch._foreach_norm(c, dtype=torch.promote_types(c[0].dtype, torch.float32))) for c, _ in buckets]
 
 
 def scaler_fallback(rank, world, model, mars_type):
@@ -443,14 +443,14 @@ def two_rank_worker(rank, world, store, root, report_path):
             recorded(report, ("equality", label(case)), sharded_against_one_process, rank, world, case)
         for name in TORCH_OPTIMIZERS:
             recorded(report, ("torch", name), torch_optimizer_against_one_process, rank, world, name)
-        whole_norms = mars._whole_norms
-        mars._whole_norms = shard_local_norms
+        whole_norms = mars_sharded._whole_norms
+        mars_sharded._whole_norms = shard_local_norms
         try:
             for mars_type in RULES:
                 case = dict(model="gpt", mars_type=mars_type, exact=None)
                 recorded(report, ("shard-local norms", mars_type), sharded_against_one_process, rank, world, case)
         finally:
-            mars._whole_norms = whole_norms
+            mars_sharded._whole_norms = whole_norms
         for model in MODELS:
             for mars_type in RULES:
                 recorded(report, ("scaler", model, mars_type), scaler_fallback, rank, world, model, mars_type)
