@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -460,6 +461,139 @@ def owner_rows():
     return rows
 
 
+def exchange_plan_rows():
+    """The Newton-Schulz exchange's planned peak on its fullest rank (memory_plan.owner_exchange_bytes, which
+    tests/test_memory_plan.py holds to 8 gloo ranks' measured peaks) for GPT-2 XL on 8 ranks: in the default
+    buckets against all at once, with Newton-Schulz in bfloat16 (GPUs) and in float32 (CPUs)."""
+    from marsgpt import memory_plan
+    from marsgpt.config import TrainConfig
+    from model import model_args_from_config
+
+    rows = []
+    for rule in ("mars-m", "mars-shampoo"):
+        cfg = TrainConfig(optimizer=rule, n_layer=48, n_head=25, n_embd=1600)
+        layout = memory_plan.optimizer_layout(cfg, model_args_from_config(cfg))
+        shapes = [e.newton_schulz for e in layout.parameters if e.newton_schulz is not None]
+        for where, iteration_bytes in (("GPUs, bfloat16 Newton-Schulz", 2), ("CPUs, float32", 4)):
+            peak, at_once = (
+                max(memory_plan.owner_exchange_bytes(shapes, 8, 4, iteration_bytes, mib)) / 2**30
+                for mib in (None, float("inf"))
+            )
+            rows.append(
+                row(
+                    f"Newton-Schulz exchange, GPT-2 XL {rule} on 8 {where}: fullest rank, buckets vs all at once",
+                    peak,
+                    at_once,
+                    unit="GiB",
+                    target="<= 1 GiB",
+                    note=f"planned; {len(shapes)} matrices in buckets of {mars_sharded.BUCKET_MIB} MiB per owner",
+                )
+            )
+    return rows
+
+
+# The Newton-Schulz exchange's memory, measured (--exchange, and tests/test_memory_plan.py): GPT-2 XL's matrices
+# divided by XL_SCALE in both dimensions (48 layers of width 200, a 6,288-token vocabulary) on 8 gloo ranks. Every
+# byte the exchange holds scales by XL_SCALE² exactly, and so does the bucket, so the buckets, owners and column
+# blocks are XL's own: XL's peak is XL_SCALE² times this.
+
+XL_SCALE = 8
+EXCHANGES = {  # optimizer, bucket (MiB, at XL), the dtype Newton-Schulz runs in (bfloat16: as on a GPU)
+    "mars-shampoo": ("mars-shampoo", None, torch.float32),
+    "mars-shampoo, bfloat16 Newton-Schulz": ("mars-shampoo", None, torch.bfloat16),
+    "mars-m": ("mars-m", None, torch.float32),
+    "mars-shampoo, all in one bucket": ("mars-shampoo", float("inf"), torch.float32),
+}
+
+
+def xl_model_args(optimizer, scale):
+    """(TrainConfig, GPTConfig's fields) of GPT-2 XL with `optimizer`, both dimensions divided by `scale`."""
+    import dataclasses
+
+    from marsgpt.config import TrainConfig
+    from model import model_args_from_config
+
+    cfg = dataclasses.replace(TrainConfig(), optimizer=optimizer, n_layer=48, n_head=25, n_embd=1600 // scale)
+    return cfg, model_args_from_config(dataclasses.replace(cfg, block_size=1024 // scale), 50304 // scale)
+
+
+def planned_exchange(optimizer, bucket_mib, dtype, scale):
+    """Each rank's planned bytes of the exchange for XL / scale on 8 ranks (the bucket scaled with the bytes)."""
+    from marsgpt import memory_plan
+
+    cfg, model_args = xl_model_args(optimizer, scale)
+    shapes = [e.newton_schulz for e in memory_plan.optimizer_layout(cfg, model_args).parameters if e.newton_schulz]
+    bucket = (bucket_mib or mars_sharded.BUCKET_MIB) / scale**2
+    return memory_plan.owner_exchange_bytes(shapes, 8, 4, dtype.itemsize, bucket)
+
+
+def exchange_worker(rank, world, store, report):
+    """Each case's allocator peak of one optimizer step (after a first that allocates the state) on this rank
+    (tests/allocator.py's: the profiler's allocation events)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from allocator import allocator_peak
+
+    from marsgpt import fsdp
+    from marsgpt.optimizers import build_optimizer
+    from marsgpt.parallel import Parallelism
+    from marsgpt.runtime import Dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # gloo's worker thread lets go of an all-to-all's buffers a moment after the wait returns: a wait of 10 ms
+    # after each puts every free where the step drops the buffer (on NCCL the wait itself releases them)
+    wait = mars_sharded._Transfer.wait
+
+    def paced(transfer):
+        received = wait(transfer)
+        time.sleep(0.01)
+        return received
+
+    mars_sharded._Transfer.wait = paced
+    peaks = {}
+    for name, (optimizer, bucket_mib, dtype) in EXCHANGES.items():
+        cfg, model_args = xl_model_args(optimizer, XL_SCALE)
+        torch.manual_seed(0)
+        model = fsdp.shard_model(GPT(GPTConfig(**model_args)), fsdp.device_mesh("cpu", world, 1))
+        opt = build_optimizer(model, cfg, Parallelism(Dist(ddp=True, rank=rank, world_size=world), zero_stage=3))
+        for group in opt.param_groups:
+            group["exchange_bucket_mib"] = (bucket_mib or mars_sharded.BUCKET_MIB) / XL_SCALE**2
+        x = torch.randint(0, model_args["vocab_size"], (1, 16))
+        model(x, x)[1].backward()
+        with newton_schulz_in(dtype):
+            peaks[name] = allocator_peak(opt.step)
+    torch.save(peaks, f"{report}.{rank}")
+    dist.destroy_process_group()
+
+
+def exchange_peaks(world=8):
+    """{case: [each rank's measured peak]} of EXCHANGES on `world` gloo ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(exchange_worker, args=(world, os.path.join(tmp, "store"), os.path.join(tmp, "report")), nprocs=world)
+        reports = [torch.load(os.path.join(tmp, f"report.{rank}")) for rank in range(world)]
+    return {case: [report[case] for report in reports] for case in EXCHANGES}
+
+
+def exchange_rows(peaks):
+    """exchange_peaks' measurements against the plan, per case: the fullest rank, and the largest gap on any rank."""
+    rows = []
+    for case, measured in peaks.items():
+        planned = planned_exchange(*EXCHANGES[case], XL_SCALE)
+        gap = max(abs(m - p) / p for m, p in zip(measured, planned))
+        rows.append(
+            row(
+                f"Newton-Schulz exchange, GPT-2 XL / {XL_SCALE} on {len(measured)} gloo ranks, {case}: fullest rank",
+                max(measured) / 2**20,
+                max(planned) / 2**20,
+                unit="MiB",
+                target="<= 1.1",
+                note=f"measured vs planned; every rank within {100 * gap:.2f}% of its plan; x{XL_SCALE**2} at XL: "
+                f"{max(measured) * XL_SCALE**2 / 2**30:.2f} GiB",
+            )
+        )
+    return rows
+
+
 def run(quick=False, timeline=None):
     """The table; timeline: a list that receives the timeline's lines (timeline_table)."""
     rounds = 3 if quick else 7
@@ -469,12 +603,16 @@ def run(quick=False, timeline=None):
         mp.spawn(worker, args=(2, store, quick, rounds, results), nprocs=2, join=True)
     if timeline is not None:
         timeline += timeline_table(results["timeline"])
-    return step_rows(dict(results)) + owner_rows()
+    return step_rows(dict(results)) + owner_rows() + exchange_plan_rows()
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--exchange", action="store_true", help="only the exchange's memory on 8 ranks, against the plan")
+    if p.parse_args().exchange:
+        print_table(exchange_rows(exchange_peaks()))
+        raise SystemExit(0)
     lines = []
     print_table(run(quick=p.parse_args().quick, timeline=lines))
     print("\nrank 0's MARS-M step, phase by phase (> to the owners, # Newton-Schulz, < back, w waiting):")

@@ -16,6 +16,7 @@ from train_helpers import ROOT, tiny_args
 
 import model as model_module
 import train
+from bench.bench_fsdp import EXCHANGES, XL_SCALE, planned_exchange
 from marsgpt import memory_plan
 from marsgpt.config import TrainConfig
 from marsgpt.optimizers import build_optimizer
@@ -560,80 +561,15 @@ def test_a_deterministic_run_warns_with_what_determinism_costs(data_path, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------
-# FSDP2's Newton-Schulz exchange, measured: GPT-2 XL's matrices divided by XL_SCALE in both dimensions (48 layers of
-# width 200, a 6,288-token vocabulary) on 8 gloo ranks. Every byte the exchange holds scales by XL_SCALE² exactly,
-# and so does the bucket, so the buckets, owners and column blocks are XL's own: XL's peak is XL_SCALE² times this.
-
-XL_SCALE = 8
-EXCHANGES = {  # optimizer, bucket (MiB, at XL), the dtype Newton-Schulz runs in (bfloat16: as on a GPU)
-    "mars-shampoo": ("mars-shampoo", None, torch.float32),
-    "mars-shampoo, bfloat16 Newton-Schulz": ("mars-shampoo", None, torch.bfloat16),
-    "mars-m": ("mars-m", None, torch.float32),
-    "mars-shampoo, all in one bucket": ("mars-shampoo", float("inf"), torch.float32),
-}
-
-
-def xl_model_args(optimizer, scale):
-    cfg = dataclasses.replace(TrainConfig(), optimizer=optimizer, n_layer=48, n_head=25, n_embd=1600 // scale)
-    return cfg, model_args_from_config(dataclasses.replace(cfg, block_size=1024 // scale), 50304 // scale)
-
-
-def planned_exchange(optimizer, bucket_mib, dtype, scale):
-    """Each rank's planned bytes of the exchange for XL / scale on 8 ranks (the bucket scaled with the bytes)."""
-    import mars_sharded
-
-    cfg, model_args = xl_model_args(optimizer, scale)
-    shapes = [e.newton_schulz for e in memory_plan.optimizer_layout(cfg, model_args).parameters if e.newton_schulz]
-    bucket = (bucket_mib or mars_sharded.BUCKET_MIB) / scale**2
-    return memory_plan.owner_exchange_bytes(shapes, 8, 4, dtype.itemsize, bucket)
-
-
-def exchange_worker(rank, world, store, report):
-    """Each case's allocator peak of one optimizer step (after a first that allocates the state) on this rank."""
-    import time
-
-    import torch.distributed as dist
-
-    import mars
-    import mars_sharded
-    from marsgpt import fsdp
-    from marsgpt.runtime import Dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    # gloo's worker thread lets go of an all-to-all's buffers a moment after the wait returns: a wait of 10 ms
-    # after each puts every free where the step drops the buffer (on NCCL the wait itself releases them)
-    wait = mars_sharded._Transfer.wait
-
-    def paced(transfer):
-        received = wait(transfer)
-        time.sleep(0.01)
-        return received
-
-    mars_sharded._Transfer.wait = paced
-    peaks = {}
-    for name, (optimizer, bucket_mib, dtype) in EXCHANGES.items():
-        mars.newton_schulz_dtype = lambda device, _=None, dtype=dtype: dtype
-        cfg, model_args = xl_model_args(optimizer, XL_SCALE)
-        torch.manual_seed(0)
-        model = fsdp.shard_model(GPT(GPTConfig(**model_args)), fsdp.device_mesh("cpu", world, 1))
-        opt = build_optimizer(model, cfg, Parallelism(Dist(ddp=True, rank=rank, world_size=world), zero_stage=3))
-        for group in opt.param_groups:
-            group["exchange_bucket_mib"] = (bucket_mib or mars_sharded.BUCKET_MIB) / XL_SCALE**2
-        x = torch.randint(0, model_args["vocab_size"], (1, 16))
-        model(x, x)[1].backward()
-        peaks[name] = allocator_peak(opt.step)
-    torch.save(peaks, f"{report}.{rank}")
-    dist.destroy_process_group()
+# FSDP2's Newton-Schulz exchange, measured (bench_fsdp.exchange_peaks): GPT-2 XL's matrices divided by XL_SCALE in
+# both dimensions on 8 gloo ranks, whose buckets, owners and column blocks are XL's own.
 
 
 @pytest.fixture(scope="module")
-def exchange_peaks(tmp_path_factory):
-    import torch.multiprocessing as mp
+def exchange_peaks():
+    from bench import bench_fsdp
 
-    root = tmp_path_factory.mktemp("exchange")
-    mp.spawn(exchange_worker, args=(8, str(root / "store"), str(root / "report")), nprocs=8, join=True)
-    return [torch.load(root / f"report.{rank}") for rank in range(8)]
+    return bench_fsdp.exchange_peaks()
 
 
 @pytest.mark.slow
@@ -642,7 +578,7 @@ def test_the_exchange_holds_what_the_plan_says_on_every_rank(exchange_peaks, cas
     """Every rank's measured peak within 10% of its plan (the rank that owns the token embedding, 6288 x 200, too:
     it holds that matrix alone in its bucket, its products in column blocks)."""
     planned = planned_exchange(*EXCHANGES[case], XL_SCALE)
-    measured = [peaks[case] for peaks in exchange_peaks]
+    measured = exchange_peaks[case]
     for rank, (m, p) in enumerate(zip(measured, planned)):
         assert abs(m - p) <= 0.1 * p, (rank, m, p)
     assert max(planned) > 1.5 * sorted(planned)[-2] or case == "mars-m" or "all in one" in case  # the embedding
