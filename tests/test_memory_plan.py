@@ -584,6 +584,7 @@ def test_the_exchange_holds_what_the_plan_says_on_every_rank(exchange_peaks, cas
     assert max(planned) > 1.5 * sorted(planned)[-2] or case == "mars-m" or "all in one" in case  # the embedding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", EXCHANGES)
 def test_gpt2_xl_s_exchange_is_its_scale_model_s_times_the_scale_squared(case):
     """What makes the measurement above XL's: the plan of XL's matrices is XL_SCALE² times the scale model's (to
