@@ -2,8 +2,9 @@
 authors' matrix-level instance MARS-M (Liu et al. 2025, arXiv:2510.21800).
 
 One file that imports only torch: copy it into a project, or install it (``pip install <this repository>``, the
-distribution mars-optimizer, which also installs mars_triton.py, the Triton kernel of ``fused=True``; copy that
-file beside this one for ``fused=True``). docs/mars.md is its manual.
+distribution mars-optimizer, which also installs its two siblings: mars_triton.py, the Triton kernel of
+``fused=True``, and mars_sharded.py, the step of sharded (DTensor) parameters; copy those beside this one for
+what they serve). docs/mars.md is its manual.
 
     from mars import MARS
     optimizer = MARS(model.parameters(), lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1)
@@ -17,10 +18,11 @@ hands each group's tensors, as parallel lists, to the functional ``mars()``, the
   fused AdamW kernel, Newton-Schulz batched over matrices of one shape;
 - ``mars_triton.step`` (``fused=True``): a Triton kernel, two launches per device and dtype for every tensor of
   the optimizer (CUDA; CPU tensors in Triton's interpreter), in the module mars_triton.py, imported only there;
-- ``_sharded_mars`` (DTensor parameters: FSDP2, HSDP): the multi-tensor rule on each rank's shards, with c_t's
-  norm and Newton-Schulz taken on whole tensors (the last section of this file).
+- ``mars_sharded.step`` (DTensor parameters: FSDP2, HSDP): the multi-tensor rule on each rank's shards, with c_t's
+  norm and Newton-Schulz taken on whole tensors, in the module mars_sharded.py, imported only when a DTensor steps.
 """
 
+import importlib
 import math
 import sys
 import warnings
@@ -37,6 +39,8 @@ MARS_TYPES = ("mars-adamw", "mars-lion", "mars-shampoo", "mars-m")
 ROUTINGS = ("2d", "nd", "none")
 # The update rules whose direction is Newton-Schulz of m: mars-shampoo's and mars-m's (_orthogonal_direction).
 NEWTON_SCHULZ_RULES = ("newton-schulz", "newton-schulz-rms")
+# The group settings that say how this process computes the step, not what the rule is (load_state_dict keeps them).
+_PATH_KEYS = ("foreach", "fused", "exchange_bucket_mib")
 
 # Quintic Newton-Schulz coefficients (a, b, c) of the paper's MARS-Shampoo (the same as Muon's).
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -120,12 +124,13 @@ class MARS(torch.optim.Optimizer):
         self, params, lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, amsgrad=False, gamma=0.025,
         is_approx=True, mars_type="mars-adamw", optimize_1d=False, routing="2d", lr_1d=3e-3, betas_1d=(0.9, 0.95),
         weight_decay_1d=0.1, eps_1d_uncorrected=False, last_grad_dtype=None, foreach=None, fused=None,
+        exchange_bucket_mib=None,
     ):  # fmt: skip
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, gamma=gamma, is_approx=is_approx,
             mars_type=mars_type, optimize_1d=optimize_1d, routing=routing, lr_1d=lr_1d, betas_1d=betas_1d,
             weight_decay_1d=weight_decay_1d, eps_1d_uncorrected=eps_1d_uncorrected, last_grad_dtype=last_grad_dtype,
-            foreach=foreach, fused=fused,
+            foreach=foreach, fused=fused, exchange_bucket_mib=exchange_bucket_mib,
         )  # fmt: skip
         _validate(defaults)
         self._protocol = _new_protocol()
@@ -138,8 +143,10 @@ class MARS(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)  # also what Optimizer.load_state_dict calls, with state and groups only
         self.__dict__.setdefault("_protocol", _new_protocol())
+        for group in [self.defaults, *self.param_groups]:  # pickled by a mars.py before the setting
+            group.setdefault("exchange_bucket_mib", None)
         if len(self.__dict__.setdefault("_lr_1d_seen", [])) != len(self.param_groups):
-            self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]
+            self._lr_1d_seen[:] = [_lr_1d_left(group) for group in self.param_groups]
 
     def add_param_group(self, param_group):
         group = {**self.defaults, **param_group}  # what the group will hold: validate before installing
@@ -165,6 +172,8 @@ class MARS(torch.optim.Optimizer):
                     "fused=True does not run on DTensor (FSDP2) parameters: construct MARS with fused=None, and "
                     "they take the sharded step (the multi-tensor rule on each rank's shards)"
                 )
+        if any(map(_is_dtensor, tensors)):
+            _sharded_step()  # refused here, in one line, where mars_sharded.py is not beside this file
         if "weight_decay" in param_group and "weight_decay_1d" not in param_group:
             # The group's weight decay is meant for all its tensors (nanoGPT's and Hugging Face's no-decay group).
             inherited = param_group["weight_decay"]
@@ -190,7 +199,7 @@ class MARS(torch.optim.Optimizer):
             # The ratio: a schedule changes group['lr'] and the 1-D lr follows its shape (_live_lr_1d).
             param_group = {**param_group, "lr_1d_factor": lr_1d_factor(lr, float(group["lr_1d"]))}
         super().add_param_group(param_group)
-        self._lr_1d_seen.append(_seen(self.param_groups[-1]))
+        self._lr_1d_seen.append(_lr_1d_left(self.param_groups[-1]))
 
     def state_dict(self):
         state = super().state_dict()
@@ -221,9 +230,9 @@ class MARS(torch.optim.Optimizer):
                 entry.setdefault("previous_param", params[i].detach())
 
     def load_state_dict(self, state_dict):
-        # A setting a group was saved without (an older mars.py, or stripped) is this optimizer's; so are foreach
-        # and fused, how this process computes the step, whatever the checkpoint says.
-        paths = [{key: group[key] for key in ("foreach", "fused")} for group in self.param_groups]
+        # A setting a group was saved without (an older mars.py, or stripped) is this optimizer's; so are foreach,
+        # fused and exchange_bucket_mib, how this process computes the step, whatever the checkpoint says.
+        paths = [{key: group[key] for key in _PATH_KEYS} for group in self.param_groups]
         current = [
             {k: v for k, v in group.items() if k not in ("params", "param_names")} for group in self.param_groups
         ]
@@ -237,7 +246,7 @@ class MARS(torch.optim.Optimizer):
             for p in group["params"]:
                 if not self.state.get(p, {}).pop("previous_param_kept", True):  # the parameter stood in: none kept
                     self.state[p].pop("previous_param")
-        self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]  # the groups are the checkpoint's now
+        self._lr_1d_seen[:] = [_lr_1d_left(group) for group in self.param_groups]  # the groups are the checkpoint's now
         # Optimizer.load_state_dict casts every state tensor to its parameter's dtype and leaves 'step' where it
         # was saved; MARS keeps some in another dtype (float16 parameters' m and v, last_grad_dtype) and every step
         # count on its parameter's device.
@@ -308,7 +317,8 @@ class MARS(torch.optim.Optimizer):
             finite = torch.ones((), dtype=torch.bool, device=buffers[0].device)
             if nonempty:
                 finite = torch.stack(torch._foreach_norm(nonempty, ord=math.inf)).isfinite().all()
-            finite = _on_every_shard(finite, same_device)  # sharded tensors: every rank decides alike
+            if any(map(_is_dtensor, same_device)):  # every rank that holds a shard of one decides alike
+                finite = _sharded_step().on_every_shard(finite, same_device)
             for state, buffer in zip(states, buffers):
                 fallback = state.get("last_grad")
                 if fallback is None:
@@ -412,7 +422,7 @@ class MARS(torch.optim.Optimizer):
                     # No previous gradient at t = 1: g_0 := g_1 makes the correction zero (c_1 = g_1).
                     state["last_grad"] = p.grad.to(_last_grad_dtype(group, p), copy=True)
             (handled if is_mars else rest).append(p)
-        flags = dict(foreach=group["foreach"], fused=group["fused"])
+        flags = {key: group[key] for key in _PATH_KEYS}
         mars_numbers = dict(lr=_scalar(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"])
         mars_numbers.update(weight_decay=group["weight_decay"], gamma=group["gamma"], eps_uncorrected=False)
         adamw_numbers = dict(lr=lr_1d, beta1=group["betas_1d"][0], beta2=group["betas_1d"][1], eps=group["eps"])
@@ -432,11 +442,11 @@ class MARS(torch.optim.Optimizer):
         """The 1-D lr of this step, group['lr'] × group['lr_1d_factor'], after taking in what was written into
         lr_1d or lr_1d_factor since the last step (docs/mars.md, "Parameter groups"); written back into the group."""
         seen = self._lr_1d_seen[index]
-        factor_written = not _same(group["lr_1d_factor"], seen["lr_1d_factor"])
-        lr_1d_written = not _same(group["lr_1d"], seen["lr_1d"]) and not _restates_peak(group)
+        factor_written = not _unchanged(group["lr_1d_factor"], seen["lr_1d_factor"])
+        lr_1d_written = not _unchanged(group["lr_1d"], seen["lr_1d"]) and not _restates_peak(group)
         lr, lr_1d, factor = _scalar(group["lr"]), _scalar(group["lr_1d"]), _scalar(group["lr_1d_factor"])
         if lr_1d_written and factor_written:
-            if not _agree(lr_1d, lr * factor):
+            if not _equal_to_rounding(lr_1d, lr * factor):
                 raise ValueError(
                     f"parameter group {index}: lr_1d={lr_1d!r} and lr_1d_factor={factor!r} were both written and "
                     f"disagree at lr={lr!r} (the 1-D lr is lr × lr_1d_factor); write one of them"
@@ -462,7 +472,7 @@ class MARS(torch.optim.Optimizer):
         if protocol["last_grad_pending"] and (hand_written or closure is None):
             raise RuntimeError(_STALE_LOOK_AHEAD if hand_written else _NO_SECOND_GRADIENT)
         if len(self._lr_1d_seen) != len(self.param_groups):  # groups installed without add_param_group
-            self._lr_1d_seen[:] = [_seen(group) for group in self.param_groups]
+            self._lr_1d_seen[:] = [_lr_1d_left(group) for group in self.param_groups]
         for group in self.param_groups:  # everything a scheduler or a user may have written, before any change
             _validate(group, at_step=True)
         lrs_1d = [self._live_lr_1d(index, group) for index, group in enumerate(self.param_groups)]
@@ -558,18 +568,19 @@ def _new_protocol():
 # The live 1-D lr (MARS._live_lr_1d): what a write into the group looks like.
 
 
-def _seen(group):
+def _lr_1d_left(group):
+    """The group's lr_1d and lr_1d_factor, as a step leaves them there (MARS._lr_1d_seen holds one per group)."""
     return {"lr_1d": group["lr_1d"], "lr_1d_factor": group["lr_1d_factor"]}
 
 
-def _same(a, b):
+def _unchanged(value, left):
     """Whether a group value is the one the last step left (tensors: the same object; nothing is read back)."""
-    if a is b:
+    if value is left:
         return True
-    return not torch.is_tensor(a) and not torch.is_tensor(b) and a == b
+    return not torch.is_tensor(value) and not torch.is_tensor(left) and value == left
 
 
-def _agree(a, b):
+def _equal_to_rounding(a, b):
     """Whether two 1-D lrs are the same number to rounding (tensors are not read back: taken as agreeing)."""
     if torch.is_tensor(a) or torch.is_tensor(b):
         return True
@@ -658,6 +669,9 @@ def _validate(hp, at_step=False):
             raise invalid(name, "must be None, True or False")
     if hp["fused"] and hp["foreach"]:
         raise ValueError("invalid fused=True with foreach=True: `fused` and `foreach` cannot be `True` together")
+    bucket = hp["exchange_bucket_mib"]
+    if not (bucket is None or (is_number(bucket) and bucket > 0)):
+        raise invalid("exchange_bucket_mib", "must be None or a number of MiB > 0; math.inf exchanges all at once")
 
 
 def _check_dense(grad):
@@ -738,14 +752,15 @@ class _Part(NamedTuple):
     numbers: dict  # lr, beta1, beta2, eps, weight_decay, gamma, eps_uncorrected
     foreach: bool | None
     fused: bool | None
+    exchange_bucket_mib: float | None = None  # the sharded step's (mars_sharded.py)
 
     @classmethod
-    def of(cls, states, params, rules, numbers, foreach, fused):
+    def of(cls, states, params, rules, numbers, **paths):
         state = [states[p] for p in params]
         last_grads = None if rules is None else [s["last_grad"] for s in state]
         moments = [[s.get(key) for s in state] for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
         steps = [s["step"] for s in state]
-        return cls(params, [p.grad for p in params], last_grads, *moments, steps, rules, numbers, foreach, fused)
+        return cls(params, [p.grad for p in params], last_grads, *moments, steps, rules, numbers, **paths)
 
     @property
     def tensors(self):
@@ -761,7 +776,7 @@ class _Part(NamedTuple):
 def mars(parts):
     """One MARS step of `parts` (every group's _Part: its MARS tensors and its AdamW part), each on its path:
 
-    - DTensor parameters (FSDP2, HSDP): _sharded_mars, all such parts together (one norm all-reduce a step);
+    - DTensor parameters (FSDP2, HSDP): mars_sharded.step, all such parts together (one norm all-reduce a step);
     - fused=True: mars_triton.step, the Triton kernel, for every tensor whose tensors share one dense layout, all
       parts together (two launches per device and dtype); the rest of a part as foreach says;
     - foreach=False, or a step traced by torch.compile (whose fused kernels cannot be traced; inductor fuses the
@@ -783,7 +798,7 @@ def mars(parts):
     if steps:  # on the device: the kernels read the step counts from there
         torch._foreach_add_(steps, 1)
     if sharded:
-        _sharded_mars(sharded)
+        _sharded_step().step(sharded, kernels=sys.modules[__name__])
     for part in local:
         reference = part.foreach is False or compiling
         (_single_tensor_mars if reference else _multi_tensor_mars)(*part.tensors, **part.numbers)
@@ -792,25 +807,38 @@ def mars(parts):
 def _fused_kernel():
     """mars_triton, the module of fused=True's Triton kernel, imported only where fused=True is asked for or runs:
     mars.py alone steps on every other path."""
-    try:
-        import mars_triton
-
-        return mars_triton
-    except ModuleNotFoundError as error:
-        if error.name != "mars_triton":
-            raise
-    if __package__:  # mars.py copied into a package of the user's (myproject/optim/mars.py): its neighbour there
-        import importlib
-
-        try:
-            return importlib.import_module(f"{__package__}.mars_triton")
-        except ModuleNotFoundError as error:
-            if error.name != f"{__package__}.mars_triton":
-                raise
-    raise ValueError(
+    return _sibling(
+        "mars_triton",
         "fused=True needs mars_triton.py beside mars.py (pip install <this repository> installs both); without "
-        "it, use fused=None (the default path)"
+        "it, use fused=None (the default path)",
     )
+
+
+def _sharded_step():
+    """mars_sharded, the module of the DTensor (FSDP2, HSDP) step, imported only when DTensor parameters are
+    given or step: mars.py alone steps every unsharded parameter."""
+    return _sibling(
+        "mars_sharded",
+        "DTensor (FSDP2, HSDP) parameters need mars_sharded.py beside mars.py (pip install <this repository> "
+        "installs both); copy it there, or step unsharded parameters",
+    )
+
+
+def _sibling(name, missing):
+    """The module `name` found beside this file: on the path, or in the package mars.py was copied into
+    (myproject/optim/mars.py: myproject.optim.<name>); ValueError(missing) where it is not there."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+    if __package__:
+        try:
+            return importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__package__}.{name}":
+                raise
+    raise ValueError(missing)
 
 
 def _by_device_and_dtype(params, *lists):
@@ -982,16 +1010,22 @@ def _newton_schulz_update(params, momenta, lr, rule, *, beta1, eps, weight_decay
 
 
 def _orthogonal_direction(m, rule, *, beta1, eps):
-    """u_t of a Newton-Schulz rule for matrix m, or for a stack of same-shape matrices (leading dimension).
+    """u_t of a Newton-Schulz rule for matrix m, or for a stack of same-shape matrices (leading dimension)."""
+    divisor, eps, scale = _newton_schulz_terms(rule, m.shape, beta1=beta1, eps=eps)
+    return newton_schulz(m if divisor is None else m / divisor, eps=eps) * scale
+
+
+def _newton_schulz_terms(rule, shape, *, beta1, eps):
+    """(what m is divided by first or None, Newton-Schulz's normaliser, the factor of its result) of a rule:
 
     newton-schulz (mars-shampoo): NS(m / (1-β1)) sqrt(max(1, rows/cols)), normaliser eps.
     newton-schulz-rms (mars-m): 0.2 sqrt(max(rows, cols)) NS(m), normaliser 1e-7, as MARS-M's reference code;
     NS divides m by its norm, so m needs no bias correction, and the factor gives the update AdamW's RMS.
     """
-    rows, cols = m.shape[-2:]
+    rows, cols = shape[-2:]
     if rule == "newton-schulz":
-        return newton_schulz(m / (1 - beta1), eps=eps) * math.sqrt(max(1.0, rows / cols))
-    return newton_schulz(m) * (0.2 * math.sqrt(max(rows, cols)))
+        return 1 - beta1, eps, math.sqrt(max(1.0, rows / cols))
+    return None, 1e-7, 0.2 * math.sqrt(max(rows, cols))
 
 
 # Devices whose torch build has the fused AdamW kernel (torch.optim.AdamW(fused=True)'s).
@@ -1045,33 +1079,15 @@ def _is_dense(t):
 
 
 # ---------------------------------------------------------------------------------------------------
-# DTensor parameters (FSDP2's fully_shard, HSDP): the multi-tensor rule on each rank's shards.
-#
-# Everything in the rule is elementwise except two things that look at a whole tensor, and only those
-# communicate: the clip of c_t, whose Frobenius norm is the square root of the sum over the shards of their
-# sums of squares (one all-reduce of every tensor's sum per step and process group), and Newton-Schulz, which
-# runs on the whole matrix: each matrix has one owner rank, chosen to balance Newton-Schulz's cost over the
-# ranks; an all-to-all sends every shard of m to its owner, the owner computes NS(m) for its matrices, and a
-# second all-to-all sends each rank its rows of the update. A rank's shard is its DTensor's local tensor
-# (to_local(): a view, so the in-place rule updates the parameter and the state). State stays DTensors, so
-# torch.distributed.checkpoint saves and reshards it. torch.distributed is imported only once a DTensor steps.
-#
-# Per step and process group that shards the parameters: one all-reduce (every sharded tensor's sum of squares)
-# and, with Newton-Schulz rules, two all-to-alls (every rank's shards of m to the owners and the updates back).
-# No all-gather: nothing else needs a whole tensor. On gloo (CPU, and the tests) the all-to-all of CUDA tensors
-# goes through the host; on NCCL it stays on the device.
-
-
-def _dtensor_class():
-    """torch's DTensor class, or None while torch.distributed.tensor is not imported (then no DTensor exists,
-    and a single-process step pays no import)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+# DTensor parameters (FSDP2, HSDP): what this file knows of them. Their step is mars_sharded.py's (_sharded_step);
+# exact MARS's protocols act on each rank's shards, elementwise, with these helpers.
 
 
 def _is_dtensor(t):
-    cls = _dtensor_class()
-    return cls is not None and isinstance(t, cls)
+    """Whether t is a DTensor; False without a look while torch.distributed.tensor is not imported (then no
+    DTensor exists, and a single-process step pays no import)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _local(t):
@@ -1083,252 +1099,3 @@ def _copy_shards(targets, sources):
     """targets[i] ← sources[i] in place, shard by shard where they are DTensors (placed alike): DTensor has no
     sharding rule for torch._foreach_copy_, and the copy needs no communication."""
     torch._foreach_copy_([_local(t) for t in targets], [_local(s) for s in sources])
-
-
-class _Split:
-    """How a DTensor's shards make the whole tensor: split along tensor dim `dim` into `world` pieces over the
-    process group `group` (the one mesh dim that shards it; replicated on the others), in torch.chunk's sizes,
-    as Shard(dim) places them. None from _split_of for a whole tensor on every rank."""
-
-    def __init__(self, group, dim, shape, rank, world):
-        self.group, self.dim, self.shape, self.rank, self.world = group, dim, tuple(shape), rank, world
-        chunk = -(-shape[dim] // world)  # ceil: the first ranks hold `chunk` rows each, then the rest
-        self.sizes = [max(0, min(chunk, shape[dim] - r * chunk)) for r in range(world)]
-        self.offsets = [min(r * chunk, shape[dim]) for r in range(world)]
-
-    def local_shape(self, rank):
-        shape = list(self.shape)
-        shape[self.dim] = self.sizes[rank]
-        return shape
-
-
-def _split_of(p):
-    if not _is_dtensor(p):
-        return None
-    mesh = p.device_mesh
-    sharding = [(i, pl) for i, pl in enumerate(p.placements) if not pl.is_replicate() and mesh.size(i) > 1]
-    if not sharding:
-        return None
-    from torch.distributed.tensor import Shard
-
-    if len(sharding) > 1 or type(sharding[0][1]) is not Shard:
-        raise NotImplementedError(
-            f"MARS steps DTensors sharded along one tensor dimension over one mesh dimension (FSDP2, HSDP); got "
-            f"placements {p.placements} on mesh {mesh}"
-        )
-    if p.grad is not None and p.grad.placements != p.placements:
-        raise NotImplementedError(f"gradient placements {p.grad.placements} differ from the parameter's {p.placements}")
-    mesh_dim, placement = sharding[0]
-    split = _Split(mesh.get_group(mesh_dim), placement.dim, p.shape, mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim))
-    if tuple(p.to_local().shape) != tuple(split.local_shape(split.rank)):  # torch.chunk's sizes, as Shard's
-        raise NotImplementedError(f"unexpected local shape {tuple(p.to_local().shape)} of {p.shape} {p.placements}")
-    return split
-
-
-def _sharded_mars(parts):
-    """Every part whose parameters are DTensors: the multi-tensor rule on the shards, with c_t's norms from
-    _whole_norms (one all-reduce for all the parts) and Newton-Schulz through _owner_newton_schulz."""
-    buckets = []  # the MARS tensors' (local lists, c, splits, lr, numbers) per part, device and dtype
-    for part in parts:
-        numbers = part.numbers
-        for device, lists in _by_device_and_dtype(*part.tensors):
-            local = [None if lst is None else [_local(t) for t in lst] for lst in lists]
-            lr = _lr_on(numbers["lr"], device)
-            params, grads, last_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, _ = local
-            if last_grads is None:  # the AdamW part: elementwise, so nothing to communicate
-                hyper = {k: numbers[k] for k in ("beta1", "beta2", "eps", "weight_decay", "eps_uncorrected")}
-                _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, **hyper)
-                continue
-            c = _corrected_gradients(
-                grads, last_grads, exp_avgs[0].dtype, beta1=numbers["beta1"], gamma=numbers["gamma"]
-            )
-            buckets.append((local, c, [_split_of(p) for p in lists[0]], lr, numbers))
-    all_norms = _whole_norms([(c, splits) for _, c, splits, _, _ in buckets])
-    split_of = {id(p): split for local, _, splits, _, _ in buckets for p, split in zip(local[0], splits)}
-    jobs = []  # (params, momenta, lr, rule, numbers) of every Newton-Schulz rule's tensors, for one exchange
-
-    def later(params, momenta, lr, rule, **numbers):
-        jobs.append((params, momenta, lr, rule, numbers))
-
-    for (local, c, _, lr, numbers), norms in zip(buckets, all_norms):
-        hyper = {k: numbers[k] for k in ("beta1", "beta2", "eps", "weight_decay")}
-        _clipped_update(*local, c, norms, lr, **hyper, newton_schulz=later)
-    if jobs:
-        _owner_newton_schulz(jobs, split_of)
-
-
-def _whole_norms(buckets):
-    """The Frobenius norm of each whole tensor, for buckets [(c, splits)] of shards: a sharded tensor's is the
-    square root of its shards' sums of squares summed over its process group, all of them in one all-reduce
-    per process group (FSDP2: one; HSDP: the shard dimension's, as the replicas hold the same gradients)."""
-    import torch.distributed as dist
-
-    norms = [list(torch._foreach_norm(c, dtype=_opmath(c[0].dtype))) for c, _ in buckets]
-    by_group = {}
-    for b, (_, splits) in enumerate(buckets):
-        for i, split in enumerate(splits):
-            if split is not None:
-                by_group.setdefault(split.group, []).append((b, i))
-    for group, where in by_group.items():
-        squares = torch.stack([norms[b][i].to(torch.float64).square() for b, i in where])
-        dist.all_reduce(squares, group=group)
-        for (b, i), norm in zip(where, squares.sqrt().unbind()):
-            norms[b][i] = norm.to(norms[b][i].dtype)
-    return norms
-
-
-def _on_every_shard(flag, params):
-    """A boolean 0-d tensor, True on every rank only where it is True on every rank that shares a process group
-    with one of these parameters' shards (one all-reduce per group; none for whole tensors)."""
-    groups = {split.group: None for split in map(_split_of, params) if split is not None}
-    if not groups:
-        return flag
-    import torch.distributed as dist
-
-    flag = flag.to(torch.float32)
-    for group in groups:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return flag.bool()
-
-
-def newton_schulz_cost(shape):
-    """Multiply-adds of Newton-Schulz on a matrix (each iteration: three n x n x N products, n <= N)."""
-    n, big = sorted(shape[-2:])
-    return n * n * big
-
-
-def balanced_owners(costs, world):
-    """An owner rank for each job: the costliest first, each to the least loaded rank (the lowest on ties).
-    Deterministic, so every rank computes the same assignment without communicating."""
-    load, owners = [0] * world, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owners[i] = min(range(world), key=lambda r: (load[r], r))
-        load[owners[i]] += costs[i]
-    return owners
-
-
-def _owner_newton_schulz(jobs, split_of):
-    """The Newton-Schulz rules' updates, jobs = [(params, momenta, lr, rule, numbers)] of shards with m already
-    updated: whole tensors as _newton_schulz_update; sharded ones at their owners, one exchange per process group
-    and dtype."""
-    exchanges = {}
-    for params, momenta, lr, rule, numbers in jobs:
-        whole = [i for i, p in enumerate(params) if split_of[id(p)] is None]
-        if whole:
-            _newton_schulz_update([params[i] for i in whole], [momenta[i] for i in whole], lr, rule, **numbers)
-        for p, m in zip(params, momenta):
-            split = split_of[id(p)]
-            if split is not None:
-                exchanges.setdefault((split.group, m.dtype, p.device), []).append((p, m, split, lr, rule, numbers))
-    for (group, _, _), items in exchanges.items():
-        updates = _exchange_newton_schulz(group, items)
-        by_job = {}  # (lr, weight decay) -> parameters and their updates, as _newton_schulz_update applies them
-        for (p, _, _, lr, _, numbers), u in zip(items, updates):
-            job = by_job.setdefault((id(lr), numbers["weight_decay"]), (lr, [], []))
-            job[1].append(p)
-            job[2].append(u)
-        for (_, weight_decay), (lr, params, us) in by_job.items():
-            _foreach_apply_update(params, us, lr, weight_decay)
-
-
-def _exchange_newton_schulz(group, items):
-    """Each item's rows of its update u = NS direction of its whole m, items = [(p, m, split, lr, rule, numbers)]
-    on one process group (_at_owners), each owner's Newton-Schulz batched by shape and rule."""
-
-    def directions(wholes):  # {item: its whole m} of the matrices this rank owns
-        batches = {}
-        for i in wholes:
-            _, _, split, _, rule, numbers = items[i]
-            batches.setdefault((split.shape, rule, numbers["beta1"], numbers["eps"]), []).append(i)
-        result = {}
-        for (_, rule, beta1, eps), batch in batches.items():
-            stacked = torch.stack([wholes[i] for i in batch])
-            result.update(zip(batch, _orthogonal_direction(stacked, rule, beta1=beta1, eps=eps).unbind(0)))
-        return result
-
-    return _at_owners(group, [m for _, m, *_ in items], [split for _, _, split, *_ in items], directions)
-
-
-def _at_owners(group, shards, splits, compute, result_dtype=None):
-    """This rank's rows of compute's result for each whole tensor, `shards` this rank's rows of each, split as
-    `splits` say over the process group `group`: every tensor goes whole to its owner rank (one all-to-all;
-    owners balanced by Newton-Schulz's cost), each owner computes compute({index: whole}) -> {index: result}
-    for the tensors it owns, and every rank gets back its rows of each result (one all-to-all), in
-    result_dtype (default: the shards')."""
-    first = splits[0]
-    rank, world = first.rank, first.world
-    result_dtype = result_dtype or shards[0].dtype
-    owners = balanced_owners([newton_schulz_cost(split.shape) for split in splits], world)
-    owned = [[i for i, owner in enumerate(owners) if owner == r] for r in range(world)]
-    row_numel = [math.prod(split.shape) // max(1, split.shape[split.dim]) for split in splits]
-
-    # 1. to the owners: rank r's shard of every tensor r' owns, in owned[r'] order
-    send = torch.cat([shards[i].contiguous().view(-1) for r in range(world) for i in owned[r]])
-    send_sizes = [sum(shards[i].numel() for i in owned[r]) for r in range(world)]
-    recv_sizes = [sum(splits[i].sizes[r] * row_numel[i] for i in owned[rank]) for r in range(world)]
-    received = _all_to_all(send, send_sizes, recv_sizes, group)
-
-    # 2. the owner: whole tensors (pieces in rank order along the split dim)
-    pieces = {i: [] for i in owned[rank]}
-    offset = 0
-    for r in range(world):
-        for i in owned[rank]:
-            n = splits[i].sizes[r] * row_numel[i]
-            pieces[i].append(received[offset : offset + n].view(splits[i].local_shape(r)))
-            offset += n
-    results = compute({i: torch.cat(pieces[i], dim=splits[i].dim) for i in owned[rank]})
-
-    # 3. back: rank r's rows of every result this rank owns, in owned[rank] order
-    reply = [
-        results[i].narrow(splits[i].dim, splits[i].offsets[r], splits[i].sizes[r]).to(result_dtype).reshape(-1)
-        for r in range(world)
-        for i in owned[rank]
-    ]
-    reply = torch.cat(reply) if reply else send.new_empty(0, dtype=result_dtype)
-    returned = _all_to_all(reply, recv_sizes, send_sizes, group)
-    rows, offset = [None] * len(shards), 0
-    for r in range(world):
-        for i in owned[r]:
-            n = shards[i].numel()
-            rows[i] = returned[offset : offset + n].view(shards[i].shape)
-            offset += n
-    return rows
-
-
-def map_whole_tensors(params, tensors, fn, result_dtype=None):
-    """[fn(whole) for each of `tensors`], each shaped and placed like its parameter in `params`, computed where its
-    whole value is: for a DTensor parameter (FSDP2, HSDP), `tensors` holds this rank's rows of it (a local tensor);
-    the whole goes to one owner rank, which computes fn there, and this rank gets back its rows of the result, in
-    result_dtype (default the tensor's). For a whole parameter fn runs here. This is MARS's owner scheme
-    (two all-to-alls per process group, owners balanced by Newton-Schulz's cost) for other whole-matrix rules:
-    marsgpt/optimizers.py steps torch.optim.Muon's rule with it."""
-    splits = [_split_of(p) for p in params]
-    results, exchanges = [None] * len(params), {}
-    for i, (split, tensor) in enumerate(zip(splits, tensors)):
-        if split is None:
-            results[i] = fn(tensor)
-        else:
-            exchanges.setdefault((split.group, tensor.dtype, tensor.device), []).append(i)
-    for (group, _, _), items in exchanges.items():
-        rows = _at_owners(
-            group,
-            [tensors[i] for i in items],
-            [splits[i] for i in items],
-            lambda wholes: {i: fn(whole) for i, whole in wholes.items()},
-            result_dtype,
-        )
-        for i, row in zip(items, rows):
-            results[i] = row
-    return results
-
-
-def _all_to_all(send, send_sizes, recv_sizes, group):
-    """dist.all_to_all_single with uneven splits: NCCL's all-to-all; gloo's on host tensors (gloo has no
-    all-to-all for CUDA tensors, so those travel through the host)."""
-    import torch.distributed as dist
-
-    host = send.device.type != "cpu" and dist.get_backend(group) == "gloo"
-    buffer = send.to("cpu") if host else send
-    received = buffer.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(received, buffer, recv_sizes, send_sizes, group=group)
-    return received.to(send.device) if host else received

@@ -3,11 +3,11 @@
 torch's fully_shard on each transformer block, then on the root -- the tied token embedding and output head,
 the position embedding and the final LayerNorm: every parameter becomes a DTensor of which each rank holds
 about 1/N of the rows (Shard(0), in torch.chunk's sizes), its gradient arrives sharded alike, and the optimizer
-keeps its state sharded the same way (mars.py's sharded step for MARS; torch's classes through DTensor for
-AdamW and Muon). A block's whole parameters exist only while its forward or backward pass runs (all-gathered
-just before, freed after); the root's stay whole from its forward pass to the end of its backward pass, which
-follows at once. HSDP: with hsdp_replicas = R the mesh is R x (N / R): each row of ranks holds one sharded
-copy of the model, and the rows all-reduce their gradients (placements (Replicate(), Shard(0))).
+keeps its state sharded the same way (mars_sharded.py's step for MARS; torch's AdamW through DTensor, torch's
+Muon rule through ShardedMuon). A block's whole parameters exist only while its forward or backward pass runs
+(all-gathered just before, freed after); the root's stay whole from its forward pass to the end of its backward
+pass, which follows at once. HSDP: with hsdp_replicas = R the mesh is R x (N / R): each row of ranks holds one
+sharded copy of the model, and the rows all-reduce their gradients (placements (Replicate(), Shard(0))).
 
 A module of its own rather than part of runtime.py: runtime is what every tool shares (device, dtype, process
 group); this is what only a sharded training run needs, and it imports torch.distributed.fsdp, which the tools
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from mars import map_whole_tensors
+from mars_sharded import map_whole_tensors
 from marsgpt.optimizers import closure_loss
 
 
@@ -141,22 +141,11 @@ def shard_like_parameters(state, mesh):
 
 
 class ShardedMuon(torch.optim.Muon):
-    """torch.optim.Muon's rule on FSDP2's sharded (DTensor) parameters, each matrix's Newton-Schulz run whole at
-    one owner rank (mars.map_whole_tensors: one all-to-all to the owners and one back per step, owners balanced
-    by Newton-Schulz's cost) -- MARS's owner scheme -- and the rest on each rank's rows.
-
-    Through DTensor's own dispatch torch's Muon runs too, but each rank all-gathers every matrix and runs every
-    Newton-Schulz (60 all-reduces and 75 all-gathers a step for 10 matrices, each rank computing all ten), and
-    its sharded matmuls round in bfloat16 in another order than one process does, so a run drifts from one
-    process's at bfloat16's precision. Here each owner runs torch's own _zeropower_via_newtonschulz on the whole
-    matrix, as one process does: 2 ranks train what one process trains up to the bfloat16 rounding of Newton-Schulz
-    that the gradients' float32 rounding can flip, as plain DDP does (tests/test_fsdp.py). The update is
-    torch.optim.Muon's single-tensor step, op for op; the state (momentum_buffer) and the checkpoint format are
-    torch.optim.Muon's. Whole (not sharded) parameters take the same ops here.
-
-    torch offers its Newton-Schulz only in its private module torch.optim._muon: taking it from there is what
-    holds this class to one process's torch.optim.Muon bit for bit (the one private name the package imports);
-    the lr adjustment is the formula torch.optim.Muon documents for adjust_lr_fn (adjusted_lr)."""
+    """torch.optim.Muon's rule on FSDP2's sharded (DTensor) parameters, each matrix's Newton-Schulz run whole at one
+    owner rank (mars_sharded.map_whole_tensors, MARS's owner exchange) and the rest on each rank's rows: what one
+    process computes, with torch's own Newton-Schulz on the same whole matrices, where torch's Muon through
+    DTensor's dispatch gathers every matrix on every rank and rounds in another order. State and checkpoints are
+    torch.optim.Muon's. docs/mars.md ("Sharded parameters") has the measurements and why the one private import."""
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -42,7 +42,7 @@ HEADROOM = 0.10  # of the GPU's memory, for what the plan does not count (docs/m
 AUTO_DTYPE = "bfloat16"  # dtype=auto on any GPU from the A100 on
 
 
-class Entry(typing.NamedTuple):
+class PlannedParameter(typing.NamedTuple):
     """One parameter as the plan needs it."""
 
     elements: int
@@ -56,7 +56,7 @@ class Entry(typing.NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class OptimizerLayout:
     """The run's optimizer as the plan needs it: its name in a few words, and for each torch optimizer inside
-    (Muon's pair has two) its parameter groups, each a list of Entry per parameter, in order."""
+    (Muon's pair has two) its parameter groups, each a list of PlannedParameter per parameter, in order."""
 
     label: str
     optimizers: tuple
@@ -82,7 +82,7 @@ def optimizer_layout(cfg, model_args):
         sizes = [v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v)]
         rows = p.shape[0] if p.ndim else 1
         shape = tuple(p.shape) if newton_schulz else None
-        return Entry(p.numel(), sum(sizes), step_buffer, max(sizes, default=0), rows, shape)
+        return PlannedParameter(p.numel(), sum(sizes), step_buffer, max(sizes, default=0), rows, shape)
 
     layout = optimizer.parameter_layout()
     return OptimizerLayout(
@@ -528,9 +528,8 @@ class FSDP2:
     whole; the root's parameters (embeddings, final LayerNorm) stay whole, in float32, from the forward pass to
     the end of the backward pass; a block's whole float32 gradient waits for its reduce-scatter. With
     gradient_sync=step and more than one micro-batch per rank, the micro-batches before the last add up whole
-    float32 gradients of the model. Newton-Schulz runs at owner ranks (mars.map_whole_tensors): each rank sends its
-    rows of every such matrix and gets its rows of the results back, and the owner holds its whole matrices four
-    times (received, joined, stacked, result) and the iteration's buffers."""
+    float32 gradients of the model. Newton-Schulz runs at owner ranks, in buckets (mars_sharded.py's exchange):
+    owner_exchange_bytes."""
 
     shards: int
     replicas: int
@@ -586,25 +585,75 @@ class FSDP2:
             + 4 * (self.root_elements + self.block_elements * cfg.n_layer) * accumulating,
         )
 
-    def newton_schulz_bytes(self, parameters):
-        """The fullest owner's buffers in the optimizer step: this rank's rows of every Newton-Schulz matrix sent
-        and received back (float32), its owned matrices whole four times (float32), and the iteration's X, XX^T,
-        (XX^T)X and the next X for them (in the iteration's dtype)."""
-        import mars
+    def newton_schulz_bytes(self, parameters, bucket_mib=None):
+        """The fullest rank's buffers of the Newton-Schulz exchange in the optimizer step (owner_exchange_bytes)."""
+        shapes = [e.newton_schulz for e in parameters if e.newton_schulz is not None]
+        iteration = self.newton_schulz_bytes_per_element
+        return max(owner_exchange_bytes(shapes, self.shards, 4, iteration, bucket_mib), default=0)
 
-        matrices = [e for e in parameters if e.newton_schulz is not None]
-        if not matrices:
-            return 0
-        owners = mars.balanced_owners([mars.newton_schulz_cost(e.newton_schulz) for e in matrices], self.shards)
-        fullest = 0
-        for rank in range(self.shards):
-            owned = [e.newton_schulz for e, owner in zip(matrices, owners) if owner == rank]
-            rows = sum(self.share(e, rank).elements for e in matrices)
-            whole = sum(math.prod(shape) for shape in owned)
-            gram = sum(min(shape) ** 2 for shape in owned)
-            iteration = self.newton_schulz_bytes_per_element * (2 * whole + 2 * gram)
-            fullest = max(fullest, 4 * (2 * rows + 4 * whole) + iteration)
-        return fullest
+
+def owner_exchange_bytes(shapes, world, element_bytes, iteration_bytes, bucket_mib=None):
+    """Each rank's most bytes held at once by mars_sharded.py's Newton-Schulz exchange of matrices of `shapes` (in
+    the step's order, m in element_bytes per element) split by rows over `world` ranks, the iteration in
+    iteration_bytes per element, in buckets of bucket_mib (default mars_sharded.BUCKET_MIB): its schedule replayed
+    buffer by buffer (docs/memory.md, "FSDP2 and HSDP"). While an owner computes bucket k, bucket k+1's all-to-all
+    (the rank's rows sent, the owner's pieces received) and bucket k-1's back (the results sent, the rank's rows
+    received) are in flight."""
+    import mars_sharded
+
+    if not shapes:
+        return [0] * world
+    e, q = element_bytes, iteration_bytes
+    y = min(e, q)  # the results travel back in the narrower dtype
+    bucket_bytes = (bucket_mib or mars_sharded.BUCKET_MIB) * 2**20
+    owners = mars_sharded.balanced_owners([mars_sharded.newton_schulz_cost(shape) for shape in shapes], world)
+    buckets = mars_sharded.owner_buckets([math.prod(s) * e for s in shapes], owners, world, bucket_bytes)
+
+    def rows(shape, rank):  # this rank's elements of a matrix split by rows in torch.chunk's sizes
+        chunk = -(-shape[0] // world)
+        return max(0, min(chunk, shape[0] - rank * chunk)) * math.prod(shape[1:])
+
+    def peak(rank):
+        sent = [sum(rows(shapes[i], rank) for i in bucket) for bucket in buckets]  # elements of the rank's rows
+        owned = [[i for i in bucket if owners[i] == rank] for bucket in buckets]
+        whole = [sum(math.prod(shapes[i]) for i in mine) for mine in owned]
+        view = [len(mine) == 1 for mine in owned]  # received viewed as the one matrix, sent back as it is
+        held = [e * (sent[0] + whole[0])]
+        for k in range(len(buckets)):
+            coming = e * (sent[k + 1] + whole[k + 1]) if k + 1 < len(buckets) else 0
+            returning = y * (whole[k - 1] + sent[k - 1]) if k else 0  # results sent, rows received
+            base = coming + returning + e * sent[k]  # this bucket's rows sent: released after its Newton-Schulz
+            copies = 0 if view[k] else e * whole[k]
+            held.append(base + e * whole[k] + copies)  # the pieces received, copied into their stacks
+            stacks = {}
+            for i in owned[k]:
+                stacks.setdefault(shapes[i], []).append(i)
+            done, pending = 0, e * whole[k]
+            for shape, members in stacks.items():
+                n, big = sorted(shape)
+                size = len(members) * n * big
+                column = len(members) * n * q
+                block = mars_sharded.block_columns(column, n, big, bucket_bytes / 4)
+                products = q * len(members) * n * n + 2 * column * block  # XX^T and two products on columns
+                if q < e:  # cast down: the stack and its cast, then the cast alone
+                    held.append(base + done + pending + q * size)
+                    pending -= e * size
+                    held.append(base + done + pending + q * size + products)
+                    done += q * size
+                else:
+                    held.append(base + pending + products)
+                    done += e * size
+            base -= e * sent[k]
+            copied = 0 if view[k] and q <= e else y * whole[k]  # one matrix's result goes as it is
+            held.append(base + done + copied)
+            sent_back = y * (whole[k] + sent[k])
+            held.append(base + sent_back)
+            if k:  # bucket k-1's rows received and applied (cast to m's dtype where they came narrower)
+                held.append(base + sent_back + e * (y < e) * sent[k - 1])
+        held.append(y * whole[-1] + (y + e * (y < e)) * sent[-1])
+        return max(held)
+
+    return [peak(rank) for rank in range(world)]
 
 
 def largest(fits, limit=1 << 20):

@@ -8,6 +8,8 @@
         -m scripts.gpu_check_worker compiled RESULT.json STEPS PROFILED [train.py args]  # compiled, under DDP
     python -m torch.distributed.run --standalone --nproc_per_node=N \\
         -m scripts.gpu_check_worker fsdp RESULT.json cuda|cpu               # bench_fsdp's sharded steps
+    python -m torch.distributed.run --standalone --nproc_per_node=1 \\
+        -m scripts.gpu_check_worker mesh_of_one RESULT.json cuda|cpu        # the sharded step on one GPU
 
 A process of its own for each: a crash or an out-of-memory error ends only that measurement, the CUDA
 peak-memory counters start from zero, and the driver can kill it when its time budget runs out.
@@ -370,10 +372,10 @@ def compiled_run(steps, train_argv, profiled=0, result_path=None):
 FSDP_ROUNDS = 5
 
 
-def fsdp_steps(device_type):
-    """bench/bench_fsdp.py's measure on the ranks torchrun started: on CUDA one GPU per rank over NCCL, GPT-2
-    small's shapes; on the CPU gloo ranks and the bench's quick shapes. Rank 0 returns the bench's rows, the
-    others None."""
+@contextlib.contextmanager
+def bench_ranks(device_type):
+    """The process group of the ranks torchrun started, for bench/bench_fsdp.py: on CUDA one GPU per rank over
+    NCCL and GPT-2 small's shapes, on the CPU gloo ranks and the bench's quick shapes. Yields (device, config)."""
     import torch.distributed as dist
 
     from bench import bench_fsdp
@@ -389,16 +391,35 @@ def fsdp_steps(device_type):
         dist.init_process_group("gloo")
         config = bench_fsdp.SIZES[True]
     try:
-        results = bench_fsdp.measure(config, FSDP_ROUNDS, device)
+        yield device, config
     finally:
         dist.destroy_process_group()
+
+
+def fsdp_steps(device_type):
+    """bench/bench_fsdp.py's measure on the ranks torchrun started (bench_ranks). Rank 0 returns the bench's rows,
+    the others None."""
+    from bench import bench_fsdp
+
+    with bench_ranks(device_type) as (device, config):
+        results = bench_fsdp.measure(config, FSDP_ROUNDS, device)
     if results is None:
         return None
     where = f"{results['world']} {'GPU' if device_type == 'cuda' else 'gloo rank'}{'s' * (results['world'] > 1)}"
     return dict(rows=bench_fsdp.step_rows(results, where), world=results["world"])
 
 
-KINDS = ("warm", "device", "optimizer", "memory", "compiled", "fsdp")
+def mesh_of_one_steps(device_type):
+    """bench/bench_fsdp.py's mesh_of_one in the one process torchrun started (bench_ranks): MARS-Shampoo's and
+    MARS-M's sharded step on a mesh of one against the unsharded step, as rows."""
+    from bench import bench_fsdp
+
+    with bench_ranks(device_type) as (device, config):
+        results = bench_fsdp.mesh_of_one(config, device)
+    return dict(rows=bench_fsdp.mesh_of_one_rows(results, "1 GPU" if device_type == "cuda" else "1 gloo rank"))
+
+
+KINDS = ("warm", "device", "optimizer", "memory", "compiled", "fsdp", "mesh_of_one")
 
 
 def main(argv):
@@ -415,6 +436,8 @@ def main(argv):
         result = compiled_run(int(rest[0]), rest[2:], profiled=int(rest[1]), result_path=result_path)
     elif kind == "fsdp":
         result = fsdp_steps(rest[0])
+    elif kind == "mesh_of_one":
+        result = mesh_of_one_steps(rest[0])
     elif kind == "optimizer":
         result = bench_mars_rows(*(int(n) for n in rest))
     else:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -857,9 +858,10 @@ def test_on_cuda_the_fsdp_worker_joins_nccl_on_its_rank_s_gpu_and_times_gpt2_sma
 
     def measure(config, rounds, device):
         calls.append(("measure", config, rounds, device))
-        times = {name: 1e-3 for name in ("adamw", *bench_fsdp.RULES, *bench_fsdp.MUONS)}
-        sent = {name: (0, {}) for name in times}
-        return dict(times=times, whole=times, sent=sent, parameters=124e6, world=8, rounds=rounds)
+        times = {name: 1e-3 for name in ("adamw", *bench_fsdp.RULES, bench_fsdp.MARS_M_BFLOAT16, *bench_fsdp.MUONS)}
+        sent = {name: ({}, {}) for name in times}
+        timeline = [("Newton-Schulz", 0, 0.0, 1.0), ("step", None, 0.0, 1.0)]
+        return dict(times=times, whole=times, sent=sent, parameters=124e6, world=8, rounds=rounds, timeline=timeline)
 
     monkeypatch.setattr(bench_fsdp, "measure", measure)
     result = worker.fsdp_steps("cuda")
@@ -1101,9 +1103,14 @@ def test_the_first_ten_minutes_run_end_to_end_on_cpu_within_their_budgets(tmp_pa
     assert launch["details"]["shard_files"] == 2 and "FSDP2 over 2 GPUs" in launch["result"]
     fsdp = {r["what"]: r for r in report["rows"] if r["check"] == "fsdp"}
     assert fsdp["FSDP2 mars-m step vs FSDP2 AdamW(fused=True) step"]["details"]["ours"] > 0
-    assert fsdp["FSDP2 mars-adamw step: bytes sent per rank"]["result"].endswith(": allreduce_ x1")
-    assert fsdp["FSDP2 mars-m step: bytes sent per rank"]["result"].endswith(": allreduce_ x1, alltoall_base_ x2")
-    assert fsdp["FSDP2 muon-owners step: bytes sent per rank"]["result"].endswith(": alltoall_base_ x2")
+    assert fsdp["FSDP2 mars-adamw step: bytes sent per rank"]["result"].endswith(": allreduce_ x1: 80 bytes")
+    assert re.search(
+        r": allreduce_ x1: \d+ bytes, alltoall_base_ x2: [\d.,]+ KiB$",
+        mars_m_bytes := fsdp["FSDP2 mars-m step: bytes sent per rank"]["result"],
+    ), mars_m_bytes
+    assert re.search(
+        r": alltoall_base_ x2: [\d.,]+ KiB$", fsdp["FSDP2 muon-owners step: bytes sent per rank"]["result"]
+    )
     # MARS's default path measured (the kernel runs on CUDA only); a bitwise resume; the compile again; the quickstart
     optimizer = [r for r in report["rows"] if r["check"] == "optimizer"]
     assert [r["what"] for r in optimizer[:2]] == STEP_ROWS
@@ -1190,3 +1197,75 @@ def test_the_compiled_run_catches_a_recompile_after_the_warm_up_and_any_graph_br
         assert row.status == FAIL and row.result.startswith("recompiled after the warm-up: RuntimeError: Detected")
     else:
         assert row.status == FAIL and " graph break(s): " in row.result, row.result
+
+
+@pytest.mark.slow
+def test_the_mesh_of_one_row_runs_the_sharded_step_against_the_unsharded_one_on_one_gloo_rank(monkeypatch):
+    """gpu_check's mesh_of_one row on the CPU, end to end in this process: bench_fsdp.mesh_of_one on one gloo rank
+    (the quick shapes; MARS-Shampoo's and MARS-M's owner exchange on a mesh of one), its rows as the table shows
+    them: the times measured, the parameters the unsharded step's to the target, the memory CUDA's only."""
+    import torch.distributed as dist
+
+    from bench import bench_fsdp
+    from bench.common import rendezvous
+
+    with rendezvous() as environment:
+        for key, value in {**environment, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(key, value)
+        result = worker.mesh_of_one_steps("cpu")
+    assert not dist.is_initialized()
+    rows = gpu_check.mesh_of_one_rows(result["rows"], "cmd", cuda=False)
+    names = [r.what for r in rows]
+    for rule in bench_fsdp.MESH_OF_ONE_RULES:
+        what = f"{rule} step on a mesh of one (the owner exchange)"
+        assert names.count(f"{what} vs the unsharded step") == 1
+        equal = next(r for r in rows if r.what == f"{what}: its parameters against the unsharded step's")
+        assert equal.status == PASS and 0 <= equal.details["ours"] <= 1e-4  # float32 Newton-Schulz on the CPU
+        memory = next(r for r in rows if r.what == f"{what}: peak memory beyond the state vs the plan")
+        assert memory.status == PASS and memory.result.startswith("not measured: ")
+        assert memory.details["reference"] > 0  # the plan
+
+
+def test_the_mesh_of_one_rows_judge_equality_and_memory_on_cuda_and_fail_what_was_not_measured():
+    rows = gpu_check.mesh_of_one_rows(
+        [
+            bench_row("x step on a mesh of one vs the unsharded step", 12.0, 10.0, 1.2, note="124M"),
+            bench_row("x: its parameters", 0.002, unit="lr", ratio=0.002, target="<= 0.01"),
+            bench_row("x: its parameters, far", 0.5, unit="lr", ratio=0.5, target="<= 0.01"),
+            bench_row("x: peak memory", 105.0, 100.0, 1.05, unit="MiB", target="<= 1.1", note="plan"),
+            bench_row("x: peak memory, over", 150.0, 100.0, 1.5, unit="MiB", target="<= 1.1", note="plan"),
+            bench_row("x: peak memory, none", float("nan"), 100.0, unit="MiB", target="<= 1.1", note="CUDA only"),
+        ],
+        "cmd",
+        cuda=True,
+    )
+    assert [r.status for r in rows] == [PASS, PASS, FAIL, PASS, FAIL, FAIL]
+    assert rows[3].result == "105 MiB of 100 MiB planned; plan; target <= 1.1"
+    nothing = gpu_check.mesh_of_one_rows([], "cmd", cuda=True)
+    assert [(r.status, r.result) for r in nothing] == [(FAIL, "the bench gave no row")]
+
+
+def test_on_cuda_the_mesh_of_one_worker_runs_on_its_gpu_over_nccl_at_gpt2_small_s_shapes(monkeypatch):
+    """gpu_check_worker's mesh_of_one branch for CUDA, with torch.cuda and the process group mocked: the GPU made
+    current and bound to NCCL, bench_fsdp.mesh_of_one on GPT-2 small's shapes there, rows labelled 1 GPU."""
+    import torch.distributed as dist
+
+    from bench import bench_fsdp
+
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["device_id"])))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroyed"))
+
+    def mesh_of_one(config, device):
+        calls.append(("mesh_of_one", config, device))
+        measured = dict(sharded_ms=2.0, whole_ms=1.0, difference=0.0, peak_bytes=2**20, planned_bytes=2**20)
+        return dict(rules={"mars-m": measured}, parameters=124e6)
+
+    monkeypatch.setattr(bench_fsdp, "mesh_of_one", mesh_of_one)
+    result = worker.mesh_of_one_steps("cuda")
+    gpu = torch.device("cuda", 0)
+    assert calls == [("set_device", gpu), ("nccl", gpu), ("mesh_of_one", bench_fsdp.GPT2_SMALL, gpu), "destroyed"]
+    assert "124.0M params, fp32, 1 GPU" in result["rows"][0]["note"]
+    assert [r.status for r in gpu_check.mesh_of_one_rows(result["rows"], "cmd", cuda=True)] == [PASS] * 3

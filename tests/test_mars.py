@@ -1185,9 +1185,9 @@ def test_a_state_dict_load_restarts_the_exact_protocol():
 
 def test_mars_imports_only_torch_and_the_standard_library():
     """mars.py is copied and installed on its own: at module level it imports no module of this repository (not
-    mars_triton, fused=True's kernel, which only fused=True imports) and not torch.distributed, which only the
-    sharded step imports, once a DTensor parameter steps. mars_triton.py, installed beside it, imports Triton only
-    inside its functions."""
+    mars_triton, fused=True's kernel, which only fused=True imports, nor mars_sharded, which only DTensor parameters
+    import) and not torch.distributed. mars_triton.py, installed beside it, imports Triton only inside its
+    functions; mars_sharded.py imports torch.distributed only inside its functions."""
 
     def imported_at_module_level(path):
         with open(path, encoding="utf-8") as f:
@@ -1200,10 +1200,12 @@ def test_mars_imports_only_torch_and_the_standard_library():
                 imported.add(node.module)
         return imported
 
+    import mars_sharded
     import mars_triton
 
-    assert imported_at_module_level(mars.__file__) == {"math", "sys", "typing", "warnings", "torch"}
+    assert imported_at_module_level(mars.__file__) == {"importlib", "math", "sys", "typing", "warnings", "torch"}
     assert imported_at_module_level(mars_triton.__file__) == {"functools", "math", "torch"}
+    assert imported_at_module_level(mars_sharded.__file__) == {"contextlib", "math", "time", "torch"}
 
 
 def test_lr_1d_follows_the_schedule_after_a_state_dict_round_trip():

@@ -1,18 +1,22 @@
-"""mars.py on FSDP2-sharded (DTensor) parameters, on gloo ranks in float64: every rule, approximate and exact
-(the hand-written protocol and step(closure)), with a bfloat16 last_grad, on uneven and empty shards, equal to one
-process to 1e-12; the collectives of a step (one norm all-reduce, no all-gather; Newton-Schulz rules two
-all-to-alls more); the negative control (each shard's own norm in the clip moves the run); a GradScaler's fallback
-agreed by every rank; torch.distributed.checkpoint resuming 2 -> 1, 1 -> 2 and 2 -> 2 ranks as the uninterrupted
-run; fused=True refused in one line; the trainer's AdamW, Muon and Moonlight (ShardedMuon's owners) equal to
-one process to 1e-12 as well; and a user's own FSDP2 loop (docs/mars.md's example) under torchrun.
+"""mars_sharded.py, MARS's step on FSDP2-sharded (DTensor) parameters, on gloo ranks in float64: every rule,
+approximate and exact (the hand-written protocol and step(closure)), with a bfloat16 last_grad, on uneven and empty
+shards, in buckets of one matrix per owner, of several and all in one, equal to one process to 1e-12; the
+collectives of a step (one norm all-reduce, no all-gather; Newton-Schulz rules two all-to-alls more per bucket);
+the results sent back in bfloat16 where Newton-Schulz runs in it; the negative control (each shard's own norm in
+the clip moves the run); a GradScaler's fallback agreed by every rank; torch.distributed.checkpoint resuming
+2 -> 1, 1 -> 2 and 2 -> 2 ranks as the uninterrupted run; fused=True refused in one line; the trainer's AdamW,
+Muon and Moonlight (ShardedMuon's owners) equal to one process to 1e-12 as well; and a user's own FSDP2 loop
+(docs/mars.md's example) under torchrun.
 
 The 2-rank part runs once for the whole module, in two spawned processes that meet through a file (no port to
 race for); each case's result or error goes into a per-rank report that the tests read. The 4-rank 2 x 2 HSDP
-mesh has a spawn of its own.
+mesh has a spawn of its own. Without ranks (the quick tier): the owner's Newton-Schulz against mars.newton_schulz,
+the buckets and the timeline.
 """
 
 import contextlib
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -28,10 +32,10 @@ from doc_examples import docs_example
 from train_helpers import subprocess_env
 
 import mars
+import mars_sharded
+from bench.bench_fsdp import newton_schulz_in
 from mars import MARS
 from model import GPT, GPTConfig, hidden_matrix_params
-
-pytestmark = pytest.mark.slow
 
 TOL = 1e-12  # float64 sharded against one process
 STEPS = 3
@@ -195,17 +199,59 @@ def equality_cases():
         yield dict(model=model, mars_type="mars-adamw", exact=None, optimize_1d=True)
         yield dict(model=model, mars_type="mars-lion", exact="protocol", optimize_1d=True)
         yield dict(model=model, mars_type="mars-adamw", exact=None, amsgrad=True)
+        for mars_type in NEWTON_SCHULZ_RULES:
+            for bucket in BUCKETS:
+                yield dict(model=model, mars_type=mars_type, exact=None, exchange_bucket_mib=bucket)
+            yield dict(model=model, mars_type=mars_type, exact="protocol", exchange_bucket_mib=BUCKETS[0])
+            yield dict(model=model, mars_type=mars_type, exact=None, iteration_dtype=torch.bfloat16)
+
+
+# exchange_bucket_mib: one matrix per owner in each bucket (every matrix here is larger), several, all in one
+BUCKETS = (1e-6, 2e-3, math.inf)
+# The 4-rank cases: (mesh, case)
+HSDP = [
+    (mesh, dict(model=model, mars_type=mars_type, exact=exact, **bucket))
+    for mesh, models in (("HSDP 2 x 2", ("gpt",)), ("FSDP over 4", tuple(MODELS)))
+    for model in models
+    for mars_type in RULES
+    for exact in (None, "protocol")
+    for bucket in ({}, *([{"exchange_bucket_mib": BUCKETS[0]}] if mars_type in NEWTON_SCHULZ_RULES else []))
+]
 
 
 def label(case):
     return " ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in case.items() if v is not None)
 
 
+def expected_counts(case, world=2):
+    """The collectives of one step(): the clip's all-reduce; Newton-Schulz's all-to-all there and back, once per
+    bucket (the default bucket and all in one: every matrix here in one; one matrix per owner: several)."""
+    if case["mars_type"] not in NEWTON_SCHULZ_RULES:
+        return {"allreduce_": 1}
+    buckets = buckets_of(case, world)
+    return {"allreduce_": 1, "alltoall_base_": 2 * buckets}
+
+
+def buckets_of(case, world=2):
+    """How many buckets the step's exchange of case's model has on `world` ranks (mars_sharded.owner_buckets)."""
+    net = MODELS[case["model"]]()
+    opt = make_mars(net, case["mars_type"])
+    shapes = [
+        p.shape
+        for group in opt.param_groups
+        for p in group["params"]
+        if mars.update_rule(p, group) in mars.NEWTON_SCHULZ_RULES
+    ]
+    owners = mars_sharded.balanced_owners([mars_sharded.newton_schulz_cost(s) for s in shapes], world)
+    bucket = (case.get("exchange_bucket_mib") or mars_sharded.BUCKET_MIB) * 2**20
+    return len(mars_sharded.owner_buckets([math.prod(s) * 8 for s in shapes], owners, world, bucket))
+
+
 def sharded_against_one_process(rank, world, case, mesh=None):
     """(max |difference| from one process after STEPS steps, the collectives of the second step())."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    options = {k: v for k, v in case.items() if k not in ("model", "exact")}
+    options = {k: v for k, v in case.items() if k not in ("model", "exact", "iteration_dtype")}
     exact = case["exact"]
     options["is_approx"] = exact is None
     net = MODELS[case["model"]]()
@@ -214,15 +260,31 @@ def sharded_against_one_process(rank, world, case, mesh=None):
     opt_reference, opt = make_mars(reference, **options), make_mars(sharded, **options)
     data = global_batches(STEPS, world)
     counts = None
-    for t in range(STEPS):
-        train_step(reference, opt_reference, data[t], data[t + 1], exact)
-        # CommDebugMode cannot watch a forward pass (its module hooks fail inside one): not around step(closure)
-        mode = CommDebugMode() if t == 1 and exact != "closure" else None
-        local = rank_slice(data[t], rank, world), rank_slice(data[t + 1], rank, world)
-        train_step(sharded, opt, *local, exact, counting=mode)
-        if mode is not None:
-            counts = comm_counts(mode)
+    with newton_schulz_in(case.get("iteration_dtype")):
+        for t in range(STEPS):
+            train_step(reference, opt_reference, data[t], data[t + 1], exact)
+            # CommDebugMode cannot watch a forward pass (its module hooks fail inside one): not around step(closure)
+            mode = CommDebugMode() if t == 1 and exact != "closure" else None
+            local = rank_slice(data[t], rank, world), rank_slice(data[t + 1], rank, world)
+            train_step(sharded, opt, *local, exact, counting=mode)
+            if mode is not None:
+                counts = comm_counts(mode)
     return largest_difference(reference, opt_reference, sharded, opt), counts
+
+
+def bytes_of_a_step(rank, world, model, mars_type, dtype):
+    """The bytes one rank's all-to-alls send in its second step() (bench_fsdp.SentBytes: without the rank's own
+    share) with Newton-Schulz in `dtype` (None: the CPU's, float64 here)."""
+    from bench.bench_fsdp import SentBytes
+
+    net = shard(MODELS[model]())
+    opt = make_mars(net, mars_type)
+    data = global_batches(STEPS, world)
+    with newton_schulz_in(dtype):
+        for t in range(2):
+            counting = SentBytes(world) if t == 1 else None
+            train_step(net, opt, rank_slice(data[t], rank, world), None, None, counting=counting)
+    return counting.sent["alltoall_base_"]
 
 
 TORCH_OPTIMIZERS = ("adamw", "muon", "moonlight")
@@ -260,8 +322,8 @@ def torch_optimizer_against_one_process(rank, world, name):
 
 
 def shard_local_norms(buckets):
-    """mars._whole_norms without its all-reduce: each shard clipped by its own norm (the negative control)."""
-    return [list(torch._foreach_norm(c, dtype=mars._opmath(c[0].dtype))) for c, _ in buckets]
+    """mars_sharded._whole_norms without its all-reduce: each shard clipped by its own norm (the negative control)."""
+    return [list(torch._foreach_norm(c, dtype=torch.promote_types(c[0].dtype, torch.float32))) for c, _ in buckets]
 
 
 def scaler_fallback(rank, world, model, mars_type):
@@ -443,14 +505,19 @@ def two_rank_worker(rank, world, store, root, report_path):
             recorded(report, ("equality", label(case)), sharded_against_one_process, rank, world, case)
         for name in TORCH_OPTIMIZERS:
             recorded(report, ("torch", name), torch_optimizer_against_one_process, rank, world, name)
-        whole_norms = mars._whole_norms
-        mars._whole_norms = shard_local_norms
+        for model in MODELS:
+            for mars_type in NEWTON_SCHULZ_RULES:
+                for dtype in (None, torch.bfloat16):
+                    key = ("bytes", model, mars_type, dtype)
+                    recorded(report, key, bytes_of_a_step, rank, world, model, mars_type, dtype)
+        whole_norms = mars_sharded._whole_norms
+        mars_sharded._whole_norms = shard_local_norms
         try:
             for mars_type in RULES:
                 case = dict(model="gpt", mars_type=mars_type, exact=None)
                 recorded(report, ("shard-local norms", mars_type), sharded_against_one_process, rank, world, case)
         finally:
-            mars._whole_norms = whole_norms
+            mars_sharded._whole_norms = whole_norms
         for model in MODELS:
             for mars_type in RULES:
                 recorded(report, ("scaler", model, mars_type), scaler_fallback, rank, world, model, mars_type)
@@ -473,13 +540,9 @@ def hsdp_worker(rank, world, store, report_path):
             # 4 shards: 9 rows split 3, 3, 3, 0; the Toy's (5, 7) and (1, 3) matrices 2, 2, 1, 0 and 1, 0, 0, 0
             "FSDP over 4": init_device_mesh("cpu", (4,)),
         }
-        for mesh_name, mesh in meshes.items():
-            for model in ("gpt",) if mesh.ndim == 2 else MODELS:
-                for mars_type in RULES:
-                    for exact in (None, "protocol"):
-                        case = dict(model=model, mars_type=mars_type, exact=exact)
-                        key = (mesh_name, label(case))
-                        recorded(report, key, sharded_against_one_process, rank, world, case, mesh)
+        for mesh_name, case in HSDP:
+            key = (mesh_name, label(case))
+            recorded(report, key, sharded_against_one_process, rank, world, case, meshes[mesh_name])
     finally:
         torch.save(report, f"{report_path}.{rank}")
         dist.destroy_process_group()
@@ -513,23 +576,34 @@ def results(reports, key):
     return found
 
 
-def expected_counts(mars_type):
-    """The collectives of one step(): the clip's all-reduce; Newton-Schulz's all-to-all there and back."""
-    return {"allreduce_": 1, **({"alltoall_base_": 2} if mars_type in NEWTON_SCHULZ_RULES else {})}
-
-
 # ---------------------------------------------------------------------------------------------------
 # The tests.
 
 EQUALITY = [label(case) for case in equality_cases()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", EQUALITY)
 def test_sharded_step_equals_one_process(two_ranks, case):
     for difference, _ in results(two_ranks[0], ("equality", case)):
         assert difference <= TOL
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mars_type", NEWTON_SCHULZ_RULES)
+def test_newton_schulz_results_come_back_in_bfloat16_where_it_runs_in_bfloat16(two_ranks, model, mars_type):
+    """With Newton-Schulz in bfloat16 (as on a GPU) each owner sends its results back in bfloat16, which loses
+    nothing (the iteration's result is bfloat16-valued; every rank multiplies by the rule's factor after the cast,
+    as one process does): the step equals one process (test_sharded_step_equals_one_process's iteration_dtype
+    cases) and the all-to-alls send (8 + 2) / (8 + 8) of the bytes they send for float64 parameters otherwise:
+    over both ranks, as many elements go back as went to the owners (a rank's own share of each stays)."""
+    full = sum(results(two_ranks[0], ("bytes", model, mars_type, None)))
+    half = sum(results(two_ranks[0], ("bytes", model, mars_type, torch.bfloat16)))
+    assert full > 0 and half * 16 == full * 10
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
 def test_the_trainer_s_torch_optimizers_on_sharded_parameters_equal_one_process(two_ranks, name):
     """AdamW elementwise on each rank's rows (no collective); Muon's and Moonlight's matrices orthogonalised whole
@@ -539,14 +613,16 @@ def test_the_trainer_s_torch_optimizers_on_sharded_parameters_equal_one_process(
         assert counts == ({} if name == "adamw" else {"alltoall_base_": 2})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in equality_cases() if c["exact"] != "closure"], ids=label)
 def test_a_step_sends_one_norm_all_reduce_and_no_all_gather(two_ranks, case):
     """The closure's own forward and backward (FSDP2's all-gathers and reduce-scatters) are not the step's, so the
     closure cases are left out."""
     for _, counts in results(two_ranks[0], ("equality", label(case))):
-        assert counts == expected_counts(case["mars_type"])
+        assert counts == expected_counts(case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mars_type", RULES)
 def test_shard_local_norms_would_move_the_run(two_ranks, mars_type):
     """The negative control: clipping each shard by its own norm (no all-reduce) is not the rule."""
@@ -554,6 +630,7 @@ def test_shard_local_norms_would_move_the_run(two_ranks, mars_type):
         assert difference > 1e-6 and "allreduce_" not in counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("mars_type", RULES)
 def test_an_overflow_on_one_ranks_shard_drops_every_ranks_look_ahead(two_ranks, model, mars_type):
@@ -561,12 +638,14 @@ def test_an_overflow_on_one_ranks_shard_drops_every_ranks_look_ahead(two_ranks, 
         assert difference <= TOL and counts == {"allreduce_": 1}
 
 
+@pytest.mark.slow
 def test_fused_is_refused_on_dtensor_parameters_in_one_line(two_ranks):
     for message in results(two_ranks[0], "fused"):
         assert message is not None and "\n" not in message
         assert message.startswith("fused=True does not run on DTensor (FSDP2) parameters")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKPOINT_CASES)
 def test_checkpoints_reshard_and_resume_as_the_uninterrupted_run(two_ranks, name):
     """2 -> 2 continues bit for bit; 1 -> 2 and 2 -> 1 (a torch.distributed.checkpoint directory, and a full-state
@@ -580,21 +659,13 @@ def test_checkpoints_reshard_and_resume_as_the_uninterrupted_run(two_ranks, name
         assert params_difference(one_process[(name, "2 -> 1, full-state file")], uninterrupted) <= TOL
 
 
-HSDP = [
-    (mesh, label(dict(model=model, mars_type=mars_type, exact=exact)), mars_type)
-    for mesh, models in (("HSDP 2 x 2", ("gpt",)), ("FSDP over 4", tuple(MODELS)))
-    for model in models
-    for mars_type in RULES
-    for exact in (None, "protocol")
-]
-
-
-@pytest.mark.parametrize("mesh,case,mars_type", HSDP, ids=[f"{m}: {c}" for m, c, _ in HSDP])
-def test_four_ranks_hsdp_and_empty_shards(four_ranks, mesh, case, mars_type):
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,case", HSDP, ids=[f"{m}: {label(c)}" for m, c in HSDP])
+def test_four_ranks_hsdp_and_empty_shards(four_ranks, mesh, case):
     """A 2 x 2 (replicate, shard) mesh, whose replicas each run the rule on their shard group, and a 1-D mesh of 4
-    with empty shards: equal to one process, with the same collectives per step."""
-    for difference, counts in results(four_ranks, (mesh, case)):
-        assert difference <= TOL and counts == expected_counts(mars_type)
+    with empty shards: equal to one process, with the same collectives per step (buckets on the shard group)."""
+    for difference, counts in results(four_ranks, (mesh, label(case))):
+        assert difference <= TOL and counts == expected_counts(case, world=2 if mesh.startswith("HSDP") else 4)
 
 
 def fsdp2_example_in_one_process():
@@ -605,6 +676,7 @@ def fsdp2_example_in_one_process():
     return model, MARS(model.parameters(), lr=3e-3, mars_type="mars-shampoo", weight_decay=0.1)
 
 
+@pytest.mark.slow
 def test_a_users_fsdp2_loop_trains_as_one_process(tmp_path):
     """docs/mars.md's FSDP2 example, as a user runs it (torchrun, 2 gloo ranks): its torch.distributed.checkpoint
     holds the parameters and the optimizer state one process reaches on the whole batches (float32: to rounding)."""
@@ -635,3 +707,83 @@ def test_a_users_fsdp2_loop_trains_as_one_process(tmp_path):
         assert optimizer.state[p].keys() == loaded_optimizer.state[q].keys()
         for key, value in optimizer.state[p].items():
             torch.testing.assert_close(loaded_optimizer.state[q][key], value, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Without ranks.
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (1, 130, 9)], ids=str)
+@pytest.mark.parametrize("buffer_bytes", [math.inf, 1_000, 1])
+def test_the_owner_s_newton_schulz_is_mars_newton_schulz_in_column_blocks(shape, buffer_bytes):
+    """newton_schulz_start and newton_schulz_iterate_ on a stack (wide, tall; in blocks of any number of columns,
+    at least the rows: the last one narrower) equal mars.newton_schulz to float64 rounding: the same elementwise
+    ops in the same order, each block's products those of the whole matrix's columns. In bfloat16 to bfloat16's
+    precision (a block's matmul may accumulate in another order)."""
+    generator = torch.Generator().manual_seed(0)
+    G = torch.randn(shape, generator=generator, dtype=torch.float64)
+    X = mars_sharded.newton_schulz_start(G.clone(), eps=1e-7, dtype=torch.float64)
+    owner = mars_sharded.newton_schulz_iterate_(X, mars._NS_COEFFS, buffer_bytes=buffer_bytes)
+    assert (owner - mars.newton_schulz(G, dtype=torch.float64)).abs().max() <= 1e-12
+    low = G.float()
+    X = mars_sharded.newton_schulz_start(low.clone(), eps=1e-7, dtype=torch.bfloat16)
+    assert X.dtype == torch.bfloat16
+    owner = mars_sharded.newton_schulz_iterate_(X, mars._NS_COEFFS, buffer_bytes=buffer_bytes)
+    one_process = mars.newton_schulz(low, dtype=torch.bfloat16)
+    assert (owner.float() - one_process).abs().max() <= 0.02
+    if buffer_bytes == math.inf:  # the same products: the same bits
+        assert torch.equal(owner.float(), one_process)
+
+
+def test_newton_schulz_s_bfloat16_result_comes_back_from_bfloat16_bit_for_bit():
+    """Why the owners may send bfloat16: the result is bfloat16-valued before newton_schulz casts it back, so the
+    cast to bfloat16 and back loses nothing, and the factor applied after it gives one process's update."""
+    m = torch.randn(48, 16, generator=torch.Generator().manual_seed(1))
+    result = mars.newton_schulz(m, dtype=torch.bfloat16)
+    assert torch.equal(result.to(torch.bfloat16).float(), result)
+    rule = dict(beta1=0.9, eps=1e-8)
+    _, _, factor = mars._newton_schulz_terms("newton-schulz", m.shape, **rule)
+    sent = mars.newton_schulz(m / (1 - rule["beta1"]), eps=rule["eps"], dtype=torch.bfloat16).to(torch.bfloat16)
+    with newton_schulz_in(torch.bfloat16):
+        u = mars._orthogonal_direction(m, "newton-schulz", **rule)
+    assert torch.equal(sent.float().mul_(factor), u)
+
+
+def test_owner_buckets_hold_at_most_the_bound_per_owner_and_every_matrix_once():
+    sizes = [500, 100, 300, 300, 50, 2_000, 100, 100]
+    owners = mars_sharded.balanced_owners(sizes, 3)
+    for bound in (1, 350, 600, math.inf):
+        buckets = mars_sharded.owner_buckets(sizes, owners, 3, bound)
+        assert sorted(i for bucket in buckets for i in bucket) == list(range(len(sizes)))
+        for bucket in buckets:
+            for rank in range(3):
+                mine = [sizes[i] for i in bucket if owners[i] == rank]
+                assert len(mine) <= 1 or sum(mine) <= bound  # a larger matrix by itself
+        if bound == 1:  # one matrix per owner and bucket: as many buckets as the busiest owner has matrices
+            assert len(buckets) == max(owners.count(rank) for rank in range(3))
+        if bound == math.inf:
+            assert buckets == [list(range(len(sizes)))]
+
+
+def test_the_owners_product_blocks_are_at_least_as_wide_as_the_matrix_is_high():
+    assert mars_sharded.block_columns(column_bytes=100, rows=20, columns=1_000, buffer_bytes=math.inf) == 1_000
+    assert mars_sharded.block_columns(column_bytes=100, rows=20, columns=1_000, buffer_bytes=5_000) == 50
+    assert mars_sharded.block_columns(column_bytes=100, rows=20, columns=1_000, buffer_bytes=1) == 20
+    assert mars_sharded.block_columns(column_bytes=100, rows=20, columns=10, buffer_bytes=1) == 10
+
+
+def test_the_timeline_records_phases_only_while_it_is_open():
+    with mars_sharded.timeline() as events:
+        with mars_sharded._phase("Newton-Schulz", 3):
+            pass
+    with mars_sharded._phase("Newton-Schulz", 4):
+        pass
+    assert [(name, number) for name, number, *_ in events] == [("Newton-Schulz", 3)]
+    ((_, _, start, end),) = events
+    assert start <= end
+
+
+@pytest.mark.parametrize("bucket", [0, -1.0, "64", True])
+def test_a_bucket_that_is_no_positive_number_is_refused_naming_the_argument(bucket):
+    with pytest.raises(ValueError, match=r"^invalid exchange_bucket_mib: .*number of MiB > 0"):
+        MARS([torch.nn.Parameter(torch.zeros(2, 2))], exchange_bucket_mib=bucket)
