@@ -1002,16 +1002,18 @@ QUICKSTART_CPU = dict(max_iters=100, eval_interval=50, eval_iters=10, log_interv
 
 
 def quickstart_commands(ctx):
-    """(name, argv) of each of scripts/quickstart.sh's commands, writing into <work>: the corpus, a cold compile
-    cache (compile_env's is the GPT-2 runs'), the run."""
+    """(name, argv) of each of the quickstart's three steps (scripts/quickstart.py runs them in one process; here each
+    is a command of its own, timed on its own), writing into <work>: the corpus, the run, the sample."""
     data_path, out_dir = os.path.join(ctx.work, "quickstart_data"), ctx.out_dir("quickstart")
     train = [f"--data_path={data_path}", f"--out_dir={out_dir}", "--wandb_log=False"]
     train += [] if ctx.cuda else [f"--{key}={value}" for key, value in QUICKSTART_CPU.items()]
-    sample = ["sample.py", f"--out_dir={out_dir}", "--start=def ", "--num_samples=1", "--max_new_tokens=400"]
+    from data.stdlib_char import prepare
+    from scripts import quickstart
+
     return [
-        ("prepare", [sys.executable, "-m", "data.stdlib_char.prepare", f"--output_dir={data_path}/stdlib_char"]),
-        ("train", [sys.executable, "train.py", "config/quickstart.py", *train]),
-        ("sample", [sys.executable, *sample]),
+        ("prepare", [sys.executable, "-m", prepare.__name__, f"--output_dir={data_path}/stdlib_char"]),
+        ("train", [sys.executable, "train.py", quickstart.CONFIG, *train]),
+        ("sample", [sys.executable, "sample.py", f"--out_dir={out_dir}", *quickstart.SAMPLE]),
     ]
 
 

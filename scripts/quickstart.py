@@ -14,8 +14,9 @@ from data.prepare_common import run_prepare
 from data.stdlib_char import prepare
 from marsgpt.run_dir import StopSignals
 
-OUT_DIR = "out-quickstart"  # config/quickstart.py's; an --out_dir among the arguments is where the sample is read
-SAMPLE = ["--start=def ", "--num_samples=1", "--max_new_tokens=400"]
+CONFIG = "config/quickstart.py"
+OUT_DIR = "out-quickstart"  # CONFIG's; an --out_dir among the arguments is where the sample is read
+SAMPLE = ["--start=def ", "--num_samples=1", "--max_new_tokens=400"]  # sample.py's arguments
 
 
 def main(argv):
@@ -26,7 +27,7 @@ def main(argv):
     except KeyboardInterrupt:
         print("interrupted while preparing the corpus; run the same command again", file=sys.stderr)
         return 130
-    status = train.main(["config/quickstart.py", "--init_from=auto", *argv], signals)
+    status = train.main([CONFIG, "--init_from=auto", *argv], signals)
     if status or signals.received or signals.interrupted:  # stopped: the sample waits for the finished run
         signals.ignore_from_now()
         return status

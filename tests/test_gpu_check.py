@@ -429,11 +429,13 @@ def test_on_cuda_the_quickstart_runs_the_script_s_commands_whole_with_a_cold_com
     assert row.status == PASS and row.result.endswith("target <= 30 s")  # three exits 0 and a sample, in no time
     (prepare, _), (train, train_env), (sample, sample_env) = commands
     with open(os.path.join(ROOT, "scripts", "quickstart.sh")) as f:
-        script = f.read()
-    assert "python -m data.stdlib_char.prepare" in script and prepare[1:3] == ["-m", "data.stdlib_char.prepare"]
-    assert "python train.py config/quickstart.py" in script and train[1:3] == ["train.py", "config/quickstart.py"]
+        assert 'exec python -m scripts.quickstart "$@"' in f.read()  # the script runs scripts/quickstart.py's steps
+    with open(os.path.join(ROOT, "scripts", "quickstart.py")) as f:
+        steps = f.read()
+    assert "from data.stdlib_char import prepare" in steps and prepare[1:3] == ["-m", "data.stdlib_char.prepare"]
+    assert "train.main([CONFIG," in steps and train[1:3] == ["train.py", "config/quickstart.py"]
     assert not any(a.startswith(("--max_iters", "--eval_iters")) for a in train)
-    assert '--start="def " --num_samples=1 --max_new_tokens=400' in script
+    assert 'sample.main([f"--out_dir={out_dir}", *SAMPLE])' in steps
     assert sample[-3:] == ["--start=def ", "--num_samples=1", "--max_new_tokens=400"]
     cache = train_env["TORCHINDUCTOR_CACHE_DIR"]
     assert cache.startswith(str(tmp_path)) and cache != gpu_check.compile_env(ctx)["TORCHINDUCTOR_CACHE_DIR"]
