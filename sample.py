@@ -13,9 +13,10 @@ import sys
 
 import torch
 
-from marsgpt.checkpoint import CheckpointError, load_model, load_pretrained
+from marsgpt.checkpoint import CheckpointError
 from marsgpt.runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
 from marsgpt.tokens import DataError, get_gpt2_encoding, read_meta
+from marsgpt.trained_model import load_model, load_pretrained
 
 MISSING_ADVICE = "train a model first (python train.py ...), or pass --out_dir of a trained run"
 

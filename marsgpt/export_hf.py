@@ -20,8 +20,9 @@ import os
 import shutil
 import sys
 
-from marsgpt.checkpoint import CheckpointError, iteration, load_model
+from marsgpt.checkpoint import CheckpointError, iteration
 from marsgpt.files import fsync_directory
+from marsgpt.trained_model import load_model
 from model import GPT2_VOCAB_SIZE, hf_from_gpt
 
 # What an export holds (save_pretrained shards a large model into model-0000i-of-0000n.safetensors)

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from marsgpt.checkpoint import CheckpointError, load_model, load_pretrained
+from marsgpt.checkpoint import CheckpointError
 from marsgpt.files import JSONLineError, atomic_writer, json_lines
 from marsgpt.runtime import add_device_arguments, autocast, resolve_device, resolve_dtype
 from marsgpt.tokens import DataError, get_gpt2_encoding
+from marsgpt.trained_model import load_model, load_pretrained
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "hellaswag")

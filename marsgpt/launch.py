@@ -24,8 +24,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, memory_plan, metrics, optimizers, tokens
-from marsgpt.checkpoint import CheckpointError, RNGState
+from marsgpt import checkpoint, checkpoint_parts, memory_plan, metrics, optimizers, shards, tokens, trained_model
+from marsgpt.checkpoint import CheckpointError
+from marsgpt.checkpoint_parts import RNGState
 from marsgpt.compile_cache import CompileCache
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
 from marsgpt.memory_plan import MemoryPlan, plan_memory
@@ -57,7 +58,7 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError, RunDirError,
 
 
 @dataclasses.dataclass
-class Progress(checkpoint.DataclassState):
+class Progress(checkpoint_parts.DataclassState):
     """What the loop carries from step to step (a checkpoint part)."""
 
     iter_num: int = 0  # also the data's position: batches are a function of the step
@@ -144,12 +145,12 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
         memory_plan=plan_memory(cfg, dist_info, model_args) if dist_info.is_master else None,
     )
     progress = Progress()
-    # What a checkpoint holds: each stateful part, restored by its own load_state_dict (checkpoint.ModelState's
+    # What a checkpoint holds: each stateful part, restored by its own load_state_dict (checkpoint_parts.ModelState's
     # places the weights as the parallelism keeps them), and the values every checkpoint records beside them.
     parts = dict(
-        model=checkpoint.ModelState(model, parallel.place_state, checkpoint.checkpoint_path(cfg.out_dir)),
+        model=checkpoint_parts.ModelState(model, parallel.place_state, checkpoint.checkpoint_path(cfg.out_dir)),
         optimizer=run.optimizer,
-        scaler=checkpoint.ScalerState(scaler),
+        scaler=checkpoint_parts.ScalerState(scaler),
         rng=RNGState(dist_info.rank, dist_info.world_size, gather_rng(dist_info)),
         progress=progress,
         log_window=run.window,
@@ -251,7 +252,7 @@ def load_resume_checkpoint(cfg: TrainConfig, path: str, dist_info: Dist, vocabul
     (its parts are checked as they are restored). Rank 0 verified its checksum while choosing it; the other ranks
     verify it here. A sharded checkpoint's tensors are read whole here (`whole`) for an unsharded run; a sharded
     run reads its rows of them later (run_dir.RunDir.restore), once its model is sharded."""
-    ckpt = checkpoint.load_checkpoint(
+    ckpt = shards.load_checkpoint(
         path,
         mmap=dist_info.device_type == "cuda",
         verify_checksum=not dist_info.is_master,
@@ -329,7 +330,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None) -> tuple[G
                 f"vocabulary of {vocab_size} tokens (meta.pkl); train it with --init_from=scratch, or use a GPT-2 "
                 "dataset (openwebtext, fineweb_edu)"
             )
-        model = checkpoint.load_pretrained(cfg.init_from, dict(dropout=cfg.dropout))
+        model = trained_model.load_pretrained(cfg.init_from, dict(dropout=cfg.dropout))
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
         return model, dataclasses.asdict(model.config)

@@ -71,7 +71,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, compile_cache, metrics, shards
+from marsgpt import checkpoint, checkpoint_parts, compile_cache, metrics, shards
 from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
 from marsgpt.config import ConfigError, config_to_dict
 from marsgpt.files import atomic_writer, copy_file, os_reason, remove_stale_temporaries
@@ -256,7 +256,7 @@ def choose_checkpoint(out_dir, paths):
     passed = []
     for path in sorted(paths, key=checkpoint_order):
         try:
-            ckpt, trailer = checkpoint.read_checkpoint(path, mmap=True, whole=False)
+            ckpt, trailer = shards.read_checkpoint(path, mmap=True, whole=False)
         except CheckpointError as e:  # damaged, gone meanwhile, unreadable, not a training checkpoint
             passed.append(str(e))
             continue
@@ -507,7 +507,7 @@ class RunDir:
 
     def register(self, cfg, parts, extras, parallel):
         """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
-        state_dict() and load_state_dict(state); the model's a checkpoint.ModelState), handed over once: what a
+        state_dict() and load_state_dict(state); the model's a checkpoint_parts.ModelState), handed over once: what a
         checkpoint holds is these and the plain values every checkpoint records beside them (`extras`).
         `parallel`: the run's parallel.Parallelism; where it writes sharded checkpoints (FSDP2's DTensors) every
         rank writes its rows of each checkpoint (shards.ShardedCheckpointWriter), the background writes'
@@ -528,7 +528,7 @@ class RunDir:
     def restore(self, ckpt, path):
         """Load every part from the checkpoint `ckpt` (read from `path`). A part it does not hold is given None: a
         part added since older checkpoints were written starts afresh in its own load_state_dict, and any other
-        raises checkpoint.MissingPart; the checkpoint is then refused, naming every part it lacks, before any part
+        raises checkpoint_parts.MissingPart; the checkpoint is then refused, naming every part it lacks, before any part
         changes. A sharded checkpoint's tensors are read here, into what the run's parallelism makes of each
         (empty_like: this rank's rows of a DTensor under FSDP2; an unsharded run's load_checkpoint read them
         whole)."""
@@ -537,15 +537,15 @@ class RunDir:
             if name not in ckpt:
                 try:
                     part.load_state_dict(None)
-                except checkpoint.MissingPart:
+                except checkpoint_parts.MissingPart:
                     missing.append(name)
         if missing:
             raise CheckpointError(
                 f"{path} lacks {', '.join(missing)}: it was not written by this train.py, so it cannot be resumed "
                 "(init_from=resume); start a new run from its weights instead"
             )
-        if checkpoint.has_shards(ckpt):
-            ckpt = checkpoint.read_shards(ckpt, self.parallel.empty_like)
+        if shards.has_shards(ckpt):
+            ckpt = shards.read_shards(ckpt, self.parallel.empty_like)
         for name, part in self.parts.items():
             if name in ckpt:
                 part.load_state_dict(ckpt[name])

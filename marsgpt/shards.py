@@ -1,6 +1,5 @@
-"""Sharded checkpoints written: what a zero_stage=3 (FSDP2) run saves -- every rank its own rows, nothing gathered
-on one rank. Reading them back, as this rank's rows on any number of ranks or as whole tensors, is
-marsgpt/checkpoint.py's (verify_shards, read_shards), as for every checkpoint.
+"""Sharded checkpoints: what a zero_stage=3 (FSDP2) run saves -- every rank its own rows, nothing gathered on one
+rank -- and how any checkpoint is read back, as this rank's rows on any number of ranks or as whole tensors.
 
 A sharded checkpoint is a checkpoint file and a directory beside it, in out_dir:
 
@@ -10,6 +9,8 @@ A sharded checkpoint is a checkpoint file and a directory beside it, in out_dir:
                      directory, the SHA-256 and size of each of its files, and each meta tensor's name in them
     shards/<name>/   torch.distributed.checkpoint's files: .metadata and one __<rank>_0.distcp per rank, holding
                      each rank's rows of every sharded tensor (the parameters and the optimizer state)
+    previous.pt      the checkpoint file ckpt.pt was before the newest save, with the directory it names, kept until
+                     the next: a plain copy of out_dir taken mid-save holds one of the two whole
 
 best.pt and the kept ckpt_<iter>.pt are checkpoint files of their own, each naming a directory of its own (a copy):
 they share nothing with ckpt.pt, as in the one-file format. A sharded tensor met twice (the tied token embedding
@@ -24,24 +25,32 @@ training's collectives. A crash or kill -9 at any moment leaves the previous che
 directory it names: the new directory is complete before any file names it, and an unfinished or unnamed one is
 removed at the next save or launch (run_dir). A failed write on any rank fails the save on every rank (dcp
 reports every rank's failure to all), and the previous checkpoint stays.
+
+Reading (read_checkpoint: a checkpoint of either format): the file as marsgpt/checkpoint.py reads it, then each
+file of its directory verified against its recorded checksum; read_shards loads the sharded tensors into tensors
+a caller makes for each -- this rank's DTensor rows when a sharded run resumes (only those rows are read), or whole
+tensors for a tool or an unsharded run. dcp.load runs with no_dist=True: each rank reads on its own, with no
+collective a failing rank could leave the others waiting in; its .metadata is read as data (MetadataUnpickler).
 """
 
 import contextlib
 import os
+import pickle
 import shutil
 import sys
+import warnings
 
 import torch
 
 from marsgpt import checkpoint
-from marsgpt.checkpoint import CheckpointError, CheckpointWriter, dcp_failure, path_name, walk
-from marsgpt.files import copy_file, fsync_directory, os_reason
+from marsgpt.checkpoint import RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint, no_space
+from marsgpt.files import DIGEST, copy_file, file_digest, fsync_directory, os_reason
 
 SHARDS_DIR = "shards"  # beside the checkpoint files: one directory per sharded checkpoint
 # The checkpoint file ckpt.pt was before the newest save, kept (with the directory it names) until the next one: a
 # plain copy of out_dir (cp -r, rsync) taken while a save replaces ckpt.pt and its directory holds it whole.
 PREVIOUS_NAME = "previous.pt"
-SHARDS_KEY = checkpoint.SHARDS_KEY
+SHARDS_KEY = "sharded"  # a sharded checkpoint's record of the directory holding its sharded tensors
 
 
 def _is_dtensor(tensor):
@@ -219,6 +228,174 @@ def remove_unreferenced(out_dir, checkpoints, announce=False):
             shutil.rmtree(os.path.join(root, name))
             if announce:
                 print(f"removed {os.path.join(root, name)}, a sharded checkpoint no checkpoint file names", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading.
+
+
+def has_shards(ckpt):
+    """Whether a checkpoint dict holds placeholders for tensors in a shard directory (zero_stage=3's format)."""
+    return SHARDS_KEY in ckpt
+
+
+def walk(value, fn, path=()):
+    """map_tensors with the place of each tensor: fn(path, tensor), path a tuple of the keys and list indices that
+    lead to it."""
+    if isinstance(value, torch.Tensor):
+        return fn(path, value)
+    if isinstance(value, dict):
+        return {k: walk(v, fn, (*path, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(walk(v, fn, (*path, i)) for i, v in enumerate(value))
+    return value
+
+
+def path_name(path):
+    """A tensor's name in the shard files: its path, e.g. 'optimizer/state/3/exp_avg' (no key holds a '/')."""
+    return "/".join(map(str, path))
+
+
+def dcp_failure(error):
+    """(A failed torch.distributed.checkpoint save or load in one line: the first rank's file and OS reason,
+    whether it was a full disk). CheckpointException holds every rank's error."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return os_reason(error), no_space(error)
+    rank, (first, _) = min(failures.items())
+    file = f"{first.filename}: " if getattr(first, "filename", None) else ""
+    return f"rank {rank}: {file}{os_reason(first)}", no_space(first)
+
+
+def verify_shards(ckpt):
+    """Check every file of a sharded checkpoint's directory (ckpt as load_checkpoint returns it, the directory's
+    path made whole) against the size and SHA-256 recorded as it was written; DamagedCheckpoint naming the first
+    that is missing or differs."""
+    record = ckpt[SHARDS_KEY]
+    directory = record["directory"]
+    for file, expected in record["files"].items():
+        path = os.path.join(directory, file)
+        if not os.path.isfile(path):
+            raise DamagedCheckpoint(f"{path} is missing (a file of the sharded checkpoint {directory})")
+        if os.path.getsize(path) != expected["size"] or file_digest(path) != expected["sha256"]:
+            raise DamagedCheckpoint(
+                f"{path} is damaged: its bytes do not match the {DIGEST} recorded when it was written"
+            )
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint's .metadata read as data: its format is a pickle, which could run any code, so
+    only the classes that metadata is made of are found (dcp's metadata dataclasses and storage records, torch's
+    dtypes, Size and layouts, paths); anything else is an UnpicklingError, as torch.load(weights_only=True) refuses
+    a checkpoint file that names other classes. The checksum in the checkpoint file catches damage; this holds
+    against a file someone wrote to run code, with a checksum recomputed to match."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "PurePosixPath", "Path"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module, name):
+        import torch.distributed.checkpoint.metadata as metadata
+
+        found = getattr(metadata, name, None) if module == metadata.__name__ else None
+        if isinstance(found, type) and found.__module__ == module:  # a class dcp's metadata module defines
+            return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which dcp's metadata never holds")
+
+
+def _metadata_as_data(directory):
+    """dcp's FileSystemReader for `directory`, its .metadata read through MetadataUnpickler here and now:
+    DamagedCheckpoint, naming the file, when it is not dcp's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    path = os.path.join(directory, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not dcp's Metadata")
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise DamagedCheckpoint(f"{path} cannot be read as dcp's metadata: {e}") from None
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(directory)
+
+
+def read_shards(ckpt, make):
+    """The checkpoint dict `ckpt` (as load_checkpoint returns it, its directory verified) with each meta tensor
+    replaced by the tensor make(meta) returns, filled from the shard files: a DTensor gets this rank's rows, a
+    plain tensor the whole. Tensors of one name (the tied matrix) are one tensor again."""
+    import torch.distributed.checkpoint as dcp  # here: only sharded checkpoints need it
+
+    record = ckpt[SHARDS_KEY]
+    names, buffers = record["names"], {}
+
+    def fill(path, tensor):
+        if not tensor.is_meta:
+            return tensor
+        name = names.get(path_name(path))
+        if name is None:
+            raise DamagedCheckpoint(f"{record['directory']}: no sharded tensor is recorded for {path_name(path)}")
+        if name not in buffers:
+            buffers[name] = make(tensor)
+        return buffers[name]
+
+    tree = walk({k: v for k, v in ckpt.items() if k != SHARDS_KEY}, fill)
+    reader = _metadata_as_data(record["directory"])
+    try:
+        with warnings.catch_warnings():  # no_dist's note that it reads in one process: what it is asked to do
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(buffers, storage_reader=reader, no_dist=True)
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise CheckpointError(f"{record['directory']} cannot be read: {dcp_failure(e)[0]}") from None
+    return tree
+
+
+def read_whole(ckpt):
+    """The checkpoint with every sharded tensor read whole onto the CPU: a one-file checkpoint's dict."""
+    return read_shards(ckpt, lambda meta: torch.empty(meta.shape, dtype=meta.dtype))
+
+
+def read_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True, whole=True):
+    """(the checkpoint dict, its Trailer or None) of the checkpoint at `path` (a file, or a run directory's ckpt.pt)
+    in either format: the file as checkpoint.read_file reads it, and a sharded one's directory verified file by file
+    (verify_checksum) and its tensors read whole (whole=False: left as placeholders, the directory's path made
+    absolute, for a sharded run to read its rows of with read_shards). A directory a save replaced meanwhile is no
+    damage: the newer checkpoint is read (checkpoint.read_file)."""
+    file = checkpoint.checkpoint_path(path)
+
+    def with_shards(ckpt):
+        if not has_shards(ckpt):
+            return ckpt
+        record = ckpt[SHARDS_KEY]
+        ckpt[SHARDS_KEY] = dict(
+            record, directory=os.path.join(os.path.dirname(os.path.abspath(file)), record["directory"])
+        )
+        if verify_checksum:
+            verify_shards(ckpt)
+        return read_whole(ckpt) if whole else ckpt
+
+    return checkpoint.read_file(file, mmap, missing_advice, verify_checksum, then=with_shards)
+
+
+def load_checkpoint(path, mmap=False, missing_advice=RESUME_ADVICE, verify_checksum=True, whole=True):
+    """read_checkpoint's checkpoint dict alone."""
+    return read_checkpoint(path, mmap, missing_advice, verify_checksum, whole)[0]
 
 
 def new_token(group):

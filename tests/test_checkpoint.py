@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from marsgpt import checkpoint
+from marsgpt import checkpoint, checkpoint_parts, shards, trained_model
 from marsgpt.files import file_digest
 from marsgpt.parallel import Parallelism
 
@@ -38,7 +38,7 @@ def test_save_interrupted_mid_write_keeps_the_previous_checkpoint(tmp_path, monk
     with pytest.raises(checkpoint.CheckpointError, match="No space left on device; the previous one is kept"):
         checkpoint.save_checkpoint(path, state(2, iter_num=2))
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left
-    assert checkpoint.load_checkpoint(path)["progress"]["iter_num"] == 1
+    assert shards.load_checkpoint(path)["progress"]["iter_num"] == 1
 
 
 def test_checkpoints_load_without_running_code(tmp_path):
@@ -49,14 +49,14 @@ def test_checkpoints_load_without_running_code(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"model": Payload(), "model_args": {}}, path)
     with pytest.raises(checkpoint.CheckpointError, match="not a readable checkpoint"):
-        checkpoint.load_checkpoint(str(path))
+        shards.load_checkpoint(str(path))
 
 
 def test_memory_mapped_load_equals_a_plain_load(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     saved = {"model": {"w": torch.randn(64, 32)}, "model_args": {"n": 1}, "optimizer": {"m": torch.randn(7)}}
     checkpoint.save_checkpoint(path, saved)
-    plain, mapped = checkpoint.load_checkpoint(path), checkpoint.load_checkpoint(path, mmap=True)
+    plain, mapped = shards.load_checkpoint(path), shards.load_checkpoint(path, mmap=True)
     assert torch.equal(plain["model"]["w"], mapped["model"]["w"])
     assert torch.equal(plain["optimizer"]["m"], mapped["optimizer"]["m"]) and mapped["model_args"] == {"n": 1}
 
@@ -80,7 +80,7 @@ def test_writer_saves_the_state_as_it_was_when_save_was_called(tmp_path, monkeyp
     assert not os.path.exists(path)
     gate.set()
     writer.wait()
-    for saved in (checkpoint.load_checkpoint(path), checkpoint.load_checkpoint(best)):
+    for saved in (shards.load_checkpoint(path), shards.load_checkpoint(best)):
         assert torch.equal(saved["model"]["w"], torch.ones(4))
         assert saved["optimizer"]["param_groups"][0]["lr"] == 0.1
 
@@ -113,12 +113,12 @@ def test_writer_saves_the_tied_embedding_and_output_head_once_and_loads_them_tie
     writer.wait()
     unique_bytes = sum(t.numel() * t.element_size() for t in model.parameters())  # the tie counted once
     assert unique_bytes < os.path.getsize(path) < unique_bytes + tied_bytes / 4
-    saved = checkpoint.load_checkpoint(path)["model"]
+    saved = shards.load_checkpoint(path)["model"]
     assert (
         saved["transformer.wte.weight"].untyped_storage().data_ptr()
         == saved["lm_head.weight"].untyped_storage().data_ptr()
     )
-    loaded, _ = checkpoint.load_model(path)
+    loaded, _ = trained_model.load_model(path)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     assert torch.equal(loaded.lm_head.weight, head)
 
@@ -129,7 +129,7 @@ def test_a_checkpoint_with_two_copies_of_the_tied_matrix_still_loads_tied(tmp_pa
     sd = {k: v.clone() for k, v in model.state_dict().items()}  # every entry its own storage, as they were
     path = str(tmp_path / "ckpt.pt")
     checkpoint.save_checkpoint(path, {"model": sd, "model_args": dataclasses.asdict(model.config)})
-    loaded, _ = checkpoint.load_model(path)
+    loaded, _ = trained_model.load_model(path)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
 
@@ -241,7 +241,7 @@ def test_a_wait_interrupted_by_ctrl_c_still_waits_for_the_write_the_next_time(tm
     with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C, while the write goes on
         writer.wait()
     writer.wait()  # returns only once the held write is done
-    assert checkpoint.load_checkpoint(tmp_path / "ckpt.pt")["progress"]["iter_num"] == 8
+    assert shards.load_checkpoint(tmp_path / "ckpt.pt")["progress"]["iter_num"] == 8
 
 
 @pytest.mark.parametrize("kernel_copy", [True, False])
@@ -270,15 +270,15 @@ def test_kept_copies_are_independent_of_the_checkpoint(tmp_path, monkeypatch, ke
         target.write(source.read())
     for copy in copies:
         assert open(copy, "rb").read() == original
-        assert checkpoint.load_checkpoint(copy)["model"]["w"][0] == 1.0
+        assert shards.load_checkpoint(copy)["model"]["w"][0] == 1.0
 
 
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     path = str(tmp_path / "rng.pt")
-    rng = checkpoint.RNGState()
+    rng = checkpoint_parts.RNGState()
     checkpoint.save_checkpoint(path, {"model": {}, "model_args": {}, "rng": rng.state_dict()})
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    rng.load_state_dict(checkpoint.load_checkpoint(path)["rng"])
+    rng.load_state_dict(shards.load_checkpoint(path)["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
@@ -290,11 +290,11 @@ def test_rng_part_holds_every_rank_s_cuda_state_and_gives_each_rank_its_own(monk
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([7], dtype=torch.uint8)])
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states[0].item()))
     per_rank = [[torch.tensor([10 + r], dtype=torch.uint8)] for r in range(3)]
-    saved = checkpoint.RNGState(rank=0, gather=lambda mine: per_rank).state_dict()
+    saved = checkpoint_parts.RNGState(rank=0, gather=lambda mine: per_rank).state_dict()
     assert [s[0].item() for s in saved["cuda_by_rank"]] == [10, 11, 12]
-    checkpoint.RNGState(rank=2, world_size=3).load_state_dict(saved)
+    checkpoint_parts.RNGState(rank=2, world_size=3).load_state_dict(saved)
     assert restored == [12]
-    checkpoint.RNGState(rank=1, world_size=2).load_state_dict(saved)  # another world size: fresh seeds kept
+    checkpoint_parts.RNGState(rank=1, world_size=2).load_state_dict(saved)  # another world size: fresh seeds kept
     assert restored == [12]
 
 
@@ -305,21 +305,21 @@ def test_iteration_reads_the_progress_part_train_py_saves():
 
 def test_a_missing_checkpoint_gives_each_caller_its_advice(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="train with --init_from=scratch first"):
-        checkpoint.load_checkpoint(tmp_path)  # train.py's resume
+        shards.load_checkpoint(tmp_path)  # train.py's resume
     with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint at .*; train a model first \(python train"):
-        checkpoint.load_model(tmp_path)  # the tools after training
+        trained_model.load_model(tmp_path)  # the tools after training
     with pytest.raises(checkpoint.CheckpointError, match="; do this$"):
-        checkpoint.load_model(tmp_path, missing_advice="do this")
+        trained_model.load_model(tmp_path, missing_advice="do this")
 
 
 def test_load_model_refuses_a_checkpoint_of_another_model(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     checkpoint.save_checkpoint(path, {"model": {}, "model_args": {"num_classes": 10}})  # a vision/ checkpoint
     with pytest.raises(checkpoint.CheckpointError, match="is not a checkpoint of this repository's GPT"):
-        checkpoint.load_model(path)
+        trained_model.load_model(path)
     checkpoint.save_checkpoint(path, {"model": [], "model_args": {}})
     with pytest.raises(checkpoint.CheckpointError, match="is not a training checkpoint"):
-        checkpoint.load_model(path)
+        trained_model.load_model(path)
 
 
 def test_every_checkpoint_carries_the_checksum_of_its_bytes_and_a_load_checks_it(tmp_path):
@@ -337,11 +337,11 @@ def test_every_checkpoint_carries_the_checksum_of_its_bytes_and_a_load_checks_it
         f.seek(offset)
         f.write(bytes([data[offset] ^ 1]))
     with pytest.raises(checkpoint.DamagedCheckpoint, match="ckpt.pt is damaged: its bytes do not match the sha256"):
-        checkpoint.load_checkpoint(path)
+        shards.load_checkpoint(path)
     os.truncate(path, trailer.size // 2)  # cut in half: no trailer to check, and no zip directory either
     assert checkpoint.read_trailer(path) is None
     with pytest.raises(checkpoint.DamagedCheckpoint, match="is not a readable checkpoint"):
-        checkpoint.load_checkpoint(path)
+        shards.load_checkpoint(path)
 
 
 def test_a_checkpoint_longer_or_shorter_than_written_is_damaged(tmp_path):
@@ -462,7 +462,7 @@ def test_a_shard_file_that_meets_a_full_disk_names_itself_and_the_os_reason(tmp_
 def test_a_checkpoint_renamed_over_while_a_reader_reads_it_is_read_whole_not_called_damaged(
     tmp_path, monkeypatch, moment, mmap
 ):
-    """A reader of a live run (sample.py, hellaswag, export_hf: checkpoint.load_model) meets the run's next save
+    """A reader of a live run (sample.py, hellaswag, export_hf: trained_model.load_model) meets the run's next save
     renamed over ckpt.pt between reading the trailer and hashing the bytes, or between the hash and torch.load: it
     reads the file it opened, whole (the trailer, the hash and torch.load go through one open file). Before, the
     trailer and the bytes came from two opens and a healthy file was called damaged."""
@@ -480,7 +480,7 @@ def test_a_checkpoint_renamed_over_while_a_reader_reads_it_is_read_whole_not_cal
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, renamed_first)
-    ckpt, trailer = checkpoint.read_checkpoint(path, mmap=mmap)
+    ckpt, trailer = shards.read_checkpoint(path, mmap=mmap)
     assert trailer.iter == 1 and ckpt["progress"]["iter_num"] == 1 and torch.equal(ckpt["model"]["w"], torch.ones(3))
     assert not os.path.exists(newer) and checkpoint.verify(path).iter == 2  # the rename did land
 
@@ -496,7 +496,7 @@ def sharded_checkpoint(out_dir, weights):
     record = {"directory": "shards/s", "files": files, "names": {"model/w": "model/w"}}
     tree = {"model": {"w": torch.empty(weights.shape, device="meta")}, "model_args": {}, "progress": {"iter_num": 3}}
     path = os.path.join(out_dir, "ckpt.pt")
-    checkpoint.save_checkpoint(path, {**tree, checkpoint.SHARDS_KEY: record})
+    checkpoint.save_checkpoint(path, {**tree, shards.SHARDS_KEY: record})
     return path, directory, tree, record
 
 
@@ -520,15 +520,15 @@ def test_a_sharded_checkpoint_s_dcp_metadata_is_read_as_data(tmp_path):
 
     weights = torch.arange(6.0).reshape(2, 3)
     path, directory, tree, record = sharded_checkpoint(str(tmp_path), weights)
-    assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], weights)
+    assert torch.equal(shards.load_checkpoint(path)["model"]["w"], weights)
 
     marker = tmp_path / "ran"
     with open(os.path.join(directory, ".metadata"), "wb") as f:
         pickle.dump(Payload(str(marker)), f)
     files = dict(record["files"], **{".metadata": file_record(os.path.join(directory, ".metadata"))})
-    checkpoint.save_checkpoint(path, {**tree, checkpoint.SHARDS_KEY: dict(record, files=files)})
+    checkpoint.save_checkpoint(path, {**tree, shards.SHARDS_KEY: dict(record, files=files)})
     with pytest.raises(checkpoint.CheckpointError) as refused:
-        checkpoint.load_checkpoint(path)
+        shards.load_checkpoint(path)
     assert not marker.exists()
     assert str(refused.value) == (
         f"{directory}/.metadata cannot be read as dcp's metadata: it names io.open, which dcp's metadata never holds"

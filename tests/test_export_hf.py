@@ -8,8 +8,8 @@ import torch
 from train_helpers import tiny_args
 
 import train
-from marsgpt.checkpoint import load_model
 from marsgpt.export_hf import export_hf, main
+from marsgpt.trained_model import load_model
 from model import GPT, GPTConfig, config_from_hf, gpt_from_hf, hf_from_gpt
 
 transformers = pytest.importorskip("transformers")

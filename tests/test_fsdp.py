@@ -54,7 +54,7 @@ from train_helpers import (
 import sample
 import train
 from bench.common import rendezvous
-from marsgpt import checkpoint, run_dir
+from marsgpt import checkpoint, run_dir, shards
 from model import GPT, Block, GPTConfig, chunk_loss
 from scripts import copy_run
 
@@ -151,14 +151,14 @@ def val_losses(out_dir, last=None):
 
 def whole(path):
     """A checkpoint (file or out_dir) as the tools read it: a sharded one's tensors read whole."""
-    return checkpoint.load_checkpoint(path)
+    return shards.load_checkpoint(path)
 
 
 def copy_checkpoint(src, out_dir):
     """src (a checkpoint file) as out_dir/ckpt.pt, with the shard directory it names, if any."""
     os.makedirs(out_dir)
     shutil.copyfile(src, os.path.join(out_dir, "ckpt.pt"))
-    record = torch.load(src, weights_only=True).get(checkpoint.SHARDS_KEY)
+    record = torch.load(src, weights_only=True).get(shards.SHARDS_KEY)
     if record is not None:
         source = os.path.join(os.path.dirname(src), record["directory"])
         shutil.copytree(source, os.path.join(out_dir, record["directory"]))
@@ -222,7 +222,7 @@ def assert_same_training(sharded, single, name):
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_two_sharded_ranks_train_what_one_process_trains(runs, name):
     sharded, single = runs(name)
-    assert checkpoint.has_shards(torch.load(os.path.join(sharded, "ckpt.pt"), weights_only=True))
+    assert shards.has_shards(torch.load(os.path.join(sharded, "ckpt.pt"), weights_only=True))
     assert_same_training(sharded, single, name)
     if name == "mars-adamw-exact":
         assert any("last_grad" in s for s in whole(sharded)["optimizer"]["state"].values())
@@ -252,7 +252,7 @@ def test_killed_during_a_sharded_save_the_run_resumes_on_two_ranks_bit_for_bit(r
     named = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     assert named["progress"]["iter_num"] == 2
     unnamed = [d for d in os.listdir(os.path.join(out, "shards")) if d.startswith("0000004.") and d.count(".") == 2]
-    assert len(unnamed) == 1 and unnamed[0] != os.path.basename(named[checkpoint.SHARDS_KEY]["directory"])
+    assert len(unnamed) == 1 and unnamed[0] != os.path.basename(named[shards.SHARDS_KEY]["directory"])
     output = torchrun(args + ["--init_from=auto"])
     assert f"resuming {os.path.join(out, 'ckpt.pt')} at iter 2" in output
     assert f"removed {os.path.join(out, 'shards', unnamed[0])}, a sharded checkpoint no checkpoint file names" in output
@@ -279,7 +279,7 @@ def test_ctrl_c_during_a_sharded_save_keeps_it_and_the_next_launch_resumes_it_bi
             kill_job(proc)
     ckpt = os.path.join(out, "ckpt.pt")
     assert re.search(rf"^interrupted at iter \d+; resume from {re.escape(ckpt)} \(iter 2\)", output, re.M), output
-    named = os.path.join(out, torch.load(ckpt, weights_only=True)[checkpoint.SHARDS_KEY]["directory"])
+    named = os.path.join(out, torch.load(ckpt, weights_only=True)[shards.SHARDS_KEY]["directory"])
     assert whole(ckpt)["progress"]["iter_num"] == 2  # its shard files verified and read
     output = torchrun(args)
     assert f"resuming {ckpt} at iter 2" in output and f"removed {named}" not in output
@@ -377,7 +377,7 @@ def test_sigterm_to_one_sharded_rank_stops_the_job_at_one_checkpoint_which_resum
     ckpt = os.path.join(out, "ckpt.pt")
     assert f"stopped by SIGTERM after iter 3: {ckpt} holds it; run the same command to continue" in output
     assert output.count("stopped by SIGTERM") == 1 and "Traceback" not in output and "iter 4:" not in output
-    assert checkpoint.has_shards(torch.load(ckpt, weights_only=True)) and whole(ckpt)["progress"]["iter_num"] == 3
+    assert shards.has_shards(torch.load(ckpt, weights_only=True)) and whole(ckpt)["progress"]["iter_num"] == 3
     torchrun(args)
     assert_same_run(out, uninterrupted)
 
@@ -435,7 +435,7 @@ def test_a_one_process_checkpoint_resumes_on_two_sharded_ranks(runs, data_path, 
     out = str(tmp_path / "out")
     copy_checkpoint(os.path.join(single, "ckpt_0000002.pt"), out)
     torchrun(args_for(data_path, out, "mars-adamw-exact", init_from="resume"))
-    assert checkpoint.has_shards(torch.load(os.path.join(out, "ckpt.pt"), weights_only=True))
+    assert shards.has_shards(torch.load(os.path.join(out, "ckpt.pt"), weights_only=True))
     assert_same_training(out, sharded, "mars-adamw-exact")
 
 
@@ -443,7 +443,7 @@ def test_a_damaged_shard_file_is_refused_in_one_line_naming_it(runs, data_path, 
     sharded, _ = runs("mars-adamw-exact")
     out = str(tmp_path / "out")
     copy_checkpoint(os.path.join(sharded, "ckpt_0000002.pt"), out)
-    directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[checkpoint.SHARDS_KEY]["directory"]
+    directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[shards.SHARDS_KEY]["directory"]
     damaged = os.path.join(out, directory, "__1_0.distcp")
     with open(damaged, "r+b") as f:
         f.seek(os.path.getsize(damaged) // 2)
@@ -462,7 +462,7 @@ def test_init_from_auto_passes_over_a_damaged_shard_file_to_the_newest_intact_ch
     sharded, _ = runs("mars-adamw-exact")
     out = str(tmp_path / "out")
     shutil.copytree(sharded, out)
-    directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[checkpoint.SHARDS_KEY]["directory"]
+    directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[shards.SHARDS_KEY]["directory"]
     with open(os.path.join(out, directory, "__0_0.distcp"), "r+b") as f:
         f.truncate(100)
     output = io.StringIO()
@@ -501,7 +501,7 @@ def one_file_equal(sharded, out_dir):
 
 
 def test_sample_py_reads_a_sharded_checkpoint_as_its_one_file_equal(runs, tmp_path, capsys):
-    """sample.py (and hellaswag.py and export_hf.py, which load through the same checkpoint.load_model) reads the
+    """sample.py (and hellaswag.py and export_hf.py, which load through the same trained_model.load_model) reads the
     sharded checkpoint directly: the same text as from one file holding the same tensors."""
     sharded, _ = runs("mars-adamw-exact")
     one_file = one_file_equal(sharded, str(tmp_path / "one_file"))
@@ -527,7 +527,7 @@ def test_gradients_reduced_every_micro_batch_with_recomputed_activations_train_w
 
 def test_export_hf_reads_a_sharded_checkpoint_as_its_one_file_equal(runs, tmp_path):
     """marsgpt/export_hf.py on the sharded run's out_dir writes the same Hugging Face model as on one file holding
-    the same tensors (hellaswag.py loads through the same checkpoint.load_model as it and sample.py)."""
+    the same tensors (hellaswag.py loads through the same trained_model.load_model as it and sample.py)."""
     transformers = pytest.importorskip("transformers")
     from marsgpt import export_hf
 
@@ -565,7 +565,7 @@ def test_one_rank_under_torchrun_shards_over_a_mesh_of_one_as_its_plan_says(data
     args = tiny_args(data_path, out, **run, optimizer="mars-shampoo", zero_stage=3)
     output = ranks(args, nproc=1)
     assert "world size 1 on cpu" in output and "FSDP2 over 1 GPU," in output
-    assert checkpoint.has_shards(torch.load(os.path.join(out, "ckpt.pt"), weights_only=True))
+    assert shards.has_shards(torch.load(os.path.join(out, "ckpt.pt"), weights_only=True))
 
 
 def test_compiled_blocks_share_one_graph_and_train_what_eager_blocks_train(data_path, tmp_path, monkeypatch):

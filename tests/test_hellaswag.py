@@ -18,8 +18,8 @@ from train_helpers import ROOT, subprocess_env, tiny_args
 
 import train
 from marsgpt import export_hf, hellaswag
-from marsgpt.checkpoint import load_model
 from marsgpt.tokens import get_gpt2_encoding, write_bin
+from marsgpt.trained_model import load_model
 
 PADDED_VOCAB = 50304
 GPT2_VOCAB = 50257

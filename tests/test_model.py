@@ -7,6 +7,7 @@ from allocator import allocator_peak
 from torch.nn import functional as F
 
 import model as model_module
+from marsgpt import checkpoint_parts
 from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, param_groups, peak_flops
 
 
@@ -171,7 +172,6 @@ def test_state_dict_uses_nanogpt_names():
 
 
 def test_loads_reference_checkpoints_with_causal_mask_buffer():
-    from marsgpt import checkpoint
 
     gpt = tiny_gpt()
     state_dict = gpt.state_dict()
@@ -179,7 +179,7 @@ def test_loads_reference_checkpoints_with_causal_mask_buffer():
         state_dict[f"transformer.h.{i}.attn.bias"] = torch.ones(1, 1, 16, 16).tril()
     for load in (
         lambda model: model.load_state_dict(state_dict),
-        lambda model: checkpoint.load_model_state(model, dict(state_dict), "ref.pt"),
+        lambda model: checkpoint_parts.load_model_state(model, dict(state_dict), "ref.pt"),
     ):
         other = tiny_gpt(seed=1)
         assert not torch.equal(other.lm_head.weight, gpt.lm_head.weight)

@@ -40,7 +40,7 @@ from train_helpers import (
 import sample
 import train
 from bench.common import rendezvous
-from marsgpt import checkpoint, export_hf, hellaswag, metrics, run_dir, run_lock, tokens
+from marsgpt import checkpoint, export_hf, hellaswag, metrics, run_dir, run_lock, shards, tokens
 from marsgpt.tokens import TokenData, write_meta, write_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,7 +64,7 @@ def file_bytes(out_dir):
 
 
 def iteration_of(path):
-    return checkpoint.load_checkpoint(path)["progress"]["iter_num"]
+    return shards.load_checkpoint(path)["progress"]["iter_num"]
 
 
 def one_error_line(err, *parts):
@@ -189,7 +189,7 @@ def test_a_second_launch_is_refused_while_a_run_holds_out_dir_and_a_dead_run_s_l
     release(pause, 4)
     output, _ = first.communicate(timeout=120)
     assert first.returncode == 0, output
-    assert checkpoint.load_checkpoint(out)["config"]["learning_rate"] == 3e-3  # the first run's, to the end
+    assert shards.load_checkpoint(out)["config"]["learning_rate"] == 3e-3  # the first run's, to the end
     assert not os.path.exists(os.path.join(out, "run.lock"))
 
     # a run killed with kill -9 leaves its lock; the next launch on this machine takes it over
@@ -446,7 +446,7 @@ def test_a_resume_counts_bad_steps_anew(data_path, tmp_path, capsys):
     instead of stopping at the first skip as the 10th in a row."""
     out = str(tmp_path / "out")
     assert run(tiny_args(data_path, out, max_iters=2, eval_interval=2), capsys)[0] == 0
-    ckpt = checkpoint.load_checkpoint(out)
+    ckpt = shards.load_checkpoint(out)
     ckpt["progress"]["bad_steps"] = 9
     checkpoint.save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
     args = tiny_args(data_path, out, dtype="float16", grad_multiplier=1000, max_iters=12, init_from="resume")
@@ -671,7 +671,7 @@ def test_a_resume_on_changed_data_is_refused_naming_the_change_and_continues_on_
     out = str(tmp_path / "out")
     assert run(tiny_args(data_path, out, max_iters=4, eval_interval=2), capsys)[0] == 0
     recorded = json.load(open(os.path.join(out, "config.json")))["data_fingerprint"]
-    assert checkpoint.load_checkpoint(out)["data_fingerprint"] == recorded == tokens.fingerprint(data_dir)[0]
+    assert shards.load_checkpoint(out)["data_fingerprint"] == recorded == tokens.fingerprint(data_dir)[0]
     name, tokens_of, said = DATA_CHANGES[change]
     shard = TokenData(data_dir, "train")
     write_shard(os.path.join(data_dir, name), tokens_of(shard.read(1, 0, np.empty(shard.lengths[1], np.uint16))))

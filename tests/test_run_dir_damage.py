@@ -23,7 +23,7 @@ import torch
 from train_helpers import ROOT, make_char_data, start_torchrun, subprocess_env, tiny_args
 
 import train
-from marsgpt import checkpoint, compile_cache, run_lock
+from marsgpt import compile_cache, run_lock, shards
 from marsgpt.tokens import write_manifest
 
 DAMAGES = (
@@ -167,7 +167,7 @@ def prepare_case(base, tmp_path, name, where, how):
     if name.startswith("ckpt.pt.tmp") or name.startswith("compile_cache.bin.tmp"):
         shutil.copy(os.path.join(out, name.split(".tmp")[0]), os.path.join(out, name))
     if "<ckpt.pt's>" in name:
-        directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[checkpoint.SHARDS_KEY]["directory"]
+        directory = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[shards.SHARDS_KEY]["directory"]
         name = name.replace("shards/<ckpt.pt's>", directory)
     folder = out if where == "out" else os.path.join(data_path, "tiny")
     damage(os.path.join(folder, name), how, marker)
@@ -195,8 +195,8 @@ def outcome(status, stdout, stderr, out, reference, marker):
 
 def final_state(out):
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    if checkpoint.SHARDS_KEY in ckpt:
-        ckpt = checkpoint.load_checkpoint(os.path.join(out, "ckpt.pt"))
+    if shards.SHARDS_KEY in ckpt:
+        ckpt = shards.load_checkpoint(os.path.join(out, "ckpt.pt"))
     assert ckpt["progress"]["iter_num"] == RELAUNCH["max_iters"]
     optimizer = {
         f"{i}/{k}": v for i, s in ckpt["optimizer"]["state"].items() for k, v in s.items() if torch.is_tensor(v)

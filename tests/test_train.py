@@ -17,7 +17,7 @@ from train_helpers import ROOT, diverging_from, make_char_data, tiny_args
 
 import train
 from bench.common import rendezvous
-from marsgpt import checkpoint, memory_plan, runtime
+from marsgpt import checkpoint, checkpoint_parts, memory_plan, runtime, shards, trained_model
 from marsgpt.optimizers import build_optimizer, scheduled_lr
 from marsgpt.parallel import Parallelism
 from marsgpt.tokens import TokenData, write_shard
@@ -298,7 +298,7 @@ def test_consecutive_non_finite_steps_stop_the_run_keeping_the_last_checkpoint(
     assert train.main(tiny_args(data_path, out, max_bad_steps=3)) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: 3 consecutive steps (up to iter 9)") and "Traceback" not in err
-    assert checkpoint.load_checkpoint(out)["progress"]["iter_num"] == 5  # the evaluation before the bad steps
+    assert shards.load_checkpoint(out)["progress"]["iter_num"] == 5  # the evaluation before the bad steps
 
 
 @pytest.mark.slow
@@ -342,7 +342,7 @@ def test_hellaswag_in_the_loop_on_gpt2_tokens(tmp_path, capsys):
     # the score at step 2 is the one marsgpt/hellaswag.py gives the model the step-2 checkpoint holds
     from marsgpt import hellaswag
 
-    model, _ = checkpoint.load_model(out)
+    model, _ = trained_model.load_model(out)
     expected = hellaswag.evaluate(model, hellaswag.load_examples(str(examples)), "cpu")
     assert scores[-1]["hellaswag/acc_norm"] == expected["acc_norm"] and expected["n"] == 8
 
@@ -386,7 +386,7 @@ def foreign_checkpoint(tmp_path):
     """A checkpoint as the reference train_mars.py writes one: weights, no resume state."""
     make_char_data(tmp_path, name="tiny")
     assert train.main(tiny_args(str(tmp_path), str(tmp_path / "out"), max_iters=1, eval_interval=1)) == 0
-    ckpt = checkpoint.load_checkpoint(str(tmp_path / "out"))
+    ckpt = shards.load_checkpoint(str(tmp_path / "out"))
     keep = ("model", "model_args", "optimizer", "config")
     torch.save({k: ckpt[k] for k in keep} | {"iter_num": 1}, tmp_path / "out" / "ckpt.pt")
     return dict(data_path=str(tmp_path), out_dir=str(tmp_path / "out"), init_from="resume")
@@ -471,11 +471,11 @@ def test_a_checkpoint_from_before_a_part_was_added_resumes_it_afresh(data_path, 
     out = str(tmp_path / "out")
     run_ok(tiny_args(data_path, out, max_iters=4, eval_interval=4))
     path = os.path.join(out, "ckpt.pt")
-    ckpt = checkpoint.load_checkpoint(path)
+    ckpt = shards.load_checkpoint(path)
     del ckpt["log_window"]
     checkpoint.save_checkpoint(path, ckpt)
     run_ok(tiny_args(data_path, out, max_iters=6, eval_interval=4, init_from="resume"))
-    assert checkpoint.load_checkpoint(out)["progress"]["iter_num"] == 6
+    assert shards.load_checkpoint(out)["progress"]["iter_num"] == 6
     assert [r["iter"] for r in read_metrics(out) if "train/loss" in r] == list(range(1, 7))
 
 
@@ -483,7 +483,7 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=40))
     state = {k: v[..., :1] if k == "transformer.h.0.mlp.c_fc.weight" else v for k, v in model.state_dict().items()}
     with pytest.raises(checkpoint.CheckpointError, match=r"'transformer.h.0.mlp.c_fc.weight' has shape \(128, 1\)"):
-        checkpoint.load_model_state(model, state, "x.pt")
+        checkpoint_parts.load_model_state(model, state, "x.pt")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -650,7 +650,7 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
     assert [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(pieces)] == [
         {k: v for k, v in r.items() if k not in timing} for r in read_metrics(whole)
     ]
-    resumed, uninterrupted = checkpoint.load_checkpoint(pieces), checkpoint.load_checkpoint(whole)
+    resumed, uninterrupted = shards.load_checkpoint(pieces), shards.load_checkpoint(whole)
     assert resumed["model_args"]["vocab_size"] == 50257 and resumed["model_args"]["bias"] is True
     assert resumed["model_args"] == uninterrupted["model_args"]
     for key, value in uninterrupted["model"].items():

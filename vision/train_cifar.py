@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mars import MARS
-from marsgpt import checkpoint, launch, optimizers, run_dir
-from marsgpt.checkpoint import CheckpointError, RNGState
+from marsgpt import checkpoint, launch, optimizers, run_dir, shards
+from marsgpt.checkpoint import CheckpointError
+from marsgpt.checkpoint_parts import DataclassState, RNGState, load_model_state
 from marsgpt.config import (
     ConfigError,
     betas,
@@ -241,7 +242,7 @@ def lr_factor(epoch, cfg):
 
 
 @dataclasses.dataclass
-class Progress(checkpoint.DataclassState):
+class Progress(DataclassState):
     """What the loop carries from epoch to epoch (a checkpoint part)."""
 
     epoch: int = 0  # epochs completed
@@ -278,7 +279,7 @@ def load_resume_checkpoint(cfg):
     fixed=True (the data set, the network, the optimizer and its routing) that the run's optimizer reads:
     every other key may change."""
     path = checkpoint.checkpoint_path(cfg.out_dir)
-    ckpt = checkpoint.load_checkpoint(path)
+    ckpt = shards.load_checkpoint(path)
     missing = [part for part in (*CHECKPOINT_PARTS, "config") if part not in ckpt]
     if missing:
         raise CheckpointError(
@@ -316,7 +317,7 @@ def setup(cfg):
     args = model_args(cfg, data.num_classes)
     model = ResNet(**args)
     if ckpt is not None:
-        checkpoint.load_model_state(model, ckpt["model"], checkpoint.checkpoint_path(cfg.out_dir))
+        load_model_state(model, ckpt["model"], checkpoint.checkpoint_path(cfg.out_dir))
     model.to(device)
     run = Run(cfg, device, data, model, args, build_optimizer(model, cfg), RNGState())
     progress = Progress()
