@@ -36,7 +36,7 @@ from marsgpt.compile_cache import compile_counts
 from marsgpt.config import load_config, print_help, wants_help
 from marsgpt.launch import Progress, Run, setup
 from marsgpt.metrics import LogWindow
-from marsgpt.run_dir import RunDir, StopSignals
+from marsgpt.run_dir import RunDir, RunStopped, StopSignals
 from marsgpt.runtime import exit_process, leave_process_group, setup_distributed
 
 # The steps after which a CUDA run prints its measured peak memory beside the plan: by then the optimizer
@@ -119,8 +119,9 @@ def train_step(run: Run, it: int) -> StepResult:
 
     A non-finite gradient norm (from a non-finite loss, or an overflow) skips the update: parameters,
     optimizer state and MARS's last gradient stay as they were. The decision uses the all-reduced norm,
-    so every rank takes the same one. The norms are read from the device once per step, and the ranks' agreed
-    requests (a signal, a save the clock asks for) come with them (run_dir.RunDir.read_with_requests).
+    so every rank takes the same one. The norms are read from the device once per step, and the ranks' requests for
+    the next step boundary (a signal, a save the clock asks for: run_dir.RunDir.requests) are agreed on the way
+    (parallel.Parallelism.read_agreed).
     """
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
     optimizer.set_lr(it)
@@ -134,7 +135,8 @@ def train_step(run: Run, it: int) -> StepResult:
     loss = forward_backward(run, it)
     optimizer.unscale(scaler)
     norms.append(clip_gradients(run))
-    norm_values = run.directory.read_with_requests(torch.stack(norms))  # the per-step sync
+    norm_values, agreed = run.parallel.read_agreed(torch.stack(norms), run.directory.requests())  # the step's sync
+    run.directory.agree(agreed)
     grad_norm = norm_values[-1]
     skipped = not all(math.isfinite(n) for n in norm_values)
     if skipped:
@@ -320,7 +322,9 @@ def step_and_log(
 
 
 def record_skip(run: Run, progress: Progress, result: StepResult, time_s: float) -> None:
-    """A skipped step's line and record; the run stops (RunStopped) after max_bad_steps of them in a row."""
+    """A skipped step's line and record, and the divergence rule: after max_bad_steps of them in a row the run stops
+    (RunStopped, status 1) naming the newest checkpoint -- one from before the trouble, since none is written while
+    steps are skipped (checkpointer.Checkpointer.suspect)."""
     progress.bad_steps += 1
     progress.skipped_steps += 1
     if run.dist.is_master:
@@ -330,8 +334,22 @@ def record_skip(run: Run, progress: Progress, result: StepResult, time_s: float)
             flush=True,
         )
         run.metrics.write({**stamp(progress, time_s), metrics.SKIPPED_STEPS: progress.skipped_steps})
-    if progress.bad_steps >= run.cfg.max_bad_steps:
-        raise run.directory.diverged(progress)
+    if progress.bad_steps < run.cfg.max_bad_steps:
+        return
+    checkpoints, lr = run.directory.checkpoints, run.cfg.learning_rate
+    checkpoints.wait()  # the checkpoint named is on disk
+    if checkpoints.latest is not None:
+        advice = (
+            f"The newest checkpoint, written before the trouble, is {checkpoints.newest()}: resume it with "
+            f"--init_from=resume and a lower learning_rate (now {lr}; auto resumes it too, counting bad steps anew)"
+        )
+    else:
+        advice = f"No checkpoint was written before the trouble: start over with a lower learning_rate (now {lr})"
+    line = (
+        f"error: {progress.bad_steps} consecutive steps (up to iter {progress.iter_num}) had a non-finite loss or "
+        f"gradient norm (max_bad_steps={run.cfg.max_bad_steps}); stopped. {advice}, or check the data"
+    )
+    raise RunStopped(1, line if run.dist.is_master else None)
 
 
 # ---------------------------------------------------------------------------------------------------

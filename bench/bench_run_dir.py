@@ -12,7 +12,7 @@ a temporary directory on this machine's disk. Rows:
   * checkpoint.verify: the hashing read every load adds;
   * checkpoint.keep_copy: writing best.pt or a kept ckpt_<iter>.pt as a copy instead of a hard link;
   * checkpoint.cpu_copy: what a save blocks training for on the CPU (on a GPU, the device-to-host copy);
-  * run_dir.RunDir.read_with_requests under DDP: the all-reduce of the ranks' 4 requests that each step adds (2 gloo
+  * parallel.Parallelism.read_agreed under DDP: the all-reduce of the ranks' 4 requests that each step adds (2 gloo
     ranks).
 """
 

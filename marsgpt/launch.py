@@ -27,13 +27,14 @@ import torch.distributed as dist
 from marsgpt import checkpoint, checkpoint_parts, memory_plan, metrics, optimizers, shards, tokens, trained_model
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.checkpoint_parts import RNGState
+from marsgpt.checkpointer import DATA_FINGERPRINT, METRICS_SIZE
 from marsgpt.compile_cache import CompileCache
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
 from marsgpt.memory_plan import MemoryPlan, plan_memory
 from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS, Registry, TrainingOptimizer, build_optimizer
 from marsgpt.parallel import Parallelism
-from marsgpt.run_dir import DATA_FINGERPRINT, METRICS_SIZE, RunDir, RunDirError, RunStopped, Start
+from marsgpt.run_dir import RunDir, RunDirError, RunStopped, Start
 from marsgpt.runtime import (
     Dist,
     SetupError,
@@ -156,18 +157,18 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
         log_window=run.window,
     )
     extras = dict(model_args=model_args, config=config_to_dict(cfg), vocabulary=train_data.vocabulary)
-    directory.register(cfg, parts, extras, parallel)
+    directory.checkpoints.register(cfg, parts, extras, parallel)
     if ckpt is not None:
-        agree(dist_info, lambda: directory.restore(ckpt, start.path), USER_ERRORS)
+        agree(dist_info, lambda: directory.checkpoints.restore(ckpt, start.path), USER_ERRORS)
     if dist_info.is_master:
         changes = config_changes(ckpt["config"], cfg, OPTIMIZERS) if ckpt else []
         directory.prepare(cfg, start, ckpt, changes)
     if compile_model and cfg.compile_cache:
-        directory.compile_cache = CompileCache(
+        directory.checkpoints.compile_cache = CompileCache(
             cfg.out_dir, dist_info.device, announce=dist_info.is_master, start_iter=progress.iter_num
         )
         if ckpt is not None:
-            directory.compile_cache.load()  # what the run compiled before, ahead of this process's first compile
+            directory.checkpoints.compile_cache.load()  # what the run compiled, ahead of this process's first compile
     run.metrics = directory.use_metrics(open_metrics(cfg, dist_info, progress, start, ckpt))
     return run, progress, ckpt is not None
 
@@ -539,14 +540,16 @@ def exit_status(
         if master and directory is None:  # while reading the configuration or joining the ranks
             say_stop("interrupted before the run started", None, None)
         elif master:
-            directory.wait_for_writes("interrupted")  # a save in flight is the newest checkpoint
+            directory.checkpoints.wait("interrupted")  # a save in flight is the newest checkpoint
             where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
-            say_stop(f"interrupted {where}; {directory.resume_advice()}", directory, progress, interrupted=True)
+            say_stop(
+                f"interrupted {where}; {directory.checkpoints.resume_advice()}", directory, progress, interrupted=True
+            )
         return 130
     if is_collective_timeout(error, dist_info):
         say_stop(
             f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
-            f"(another rank died or hangs); {directory.resume_advice()}",
+            f"(another rank died or hangs); {directory.checkpoints.resume_advice()}",
             directory,
             progress,
         )

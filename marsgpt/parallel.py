@@ -134,6 +134,18 @@ class Parallelism:
         sums of squares), rather than rank 0's alone."""
         return self.shards_parameters
 
+    def read_agreed(self, values: torch.Tensor, flags: list[float]) -> tuple[list[float], list[float]]:
+        """The step's `values` (on the device) read to the host -- the step's one synchronisation -- and this rank's
+        `flags` max-reduced over the ranks on the way, so every rank has the same flags after the same step: both
+        as lists. Under torchrun the flags ride on one all-reduce of len(flags) numbers (0.6 ms per step on 2 gloo
+        ranks, docs/training.md)."""
+        if not self.dist.ddp:
+            return values.tolist(), list(flags)
+        agreed = torch.tensor(flags, device=values.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        read = torch.cat([values.flatten(), agreed]).tolist()
+        return read[: -len(flags)], read[-len(flags) :]
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over every rank, in place (itself in one process)."""
         if self.dist.ddp:

@@ -56,44 +56,37 @@ step boundary and to say where a stopped run continues: what a checkpoint holds 
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
 import sys
 import threading
-import time
 
 import torch
-import torch.distributed as dist
 
-from marsgpt import checkpoint, checkpoint_parts, compile_cache, metrics, shards
-from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, CheckpointWriter, DamagedCheckpoint
+from marsgpt import checkpoint, compile_cache, metrics, shards
+from marsgpt.checkpoint import CKPT_NAME, RESUME_ADVICE, CheckpointError, DamagedCheckpoint
+from marsgpt.checkpointer import (
+    BEST_NAME,
+    CHECKPOINT_NAMES,
+    DATA_FINGERPRINT,
+    KEPT_NAME,
+    SAVES_NAME,
+    Checkpointer,
+    checkpoint_files,
+    is_checkpoint,
+)
 from marsgpt.config import ConfigError, config_to_dict
 from marsgpt.files import atomic_writer, copy_file, os_reason, remove_stale_temporaries
-from marsgpt.run_lock import LockError, LockLost, RunLock
+from marsgpt.run_lock import LockError, RunLock
 
-BEST_NAME = "best.pt"
 CONFIG_NAME = "config.json"
-KEPT_NAME = re.compile(r"ckpt_(\d+)\.pt")
-
-
-def kept_name(iteration):
-    return f"ckpt_{iteration:07d}.pt"
-
-
-# What a checkpoint records beside its parts: the data's fingerprint (tokens.fingerprint), and metrics.jsonl's size
-# once synced as the checkpoint was written (MetricsLog.sync). config.json records the fingerprint too.
-DATA_FINGERPRINT, METRICS_SIZE = "data_fingerprint", "metrics_size"
-
 # The files that make out_dir a run (with the kept ckpt_<iter>.pt copies): a fresh start does not replace them
 # unless told to, or unless the run never completed a checkpoint (no checkpoints.jsonl).
-SAVES_NAME = "checkpoints.jsonl"
-RUN_FILE_NAMES = (CKPT_NAME, BEST_NAME, shards.PREVIOUS_NAME, metrics.FILE_NAME, SAVES_NAME)
+RUN_FILE_NAMES = (*CHECKPOINT_NAMES, metrics.FILE_NAME, SAVES_NAME)
 
 
 class RunDirError(Exception):
@@ -108,17 +101,6 @@ class RunStopped(Exception):
     def __init__(self, status, line=None):
         super().__init__(line or "")
         self.status, self.line = status, line
-
-
-def is_checkpoint(path):
-    name = os.path.basename(path)
-    return name in (CKPT_NAME, BEST_NAME, shards.PREVIOUS_NAME) or KEPT_NAME.fullmatch(name) is not None
-
-
-def checkpoint_files(out_dir):
-    """The checkpoint files in out_dir: ckpt.pt, best.pt, a sharded run's previous.pt and the kept ckpt_<iter>.pt
-    there are."""
-    return [path for path in run_files(out_dir, (CKPT_NAME, BEST_NAME, shards.PREVIOUS_NAME)) if is_checkpoint(path)]
 
 
 def run_files(out_dir, names=RUN_FILE_NAMES):
@@ -442,33 +424,21 @@ def continue_advice(argv, init_from, launched_by_torchrun):
 
 
 class RunDir:
-    """out_dir for one training run: rank 0 holds its lock and writes its files; every rank takes part in its
-    checkpoints (the optimizer and RNG parts gather across ranks) and agrees on when they happen. `argv`:
-    train.py's arguments, for the command a stopped run prints (continue_advice)."""
+    """out_dir for one training run: rank 0 holds its lock (marsgpt/run_lock.py), decides what the launch does there
+    and writes config.json; every rank takes part in its checkpoints (marsgpt/checkpointer.py) and agrees, at each
+    step, on the requests that end a run early (a signal, a failed write, a lost lock) and on when the clock asks
+    for a checkpoint. `argv`: train.py's arguments, for the command a stopped run prints (continue_advice)."""
 
     def __init__(self, cfg, dist_info, signals=None, argv=None):
         self.cfg, self.dist = cfg, dist_info
-        self.given_init_from = cfg.init_from  # register() takes the decided one (auto: scratch or resume)
         self.continue_advice = continue_advice(argv, cfg.init_from, launched_by_torchrun=dist_info.ddp)
         self.path = cfg.out_dir
-        self.ckpt_path = os.path.join(self.path, CKPT_NAME)
         self.lock = None  # rank 0's, from start()
         self.created = False  # out_dir was made by this launch (removed again if it ends empty)
         self.signals = signals or StopSignals()  # installed by train.py's command line: a stop signal ends the run
         self.signals.speaks = dist_info.is_master
-        self.writer = CheckpointWriter(on_saved=self._saved, on_error=self._write_failed, guard=self.guard)
-        self.parallel = None  # the run's parallel.Parallelism (register): whether its checkpoints are sharded
-        self.sharded = False  # every rank writes its rows of each checkpoint (shards.py), not rank 0 one file
-        self.write_failed = False
+        self.checkpoints = Checkpointer(cfg, dist_info, self.path, self.signals, self.guard, cfg.init_from)
         self.metrics = None  # the run's MetricsLog, whose failed writes stop the run too
-        self.parts, self.extras = {}, {}
-        self.compile_cache = None  # a compiled run's compile_cache.CompileCache (launch.setup), saved with a checkpoint
-        self.data = None  # the fingerprint of the data (rank 0, from the Start: prepare)
-        self.latest = None  # (path, iteration) of the newest intact checkpoint on disk (rank 0)
-        self.saved_iter = None  # the iteration of the newest checkpoint written or resumed
-        self.held_back = None  # why a due checkpoint was not written (a suspect state), until one is
-        self._save_began = 0.0  # when the save in flight began
-        self.clock = time.monotonic()  # when the last checkpoint was written (rank 0's checkpoint_minutes)
         self.agreed = Requests()
 
     # --- the launch
@@ -496,89 +466,45 @@ class RunDir:
         """Rank 0: prepare_out_dir, then config.json: the configuration of the run and the fingerprint of its data,
         written when it starts and when a resume that trains changes either (an eval_only launch leaves it as it
         is)."""
-        self.cfg, self.data = cfg, start.data
+        self.cfg, self.checkpoints.data = cfg, start.data
         prepare_out_dir(cfg, start, ckpt, changes)
         if start.path is not None:
-            self.latest, self.saved_iter = (start.path, start.iteration), start.iteration
+            self.checkpoints.resumed(start.path, start.iteration)
         changed = changes or start.data_change or (ckpt is not None and DATA_FINGERPRINT not in ckpt)
         if ckpt is None or (changed and not cfg.eval_only):
             with atomic_writer(os.path.join(self.path, CONFIG_NAME), "w", guard=self.guard) as f:
                 json.dump({**config_to_dict(cfg), DATA_FINGERPRINT: start.data}, f, indent=1)
 
-    def register(self, cfg, parts, extras, parallel):
-        """Every rank: the run's configuration (init_from decided), its stateful parts (name -> an object with
-        state_dict() and load_state_dict(state); the model's a checkpoint_parts.ModelState), handed over once: what a
-        checkpoint holds is these and the plain values every checkpoint records beside them (`extras`).
-        `parallel`: the run's parallel.Parallelism; where it writes sharded checkpoints (FSDP2's DTensors) every
-        rank writes its rows of each checkpoint (shards.ShardedCheckpointWriter), the background writes'
-        collectives on a gloo process group of their own (a collective, made here)."""
-        self.cfg, self.parts, self.extras, self.parallel = cfg, parts, extras, parallel
-        self.sharded = parallel.writes_sharded_checkpoints
-        if self.sharded:
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.ddp_timeout_s))
-            self.writer = shards.ShardedCheckpointWriter(
-                self.dist.rank,
-                group,
-                shards.new_token(group),
-                on_saved=self._saved,
-                on_error=self._write_failed,
-                guard=self.guard,
-            )
+    def guard(self):
+        """Before each write this run commits to out_dir (rank 0's): LockLost unless it still holds the lock."""
+        if self.lock is not None:
+            self.lock.check()
 
-    def restore(self, ckpt, path):
-        """Load every part from the checkpoint `ckpt` (read from `path`). A part it does not hold is given None: a
-        part added since older checkpoints were written starts afresh in its own load_state_dict, and any other
-        raises checkpoint_parts.MissingPart; the checkpoint is then refused, naming every part it lacks, before any part
-        changes. A sharded checkpoint's tensors are read here, into what the run's parallelism makes of each
-        (empty_like: this rank's rows of a DTensor under FSDP2; an unsharded run's load_checkpoint read them
-        whole)."""
-        missing = []
-        for name, part in self.parts.items():
-            if name not in ckpt:
-                try:
-                    part.load_state_dict(None)
-                except checkpoint_parts.MissingPart:
-                    missing.append(name)
-        if missing:
-            raise CheckpointError(
-                f"{path} lacks {', '.join(missing)}: it was not written by this train.py, so it cannot be resumed "
-                "(init_from=resume); start a new run from its weights instead"
-            )
-        if shards.has_shards(ckpt):
-            ckpt = shards.read_shards(ckpt, self.parallel.empty_like)
-        for name, part in self.parts.items():
-            if name in ckpt:
-                part.load_state_dict(ckpt[name])
-        self.saved_iter = checkpoint.iteration(ckpt)
+    def use_metrics(self, metrics_log):
+        """The run's MetricsLog: its failed writes stop the run too, it writes only while the run holds out_dir,
+        and each checkpoint records how much of it was on disk."""
+        self.metrics = self.checkpoints.metrics = metrics_log
+        metrics_log.guard = self.guard
+        return metrics_log
 
-    # --- every step
+    # --- every step boundary
 
-    def read_with_requests(self, values):
-        """The step's values (its norms, on the device) read back to the host, the step's one synchronisation, with
-        every rank's requests agreed on the way and kept for the next step boundary (check_requests,
-        save_if_due). Under DDP each rank's requests (Requests: a signal, and rank 0's clock, failed write and lost
-        lock) are 4 numbers appended to the values and all-reduced (max), so they reach every rank at the same
-        step: one all-reduce of 4 numbers per step, read with the step's own values."""
-        if self.dist.ddp:
-            flags = torch.tensor([float(v) for v in self._my_requests()], device=values.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            read = torch.cat([values.flatten(), flags]).tolist()
-            values, requests = read[: -len(flags)], read[-len(flags) :]
-        else:
-            values = values.tolist()
-            requests = self._my_requests()
-        self.agreed = Requests(int(requests[0]), bool(requests[1]), bool(requests[2]), bool(requests[3]))
-        return values
-
-    def _my_requests(self):
+    def requests(self):
+        """This rank's requests for the next step boundary, as numbers the ranks max-reduce with the step's values
+        (parallel.Parallelism.read_agreed; Requests, in order): a stop signal, and rank 0's checkpoint clock,
+        failed write and lost lock."""
         master = self.dist.is_master
-        minutes = self.cfg.checkpoint_minutes
+        failed = self.checkpoints.write_failed or (master and bool(self.metrics is not None and self.metrics.failed))
         return [
-            self.signals.received,
-            master and minutes > 0 and time.monotonic() - self.clock >= 60 * minutes,
-            self.write_failed or (master and bool(self.metrics is not None and self.metrics.failed)),
-            master and self.lock is not None and self.lock.lost is not None,
+            float(self.signals.received),
+            float(self.checkpoints.clock_due()),
+            float(failed),
+            float(master and self.lock is not None and self.lock.lost is not None),
         ]
+
+    def agree(self, agreed):
+        """The requests every rank agreed on at the last step (requests(), max-reduced), for the next boundary."""
+        self.agreed = Requests(int(agreed[0]), bool(agreed[1]), bool(agreed[2]), bool(agreed[3]))
 
     def check_requests(self, progress, time_s):
         """At a step boundary: end the run when the last step's agreed requests say so (RunStopped). A lost lock
@@ -593,142 +519,22 @@ class RunDir:
         if not agreed.signal:
             return
         name = signal.Signals(agreed.signal).name
-        problem = self._suspect(progress) if self.saved_iter != it else None
-        if self.saved_iter != it and problem is None:
-            self._save(progress, time_s, is_best=False, at_evaluation=False)
-        self.wait_for_writes()
-        if self.write_failed:
+        problem = self.checkpoints.save_at_stop(progress, time_s)
+        if self.checkpoints.write_failed:
             raise RunStopped(1, self._master_line(self._failed_write_line(f"stopped by {name} at iter {it}")))
         if problem is not None:
-            line = f"stopped by {name} at iter {it} without a new checkpoint ({problem}); {self.resume_advice()}"
+            advice = self.checkpoints.resume_advice()
+            line = f"stopped by {name} at iter {it} without a new checkpoint ({problem}); {advice}"
         else:
-            line = f"stopped by {name} after iter {it}: {self._holder()} holds it; {self.continue_advice}"
+            line = f"stopped by {name} after iter {it}: {self.checkpoints.holder()} holds it; {self.continue_advice}"
         raise RunStopped(0, self._master_line(line))
 
     def save_if_due(self, progress, time_s, val_loss=None):
-        """At a step boundary, after the evaluations due there (`val_loss`: the validation loss of one that ran
-        now): write a checkpoint when one is due -- after an evaluation (best.pt and the kept copies come only
-        from these), every checkpoint_interval steps, when the agreed clock asks, or when an earlier one was
-        held back -- unless the state is suspect; then it is held back (one line) until a step boundary where
-        it is not. Every rank calls this at the same boundaries and decides the same."""
-        it, cfg = progress.iter_num, self.cfg
-        interval = cfg.checkpoint_interval > 0 and it % cfg.checkpoint_interval == 0
-        due = val_loss is not None or self.held_back or ((interval or self.agreed.clock) and self.saved_iter != it)
-        self.agreed.clock = False
-        if not due:
-            return
-        problem = self._suspect(progress, val_loss)
-        if problem is not None:
-            if self.held_back is None and self.dist.is_master:
-                print(f"iter {it}: checkpoint held back: {problem}; {self.resume_advice()}", flush=True)
-            self.held_back = problem
-            return
-        self.held_back = None
-        is_best = val_loss is not None and val_loss < progress.best_val_loss
-        if is_best:
-            progress.best_val_loss = val_loss
-        self._save(progress, time_s, is_best, at_evaluation=val_loss is not None)
+        """The checkpoint due at this step boundary, if any (Checkpointer.save_if_due, with the agreed clock)."""
+        clock, self.agreed.clock = self.agreed.clock, False
+        self.checkpoints.save_if_due(progress, time_s, val_loss, clock)
 
-    def _suspect(self, progress, val_loss=None):
-        """Why the state must not become a checkpoint, or None: never while steps are being skipped as
-        non-finite (float16's GradScaler skips some as it searches its loss scale: the save waits for the next
-        step that is not skipped), from non-finite weights or after a non-finite evaluation."""
-        if progress.bad_steps:
-            return f"the last {progress.bad_steps} step(s) were skipped as non-finite"
-        if val_loss is not None and not math.isfinite(val_loss):
-            return f"the validation loss is {val_loss}"
-        weights = list(self.parts["model"].model.parameters())
-        largest = torch.nn.utils.get_total_norm(weights, norm_type=math.inf)
-        if not math.isfinite(largest.item()):
-            return "the weights are not finite"
-        return None
-
-    def _save(self, progress, time_s, is_best, at_evaluation):
-        """Hand the state at this step boundary to the writer; a Ctrl-C meanwhile waits until it is handed over
-        (StopSignals.deferred_interrupt), so the checkpoint the way out waits for is this one."""
-        with self.signals.deferred_interrupt(progress.iter_num):
-            self._hand_over(progress, time_s, is_best, at_evaluation)
-
-    def _hand_over(self, progress, time_s, is_best, at_evaluation):
-        progress.elapsed_s = time_s
-        state = {name: part.state_dict() for name, part in self.parts.items()}  # every rank: the parts gather
-        self.saved_iter, self.clock = progress.iter_num, time.monotonic()
-        if not self.dist.is_master and not self.sharded:  # one file, rank 0's; sharded: every rank writes
-            return
-        state.update(self.extras)
-        copies = []
-        if is_best and self.cfg.save_best:
-            copies.append(os.path.join(self.path, BEST_NAME))
-        evals, keep = progress.iter_num // self.cfg.eval_interval, self.cfg.keep_every_n_evals
-        if (
-            at_evaluation
-            and keep
-            and progress.iter_num > 0
-            and evals % keep == 0
-            and progress.iter_num % self.cfg.eval_interval == 0
-        ):
-            copies.append(os.path.join(self.path, kept_name(progress.iter_num)))
-        self.wait_for_writes()  # a failure of the last write was reported; this one may find room again
-        if self.dist.is_master:  # the records up to this step on disk first, and how long they are
-            state.update({DATA_FINGERPRINT: self.data, METRICS_SIZE: self.metrics.sync()})
-        self._save_began = time.monotonic()
-        self.writer.save(self.ckpt_path, state, copies)
-        if self.compile_cache is not None and self.dist.is_master:
-            self.compile_cache.save(progress.iter_num)
-
-    # --- what happened, and where a stopped run continues
-
-    def guard(self):
-        """Before each write this run commits to out_dir (rank 0's): lock.LockLost unless it still holds the lock."""
-        if self.lock is not None:
-            self.lock.check()
-
-    def use_metrics(self, metrics_log):
-        """The run's MetricsLog: its failed writes stop the run too, and it writes only while the run holds out_dir."""
-        self.metrics = metrics_log
-        metrics_log.guard = self.guard
-        return metrics_log
-
-    def _saved(self, path, iteration, copies):  # the writer's thread
-        self.latest = (path, iteration)
-        if not self.dist.is_master:
-            return
-        self._record_save(path, iteration, copies)
-        if self.sharded:  # the directory the replaced previous.pt named goes
-            shards.remove_unreferenced(self.path, checkpoint_files(self.path))
-
-    def _record_save(self, path, iteration, copies):
-        """Rank 0, once a checkpoint is on disk: a line in checkpoints.jsonl (the file, the copies made of it, its
-        iteration, when, and how long the write took), the run's record that it has saved something (decide_start
-        starts over only a run that has none)."""
-        entry = dict(
-            iter=iteration,
-            file=os.path.basename(path),
-            copies=[os.path.basename(copy) for copy in copies],
-            saved_at=datetime.datetime.now().isoformat(timespec="seconds"),
-            write_s=round(time.monotonic() - self._save_began, 3),
-        )
-        record = os.path.join(self.path, SAVES_NAME)
-        try:
-            self.guard()
-            with open(record, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            self._write_failed(f"cannot append to {record}: {os_reason(e)}")
-        except LockLost:  # the stop at the next step boundary says so
-            pass
-
-    def _write_failed(self, error):  # the writer's thread: reported at once, acted on at the next step
-        self.write_failed = True
-        lost = self.lock is not None and self.lock.lost is not None  # the stop at the next step boundary says so
-        if self.dist.is_master and not lost:  # a sharded save fails on every rank at once: rank 0 says it
-            sys.stderr.write(f"error: {error}\n")  # one write: no other thread's output lands inside the line
-            sys.stderr.flush()
-
-    def _holder(self):
-        return self.latest[0] if self.latest is not None else self.ckpt_path
+    # --- how the run ends
 
     def _master_line(self, line):
         return line if self.dist.is_master else None
@@ -736,57 +542,7 @@ class RunDir:
     def _failed_write_line(self, what):
         if self.lock is not None and self.lock.lost is not None:  # not a failure of the disk: another launch's
             return f"error: {self.lock.lost}; {what} without writing more"
-        return f"{what}: a write failed (above); {self.resume_advice()} once {self.path} has room"
-
-    def diverged(self, progress):
-        """The RunStopped (status 1) for a run that skipped max_bad_steps steps in a row, naming the newest
-        checkpoint: one from before the trouble, since none is written while steps are skipped."""
-        self.wait_for_writes()  # the checkpoint named is on disk
-        lr = self.cfg.learning_rate
-        if self.latest is not None:
-            advice = (
-                f"The newest checkpoint, written before the trouble, is {self.newest()}: resume it with "
-                f"--init_from=resume and a lower learning_rate (now {lr}; auto resumes it too, counting bad steps anew)"
-            )
-        else:
-            advice = f"No checkpoint was written before the trouble: start over with a lower learning_rate (now {lr})"
-        return RunStopped(
-            1,
-            self._master_line(
-                f"error: {progress.bad_steps} consecutive steps (up to iter {progress.iter_num}) had a non-finite "
-                f"loss or gradient norm (max_bad_steps={self.cfg.max_bad_steps}); stopped. {advice}, or check the data"
-            ),
-        )
-
-    def wait_for_writes(self, why=None):
-        """Block until the checkpoint in flight is on disk (a failure was reported the moment it happened). `why`
-        (e.g. 'interrupted'): rank 0 first says that it waits, when a checkpoint is in flight."""
-        if why and self.dist.is_master and self.writer.in_flight:
-            print(
-                f"{why}: waiting for the checkpoint of iter {self.writer.iteration} to reach the disk (a third "
-                "signal, or Ctrl-\\, quits at once, losing it)",
-                file=sys.stderr,
-                flush=True,
-            )
-        with contextlib.suppress(CheckpointError):
-            self.writer.wait()
-
-    def newest(self):
-        """'<path> (iter N)': the newest intact checkpoint (rank 0), or None when there is none yet."""
-        return None if self.latest is None else f"{self.latest[0]} (iter {self.latest[1]:,})"
-
-    def resume_advice(self):
-        """Where a stopped run continues: the newest intact checkpoint and its iteration, or starting over. The
-        checkpoint in flight reaches the disk first: the writer's thread records it, and until then the advice
-        would name an older one, or none, depending on how fast the disk is."""
-        self.wait_for_writes()
-        if self.latest is not None:
-            return f"resume from {self.newest()} with --init_from=resume (or auto)"
-        if not self.dist.is_master and os.path.isfile(self.ckpt_path):  # rank 0 keeps count of the saves
-            return f"resume from {self.ckpt_path} with --init_from=resume (or auto)"
-        if self.given_init_from == "resume":  # decide_start refuses to start over under resume
-            return "no checkpoint was written yet: run the same command without --init_from=resume to start over"
-        return "no checkpoint was written yet: run the same command again to start over"  # decide_start
+        return f"{what}: a write failed (above); {self.checkpoints.resume_advice()} once {self.path} has room"
 
     def record_stop(self, line, progress):
         """Rank 0: the line that stopped the run, as a record of metrics.jsonl (metrics.STOPPED)."""
@@ -797,16 +553,17 @@ class RunDir:
     def finish(self, progress):
         """The end of a run that reached max_iters (or evaluated, eval_only): its exit status once the last
         checkpoint is on disk, and a line saying what it holds; 1, with a line, when a write failed."""
-        self.wait_for_writes()
-        failed = self.write_failed or bool(self.metrics is not None and self.metrics.failed)
+        checkpoints = self.checkpoints
+        checkpoints.wait()
+        failed = checkpoints.write_failed or bool(self.metrics is not None and self.metrics.failed)
         if self.dist.is_master and failed:
             print(self._failed_write_line(f"finished at iter {progress.iter_num}"), file=sys.stderr, flush=True)
         elif self.dist.is_master and not self.cfg.eval_only:
             best = os.path.join(self.path, BEST_NAME)
             best = best if self.cfg.save_best and os.path.isfile(best) else None
             print("\n".join(metrics.summary_lines(self.path, progress.tokens, progress.elapsed_s, best)), flush=True)
-            held = self.saved_iter == progress.iter_num and self.latest is not None
-            where = f"{self._holder()} holds it" if held else self.resume_advice()
+            held = checkpoints.saved_iter == progress.iter_num and checkpoints.latest is not None
+            where = f"{checkpoints.holder()} holds it" if held else checkpoints.resume_advice()
             print(f"finished at iter {progress.iter_num:,}; {where}", file=sys.stderr, flush=True)
         return 1 if failed else 0
 
@@ -814,7 +571,7 @@ class RunDir:
         """Whatever ended the run: the checkpoint in flight reaches the disk, metrics.jsonl is closed, the lock
         is released; an out_dir this launch made and left empty goes. The signal handlers stay (their owner
         restores them): a stop signal that arrives after this is answered, not the default that kills."""
-        self.wait_for_writes()
+        self.checkpoints.wait()
         if self.metrics is not None:
             self.metrics.close()
         if self.lock is not None:

@@ -45,9 +45,8 @@ import torch
 
 from bench import bench_mars
 from marsgpt import compile_cache, metrics
-from marsgpt.checkpoint import CheckpointError
+from marsgpt.checkpoint import CKPT_NAME, CheckpointError
 from marsgpt.files import atomic_writer, copy_file
-from marsgpt.run_dir import CKPT_NAME
 from marsgpt.shards import SHARDS_KEY, load_checkpoint, read_whole
 from marsgpt.tokens import write_bin
 from model import GPT2_VOCAB_SIZE

@@ -339,8 +339,8 @@ def compiled_run(steps, train_argv, profiled=0, result_path=None):
                 result["steps"] += 1
             step_s = (time.perf_counter() - t0) / steps
             train.evaluate(run, run.val_batches)
-        if run.directory.compile_cache is not None:
-            run.directory.compile_cache.save(WARM_UP_STEPS + steps)
+        if run.directory.checkpoints.compile_cache is not None:
+            run.directory.checkpoints.compile_cache.save(WARM_UP_STEPS + steps)
         mfu, mfu_llmc = train.step_mfu(run, step_s)
         result.update(
             step_s=step_s,

@@ -54,7 +54,7 @@ from train_helpers import (
 import sample
 import train
 from bench.common import rendezvous
-from marsgpt import checkpoint, run_dir, shards
+from marsgpt import checkpoint, checkpointer, run_dir, shards
 from model import GPT, Block, GPTConfig, chunk_loss
 from scripts import copy_run
 
@@ -340,7 +340,7 @@ def test_a_plain_cp_of_a_live_sharded_run_holds_an_intact_checkpoint_whatever_or
                 shutil.copytree(os.path.join(shards, name), os.path.join(copy, "shards", name))
         open(release, "w").close()
         wait_for_line(proc, "paused before step 2")  # iteration 2's save on disk, the old directories rotated
-        for path in run_dir.checkpoint_files(out):  # cp reaches the checkpoint files
+        for path in checkpointer.checkpoint_files(out):  # cp reaches the checkpoint files
             shutil.copy(path, os.path.join(copy, os.path.basename(path)))
         open(f"{pause}.2", "w").close()
         assert proc.wait(timeout=240) == 0

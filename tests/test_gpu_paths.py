@@ -131,7 +131,7 @@ def test_more_ranks_on_a_node_than_gpus_is_one_line(gpu_machine, monkeypatch):
 # The training step and its train line on the meta device, one rank of a layout at a time. Meta tensors
 # have shapes and no data: any read of a value on the host raises, and so does an op that mixes a meta
 # tensor with one made on the CPU, where on a GPU it would mix CUDA and CPU. The step's one intended host
-# read (the .tolist() of the gradient norms, the per-step sync: run_dir.RunDir.read_with_requests, which
+# read (the .tolist() of the gradient norms, the per-step sync: parallel.Parallelism.read_agreed, which
 # train_step calls) and the train line's (its values for the log) are let through, counted and answered with
 # ones; any other .tolist() or .item() fails.
 
@@ -152,7 +152,7 @@ OPTIMIZERS = {
 # under MARS-Lion and MARS-Shampoo, no exp_avg_sq -- as rank 0 does on GPT-2 small with 2 or 8 GPUs; ranks
 # 0 and 7 of 8 stand for the two kinds of share.
 LAYOUTS = [(1, 0, 0), (2, 1, 0), (2, 1, 1), (8, 1, 0), (8, 1, 7)]
-ALLOWED_HOST_READS = {"read_with_requests": 1, "log_train": 1}
+ALLOWED_HOST_READS = {"read_agreed": 1, "log_train": 1}
 
 
 def tiny_config(data_path, dataset, tmp_path, optimizer, **overrides):
@@ -242,12 +242,12 @@ def test_a_step_and_its_train_line_stay_on_the_device(
     assert run.parallel.shards_optimizer_state == (zero_stage == 1 and world_size > 1)
 
     result = train.train_step(run, 0)
-    assert host_reads == ["read_with_requests"] and not result.skipped and result.loss.is_meta
+    assert host_reads == ["read_agreed"] and not result.skipped and result.loss.is_meta
     progress.iter_num = 1
     window = LogWindow()
     window.add(result.loss, result.skipped)
     train.log_train(run, progress, window, result, time_s=1.0)
-    assert host_reads == ["read_with_requests"] + (["log_train"] if rank == 0 else [])
+    assert host_reads == ["read_agreed"] + (["log_train"] if rank == 0 else [])
 
     tensors = [*run.model.parameters(), *(p.grad for p in run.model.parameters() if p.grad is not None)]
     tensors += [t for state in run.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]

@@ -306,7 +306,7 @@ def _install_hooks():
 
         def paused_train_step(run, it):
             if run.dist.rank == int(rank) and str(it) in iters.split(","):
-                run.directory.wait_for_writes()  # nothing in flight while the test looks
+                run.directory.checkpoints.wait()  # nothing in flight while the test looks
                 print(f"paused before step {it} (pid {os.getpid()})", flush=True)
                 while not (os.path.exists(f"{until}.{it}") or run.directory.signals.received):
                     time.sleep(0.05)
