@@ -7,7 +7,7 @@
 This file is the loop: one optimizer step, evaluation and the train line, fit and main(). What the loop holds does
 its own work. launch.setup checks the configuration, the data, the world size, out_dir and any checkpoint before
 any work starts (a mistake prints `error: ...` and exits 2, on every rank at once) and builds the run (launch.Run):
-the optimizer (optimizers.TrainingOptimizer: the schedule, exact MARS's look-ahead, the state norms), the
+the optimizer (training_optimizer.TrainingOptimizer: the schedule, exact MARS's look-ahead, the state norms), the
 parallelism (parallel.Parallelism: DDP, ZeRO-1 or FSDP2 / HSDP, which wraps the model and says how gradients and
 evaluations sync) and the run directory (run_dir.RunDir: out_dir, the checkpoints of the parts setup hands it,
 the requests that stop a run early).
@@ -36,7 +36,7 @@ from marsgpt.compile_cache import compile_counts
 from marsgpt.config import load_config, print_help, wants_help
 from marsgpt.launch import Progress, Run, setup
 from marsgpt.metrics import LogWindow
-from marsgpt.run_dir import RunDir, RunStopped, StopSignals
+from marsgpt.run_dir import RunStopped, StopSignals
 from marsgpt.runtime import exit_process, leave_process_group, setup_distributed
 
 # The steps after which a CUDA run prints its measured peak memory beside the plan: by then the optimizer
@@ -87,7 +87,7 @@ def forward_backward(run: Run, step: int) -> torch.Tensor:
                 loss = run.train_model(x, y, return_logits=False)[1] / len(micro_steps)
             if not last:
                 x, y = fetch(micro_steps[i + 1])  # while the device works on this forward
-            run.scaler.scale(loss * cfg.grad_multiplier).backward()
+            run.optimizer.scale(loss * cfg.grad_multiplier).backward()
         loss_sum += loss.detach()
     return loss_sum
 
@@ -99,7 +99,7 @@ def clip_gradients(run: Run) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if run.cfg.grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, run.cfg.grad_clip, norm)
-    return run.parallel.whole(norm)
+    return run.parallel.full_tensor(norm)
 
 
 @dataclasses.dataclass
@@ -114,7 +114,7 @@ class StepResult:
 def train_step(run: Run, it: int) -> StepResult:
     """Optimizer step `it`: gradients of its micro-batches, clipping, and the update.
 
-    With a look-ahead (exact MARS: optimizers.TrainingOptimizer.look_ahead) the NEXT step's batch goes first, at
+    With a look-ahead (exact MARS: training_optimizer.TrainingOptimizer.look_ahead) the NEXT step's batch goes first, at
     the current parameters, and its clipped gradient is kept before this step's own backward pass.
 
     A non-finite gradient norm (from a non-finite loss, or an overflow) skips the update: parameters,
@@ -123,26 +123,26 @@ def train_step(run: Run, it: int) -> StepResult:
     the next step boundary (a signal, a save the clock asks for: run_dir.RunDir.requests) are agreed on the way
     (parallel.Parallelism.read_agreed).
     """
-    cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
+    cfg, optimizer = run.cfg, run.optimizer
     optimizer.set_lr(it)
     norms = []
     if optimizer.look_ahead is not None:
         forward_backward(run, it + 1)
-        optimizer.unscale(scaler, look_ahead=True)
+        optimizer.unscale(look_ahead=True)
         norms.append(clip_gradients(run))
         optimizer.keep_look_ahead_gradient()
         optimizer.zero_grad()
     loss = forward_backward(run, it)
-    optimizer.unscale(scaler)
+    optimizer.unscale()
     norms.append(clip_gradients(run))
     norm_values, agreed = run.parallel.read_agreed(torch.stack(norms), run.directory.requests())  # the step's sync
     run.directory.agree(agreed)
     grad_norm = norm_values[-1]
     skipped = not all(math.isfinite(n) for n in norm_values)
     if skipped:
-        optimizer.skip(scaler, own_gradient_finite=math.isfinite(grad_norm))
+        optimizer.skip(own_gradient_finite=math.isfinite(grad_norm))
     else:
-        optimizer.step(scaler)
+        optimizer.step()
     optimizer.zero_grad()
     clipped = not skipped and cfg.grad_clip > 0 and grad_norm > cfg.grad_clip
     non_finite = non_finite_norms(norm_values) if skipped else ""
@@ -200,7 +200,7 @@ def log_train(run: Run, progress: Progress, window: LogWindow, result: StepResul
         loss = run.parallel.all_reduce_sum(window.loss_sum / window.losses) / run.dist.world_size
     state_norms, param_norm = run.optimizer.state_norms(), None
     if run.parallel.norms_are_collective or run.dist.is_master:
-        param_norm = run.parallel.whole(torch.nn.utils.get_total_norm(list(run.model.parameters())))
+        param_norm = run.parallel.full_tensor(torch.nn.utils.get_total_norm(list(run.model.parameters())))
     if not run.dist.is_master:
         return
     step_s = (time.perf_counter() - window.t0) / window.steps
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None, signals: StopSignals | None = None) -> i
         if cfg.dry_run:
             return memory_plan.dry_run(cfg)
         dist_info = setup_distributed(cfg)
-        directory = RunDir(cfg, dist_info, signals, argv)
+        directory = launch.open_directory(cfg, dist_info, signals, argv)
         run, progress, _ = setup(cfg, dist_info, directory)
         if dist_info.is_master:
             launch.describe(run, progress)

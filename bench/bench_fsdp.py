@@ -534,9 +534,9 @@ def exchange_worker(rank, world, store, report):
     from allocator import allocator_peak
 
     from marsgpt import fsdp
-    from marsgpt.optimizers import build_optimizer
     from marsgpt.parallel import Parallelism
     from marsgpt.runtime import Dist
+    from marsgpt.training_optimizer import build_optimizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -555,7 +555,7 @@ def exchange_worker(rank, world, store, report):
         cfg, model_args = xl_model_args(optimizer, XL_SCALE)
         torch.manual_seed(0)
         model = fsdp.shard_model(GPT(GPTConfig(**model_args)), fsdp.device_mesh("cpu", world, 1))
-        opt = build_optimizer(model, cfg, Parallelism(Dist(ddp=True, rank=rank, world_size=world), zero_stage=3))
+        opt = build_optimizer(model, cfg, Parallelism(Dist(torchrun=True, rank=rank, world_size=world), zero_stage=3))
         for group in opt.param_groups:
             group["exchange_bucket_mib"] = (bucket_mib or mars_sharded.BUCKET_MIB) / XL_SCALE**2
         x = torch.randint(0, model_args["vocab_size"], (1, 16))

@@ -21,7 +21,7 @@ import math
 import torch
 
 from mars_sharded import map_whole_tensors
-from marsgpt.optimizers import closure_loss
+from marsgpt.optim_protocol import closure_loss
 
 
 def device_mesh(device_type, world_size, replicas):
@@ -89,7 +89,7 @@ def no_gradient_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def whole(tensor):
+def full_tensor(tensor):
     """A DTensor's whole value on every rank (a norm's Replicate result: nothing to send), else the tensor."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 

@@ -32,9 +32,9 @@ from marsgpt.compile_cache import CompileCache
 from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
 from marsgpt.memory_plan import MemoryPlan, plan_memory
 from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
-from marsgpt.optimizers import OPTIMIZERS, Registry, TrainingOptimizer, build_optimizer
+from marsgpt.optimizers import OPTIMIZERS, Registry
 from marsgpt.parallel import Parallelism
-from marsgpt.run_dir import RunDir, RunDirError, RunStopped, Start
+from marsgpt.run_dir import RunDir, RunDirError, RunStopped, Start, StopSignals
 from marsgpt.runtime import (
     Dist,
     SetupError,
@@ -47,6 +47,7 @@ from marsgpt.runtime import (
     setup_precision,
 )
 from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
+from marsgpt.training_optimizer import TrainingOptimizer, build_optimizer
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
 
 # The errors a user's input, a missing or damaged file or an unusable out_dir can cause: each is one `error:`
@@ -90,8 +91,7 @@ class Run:
     train_model: torch.nn.Module  # what the training forward goes through: the model, or DDP's wrapper of it
     compiled: bool  # torch.compile: each block and the loss (model.GPT.compile_blocks)
     model_args: dict
-    optimizer: TrainingOptimizer
-    scaler: torch.amp.GradScaler
+    optimizer: TrainingOptimizer  # and the GradScaler (float16's loss scaling) with it
     autocast: contextlib.AbstractContextManager
     train_data: TokenData
     val_batches: list  # this rank's share of the fixed evaluation windows
@@ -104,12 +104,20 @@ class Run:
     memory_plan: MemoryPlan | None = None  # rank 0's, printed by describe()
 
 
+def open_directory(
+    cfg: TrainConfig, dist_info: Dist, signals: StopSignals | None = None, argv: list[str] | None = None
+) -> RunDir:
+    """The run's out_dir, not yet held (setup holds it): the one place a RunDir is made. `signals`: the stop signals
+    train.py's command line took over; `argv`: its arguments, for the command a stopped run prints."""
+    return RunDir(cfg, dist_info, signals, argv)
+
+
 def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) -> tuple[Run, Progress, bool]:
     """(Run, Progress, resumed): everything checked and built, and a resumed run's every part restored, before the
-    first change to out_dir (`directory`, a run_dir.RunDir, held; main's handles the stop signals); nothing
-    trained yet."""
+    first change to out_dir (`directory`: open_directory's, held here; by default one without stop signals taken
+    over); nothing trained yet."""
     parallel = Parallelism.of(cfg, dist_info)
-    directory = directory or RunDir(cfg, dist_info)
+    directory = directory or open_directory(cfg, dist_info)
     train_data, val_data, vocab_size = agree(dist_info, lambda: load_data(cfg), USER_ERRORS)
     cfg, start, ckpt = resolve_run(cfg, dist_info, directory, train_data.vocabulary, parallel)
     hellaswag_examples = setup_hellaswag(cfg, train_data, dist_info)
@@ -127,8 +135,7 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
         train_model=parallel.wrap(model, compile_model, resolve_dtype(cfg.dtype, dist_info.device_type)),
         compiled=compile_model,
         model_args=model_args,
-        optimizer=build_optimizer(model, cfg, parallel),
-        scaler=scaler,
+        optimizer=build_optimizer(model, cfg, parallel, scaler=scaler),
         autocast=autocast,
         train_data=train_data,
         val_batches=eval_windows(cfg, val_data, dist_info),
@@ -151,7 +158,7 @@ def setup(cfg: TrainConfig, dist_info: Dist, directory: RunDir | None = None) ->
     parts = dict(
         model=checkpoint_parts.ModelState(model, parallel.place_state, checkpoint.checkpoint_path(cfg.out_dir)),
         optimizer=run.optimizer,
-        scaler=checkpoint_parts.ScalerState(scaler),
+        scaler=run.optimizer.scaler_part,
         rng=RNGState(dist_info.rank, dist_info.world_size, gather_rng(dist_info)),
         progress=progress,
         log_window=run.window,
@@ -434,7 +441,7 @@ def gather_rng(dist_info: Dist) -> Callable | None:
 
 def gather_by_rank(dist_info: Dist) -> Callable | None:
     """A function from this rank's value to every rank's, in rank order (a collective), under DDP; else None."""
-    if not dist_info.ddp:
+    if not dist_info.torchrun:
         return None
 
     def gather(value):

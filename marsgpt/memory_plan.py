@@ -22,10 +22,10 @@ import typing
 
 import torch
 
-from marsgpt.optimizers import build_optimizer
 from marsgpt.parallel import Parallelism
 from marsgpt.runtime import resolve_compile, resolve_dtype
 from marsgpt.tokens import DataError, TokenData
+from marsgpt.training_optimizer import build_optimizer
 from model import (
     GPT,
     GPT2_VOCAB_SIZE,
@@ -68,7 +68,7 @@ class OptimizerLayout:
 
 def optimizer_layout(cfg, model_args):
     """Build the model on the meta device, take one optimizer step there as training takes it (exact MARS's
-    look-ahead too), and record each parameter's state (optimizers.TrainingOptimizer.parameter_layout)."""
+    look-ahead too), and record each parameter's state (training_optimizer.TrainingOptimizer.parameter_layout)."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**model_args))
     optimizer = build_optimizer(model, cfg, Parallelism.single("meta"))
@@ -777,7 +777,7 @@ def plan_memory(cfg, dist_info, model_args):
         dtype=dtype,
         gpu_name=name,
         device_type=dist_info.device_type,
-        torchrun=dist_info.ddp,
+        torchrun=dist_info.torchrun,
     )
 
 

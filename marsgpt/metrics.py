@@ -313,7 +313,7 @@ class TrainLine:
     tokens_per_sec: float
     step_s: float  # the window's seconds per step
     mfu: tuple  # (PaLM's, llm.c's) model FLOPs utilisation as fractions, each None off a GPU of known peak
-    state_norms: dict  # {name: value}: the optimizer's (optimizers.TrainingOptimizer.state_norms)
+    state_norms: dict  # {name: value}: the optimizer's (training_optimizer.TrainingOptimizer.state_norms)
 
     def record(self) -> dict:
         mfu, mfu_llmc = (None if m is None else m * 100 for m in self.mfu)

@@ -1,4 +1,5 @@
-"""The optimizers train.py offers, one registry entry each, and the optimizer object a trainer holds.
+"""The optimizers train.py offers, one registry entry each: the catalogue the configuration and the trainer look
+an optimizer up in. Importing it loads no torch: parsing a configuration reads it.
 
 OPTIMIZERS holds an OptimizerEntry per optimizer, each selected by one name, the configuration's `optimizer`:
 mars-adamw, mars-lion, mars-shampoo, mars-m, adamw, muon and moonlight. An entry is all the other modules know
@@ -7,13 +8,7 @@ settings), its factory, what it adds to a step (exact MARS's look-ahead), the st
 one-line description, and how the paper's reference code names it (optimizer_name=mars with mars_type=mars-m:
 config.py takes those keys too, through Registry.from_reference_keys). No other module names an optimizer or
 tests its class: adding an optimizer is an entry here (and its keys in config.TrainConfig if it reads new ones)
-with its tests.
-
-build_optimizer looks the configuration's entry up (the one place that does) and returns a TrainingOptimizer,
-torchtitan's OptimizersContainer for this trainer: the torch optimizer the entry built, each torch optimizer in it
-placed by the run's parallelism (marsgpt/parallel.py: ZeRO-1 shards its state, FSDP2 steps its rows), with what
-a step and a checkpoint need of it -- the schedule (set_lr), exact MARS's look-ahead, a GradScaler's step or skip,
-the state norms, and a state_dict whose load_state_dict re-applies the configuration.
+with its tests. The optimizer object a run holds is built from an entry by marsgpt/training_optimizer.py.
 
 Each optimizer is built as the paper's reference code builds it (AGI-Arena/MARS at 4831e28):
 
@@ -33,226 +28,18 @@ moonlight -- MARS-M's baseline, as MARS_M/train_moonlight.py: torch.optim.Muon (
          chained with AdamW (betas_1d) on the rest, both at learning_rate and weight_decay.
 
 Every hyperparameter the configuration sets is written into the groups, at construction and again after a
-resume's load_state_dict (group_hyperparameters). Each group keeps its peak lr as 'initial_lr'; set_lr(it)
-applies the schedule (scheduled_lr) to every group.
-
-Parsing a configuration reads this module (config.TrainConfig's optimizer key and its checks), and that must not
-load torch: what builds or steps an optimizer imports torch, mars.py and model.py where it runs. The machinery is
-any trainer's, through plain arguments: Registry, OptimizerEntry, build_optimizer, ChainedOptimizer
-(vision/train_cifar.py has a Registry of its own).
+resume's load_state_dict (group_hyperparameters). Each group keeps its peak lr as 'initial_lr'; scheduled_lr
+gives the schedule. What builds an optimizer imports torch, mars.py and model.py where it runs. The machinery
+is any trainer's, through plain arguments: Registry and OptimizerEntry (vision/train_cifar.py has a Registry of
+its own).
 """
 
-from __future__ import annotations
-
-import collections
 import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: importing torch here would load it for every configuration parsed
-    import torch
-
-    from marsgpt.parallel import Parallelism
-
-# ---------------------------------------------------------------------------------------------------
-# The optimizer a trainer holds.
-
-
-class TrainingOptimizer:
-    """The optimizer of a run: the torch optimizer its registry entry built over the model's parameter groups
-    (`torch_optimizer`: one, a ChainedOptimizer of several, each placed by `parallel`), and what a training step,
-    the train line, the memory plan and a checkpoint need of it."""
-
-    def __init__(self, entry: OptimizerEntry, torch_optimizer: object, cfg: object, parallel: Parallelism):
-        self.entry, self.torch_optimizer, self.cfg, self.parallel = entry, torch_optimizer, cfg, parallel
-        # exact MARS: the MARS that takes the look-ahead gradient (this rank's share's under ZeRO-1), else None
-        self.look_ahead = parallel.rank_share(torch_optimizer) if entry.look_ahead(cfg) else None
-
-    @property
-    def param_groups(self) -> list:
-        return self.torch_optimizer.param_groups
-
-    @property
-    def state(self) -> dict:
-        """The state this rank holds (its share's under ZeRO-1)."""
-        return self.torch_optimizer.state
-
-    @property
-    def optimizers(self) -> list:
-        """The torch optimizers inside, each over its own parameters (a chain's, in order; else the one)."""
-        inner = self.torch_optimizer
-        return list(inner.optimizers) if isinstance(inner, ChainedOptimizer) else [inner]
-
-    @property
-    def label(self) -> str:
-        """The run's optimizer in a few words (the memory plan's first line)."""
-        return self.entry.label(self.cfg)
-
-    @property
-    def lr(self) -> float:
-        """The first group's lr as the schedule set it last (the train line's)."""
-        return self.param_groups[0]["lr"]
-
-    def set_lr(self, it: int) -> None:
-        """Every group's lr at iteration `it`: the schedule from its 'initial_lr'."""
-        for group in self.param_groups:
-            group["lr"] = scheduled_lr(it, self.cfg, group["initial_lr"])
-
-    def zero_grad(self) -> None:
-        """Clear the gradients as the parallelism keeps them: in place under DDP (its buckets), else to None."""
-        self.torch_optimizer.zero_grad(set_to_none=self.parallel.gradients_to_none)
-
-    def unscale(self, scaler: torch.amp.GradScaler, look_ahead: bool = False) -> None:
-        """Divide the gradients by the GradScaler's loss scale (float16). The step's own through scaler.unscale_,
-        which records the infs it finds for scaler.step; the look-ahead's by hand, since unscale_ may run only once
-        between two updates and the step's own gradient needs it."""
-        if not look_ahead:
-            scaler.unscale_(self.torch_optimizer)
-        elif scaler.is_enabled():
-            inverse_scale = 1.0 / scaler.get_scale()
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(inverse_scale)
-
-    def keep_look_ahead_gradient(self) -> None:
-        """Exact MARS: the gradient just computed (the next step's batch at the current parameters, unscaled and
-        clipped) becomes the look-ahead (mars.MARS.update_previous_grad)."""
-        self.look_ahead.update_previous_grad()
-
-    def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
-        """One update as training makes it: through the GradScaler when there is one (it skips a step whose
-        gradients hold an inf and adjusts the loss scale), then exact MARS's update_last_grad: the look-ahead
-        becomes g_{t-1} of the next step's correction."""
-        if scaler is None:
-            self.torch_optimizer.step()
-        else:
-            scaler.step(self.torch_optimizer)
-            scaler.update()
-        if self.look_ahead is not None:
-            self.look_ahead.update_last_grad()
-
-    def skip(self, scaler: torch.amp.GradScaler, own_gradient_finite: bool) -> None:
-        """A step not taken (a non-finite gradient norm): parameters, state and MARS's last gradient stay as they
-        were. Under float16 the loss scale still falls, as scaler.step would lower it. The scaler sees the step's
-        own gradient only: when the look-ahead's alone overflowed (`own_gradient_finite`), the scale is lowered
-        here, or the next step's look-ahead would overflow at the same scale and the run stop at max_bad_steps."""
-        if not scaler.is_enabled():
-            return
-        if own_gradient_finite:
-            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
-        else:
-            scaler.update()
-
-    def state_norms(self) -> dict:
-        """The norms of the state the train line logs ({metrics name: 0-d tensor}, the entry's state_norms).
-        Where the state is sharded every rank adds its share (a collective: every rank calls this); else rank 0's
-        is the whole, and the other ranks get {}."""
-        if self.parallel.state_is_sharded or self.parallel.dist.is_master:
-            return self.entry.state_norms(self.torch_optimizer, self.parallel)
-        return {}
-
-    def state_dict(self) -> dict | None:
-        """The torch optimizer's state_dict (a collective under ZeRO-1: rank 0 gets it whole, the others None)."""
-        return self.torch_optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """A checkpoint's optimizer state under this run's configuration: the torch optimizer's load_state_dict
-        restores the moments, the step counts and each group's saved settings (a one-file checkpoint's whole
-        tensors placed as the parallelism holds them: FSDP2's rows); group_hyperparameters then writes the
-        configuration's settings on top, so a resume with --learning_rate=1e-4 trains at 1e-4."""
-        self.torch_optimizer.load_state_dict(self.parallel.place_state(state))
-        group_hyperparameters(self.torch_optimizer, self.entry, self.cfg)
-
-    def parameter_layout(self) -> list:
-        """For the memory plan, after a step: for each torch optimizer inside, for each of its groups, for each
-        parameter (parameter, its state, the bytes its step allocates beyond the state, whether its update runs
-        Newton-Schulz on the whole matrix -- under FSDP2 at one owner rank: torch's Muon, MARS-Shampoo's and
-        MARS-M's matrices)."""
-        import torch
-
-        import mars
-
-        def facts(opt, group, p):
-            state = opt.state[p]
-            # MARS computes c_t in last_grad's buffer; a last_grad stored in another dtype than the parameter's gives
-            # c_t a buffer of its own during the step (mars.MARS's corrected gradients)
-            last_grad = state.get("last_grad")
-            own_buffer = last_grad is not None and last_grad.dtype != p.dtype
-            newton_schulz = isinstance(opt, torch.optim.Muon) or (
-                isinstance(opt, mars.MARS) and mars.update_rule(p, group) in mars.NEWTON_SCHULZ_RULES
-            )
-            return p, state, p.numel() * p.element_size() * own_buffer, newton_schulz
-
-        return [
-            [[facts(opt, group, p) for p in group["params"]] for group in opt.param_groups] for opt in self.optimizers
-        ]
-
-
-def build_optimizer(
-    model: object, cfg: object, parallel: object, registry: Registry | None = None
-) -> TrainingOptimizer:
-    """The optimizer cfg names in `registry` (train.py's OPTIMIZERS by default) over model's trainable parameters
-    (on their device), each torch optimizer in it placed by the run's parallelism (parallel.Parallelism). Every
-    group is named and holds cfg's settings and its peak lr as 'initial_lr' (the schedule's start)."""
-    entry = (registry or OPTIMIZERS).entry(cfg)
-    settings = entry.group_settings(cfg)
-    parts = entry.split(model, cfg)
-    _check_split(entry, model, parts)
-    groups = [
-        dict(params=params, name=name, **values, initial_lr=values["lr"])
-        for (name, values), params in zip(settings.items(), parts, strict=True)
-    ]
-    return TrainingOptimizer(entry, entry.build(groups, cfg, parallel), cfg, parallel)
-
-
-def closure_loss(closure: Callable | None) -> object:
-    """torch.optim's step(closure) protocol: the loss closure() returns, computed with gradients on."""
-    if closure is None:
-        return None
-    import torch
-
-    with torch.enable_grad():
-        return closure()
-
-
-class ChainedOptimizer:
-    """Several torch optimizers over disjoint parameters, driven as one (state_dict holds each)."""
-
-    def __init__(self, *optimizers):
-        self.optimizers = list(optimizers)
-
-    @property
-    def param_groups(self) -> list:
-        # Recomputed on each access: load_state_dict replaces the group dicts inside each optimizer.
-        return [group for opt in self.optimizers for group in opt.param_groups]
-
-    @property
-    def state(self) -> dict:
-        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
-
-    def step(self, closure: Callable | None = None) -> object:
-        loss = closure_loss(closure)
-        for opt in self.optimizers:
-            opt.step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict["optimizers"]
-        if len(saved) != len(self.optimizers):
-            raise ValueError(f"state_dict holds {len(saved)} optimizers, this one chains {len(self.optimizers)}")
-        for opt, sd in zip(self.optimizers, saved):
-            opt.load_state_dict(sd)
-
+from marsgpt.optim_protocol import ChainedOptimizer
 
 # ---------------------------------------------------------------------------------------------------
 # The registry: a trainer's optimizers, each an entry that says everything about it.
@@ -262,7 +49,7 @@ def no_look_ahead(cfg: object) -> bool:
     return False
 
 
-def no_state_norms(optimizer: object, parallel: Parallelism) -> dict:
+def no_state_norms(optimizer: object, parallel: object) -> dict:
     return {}
 
 
@@ -277,8 +64,8 @@ class OptimizerEntry:
 
     Its parameter groups have names, by which a resume pairs a checkpoint's groups with group_settings(cfg);
     split(model, cfg) returns each group's parameters in the order of those names, and build(groups, cfg,
-    parallel) makes the optimizer over the groups, each torch optimizer inside through parallel.make (so ZeRO-1
-    and FSDP2 place it: marsgpt/parallel.py).
+    parallel) makes the optimizer over the groups, each torch optimizer inside through parallel.place_optimizer
+    (so ZeRO-1 and FSDP2 place it: marsgpt/parallel.py).
     """
 
     name: str  # the value of its Registry's key that selects it
@@ -371,21 +158,6 @@ class Registry:
             if all(keys.get(key, value) == value for key, value in entry.reference_keys.items()):
                 return entry.name
         raise ValueError(f"no optimizer here is named {', '.join(f'{k}={v!r}' for k, v in given.items())}")
-
-
-def _check_split(entry, model, parts):
-    """Every trainable parameter of model in exactly one of the parts, and no tensor that is not model's."""
-    counts = collections.Counter(id(p) for part in parts for p in part)
-    named = list(model.named_parameters())  # a tied tensor once
-    missing = [name for name, p in named if p.requires_grad and not counts[id(p)]]
-    repeated = [name for name, p in named if counts[id(p)] > 1]
-    foreign = counts.keys() - {id(p) for _, p in named}
-    if missing or repeated or foreign:
-        raise ValueError(
-            f"{entry.name}'s parameter groups must hold every trainable parameter once: missing "
-            f"{missing or 'none'}; in more than one group {repeated or 'none'}; {len(foreign)} tensors not the "
-            "model's"
-        )
 
 
 def group_hyperparameters(optimizer: object, entry: OptimizerEntry, cfg: object) -> None:
@@ -557,7 +329,7 @@ def _mars(groups, cfg, parallel, rule, **options):
 
     from mars import MARS
 
-    return parallel.make(
+    return parallel.place_optimizer(
         MARS,
         groups,
         is_approx=cfg.is_approx,
@@ -577,7 +349,7 @@ def _mars_with_1d_option(groups, cfg, parallel, rule):
 def _adamw(groups, cfg, parallel):
     import torch
 
-    return parallel.make(torch.optim.AdamW, groups, fused=parallel.device_type == "cuda")
+    return parallel.place_optimizer(torch.optim.AdamW, groups, fused=parallel.device_type == "cuda")
 
 
 def _muon(groups, cfg, parallel):
@@ -588,7 +360,7 @@ def _muon(groups, cfg, parallel):
     # sqrt(max(1, rows/cols)): torch's adjust_lr_fn="original". Its other differences from torch's Muon
     # are in the README's note.
     return ChainedOptimizer(
-        parallel.make(torch.optim.Muon, [muon], momentum=0.95, nesterov=True, adjust_lr_fn="original"),
+        parallel.place_optimizer(torch.optim.Muon, [muon], momentum=0.95, nesterov=True, adjust_lr_fn="original"),
         _adamw([adamw], cfg, parallel),
     )
 
@@ -600,7 +372,7 @@ def _moonlight(groups, cfg, parallel):
     # The reference Moonlight sums its momentum where torch's averages it; Newton-Schulz normalises that
     # factor away (tests/test_optimizers.py holds the two to each other).
     return ChainedOptimizer(
-        parallel.make(torch.optim.Muon, [muon], nesterov=True, adjust_lr_fn="match_rms_adamw"),
+        parallel.place_optimizer(torch.optim.Muon, [muon], nesterov=True, adjust_lr_fn="match_rms_adamw"),
         _adamw([adamw], cfg, parallel),
     )
 

@@ -52,7 +52,7 @@ class Parallelism:
     def planned(cls, cfg: TrainConfig, world_size: int, torchrun: bool) -> "Parallelism":
         """cfg's run on world_size ranks, launched by torchrun or not, as the memory plan sees it: no process group,
         nothing placed on a device."""
-        planned = Dist(ddp=torchrun, world_size=world_size, device="meta")
+        planned = Dist(torchrun=torchrun, world_size=world_size, device="meta")
         return cls(planned, cfg.zero_stage, cfg.hsdp_replicas, cfg.gradient_sync)
 
     @classmethod
@@ -75,7 +75,7 @@ class Parallelism:
     def shards_parameters(self) -> bool:
         """FSDP2: zero_stage=3 under torchrun (any number of ranks). One process without torchrun has no process
         group to shard over: zero_stage=3 then trains the whole model, as zero_stage=1."""
-        return self.zero_stage == 3 and self.dist.ddp
+        return self.zero_stage == 3 and self.dist.torchrun
 
     @property
     def state_is_sharded(self) -> bool:
@@ -107,7 +107,7 @@ class Parallelism:
             return fsdp.shard_model(model, self.mesh, policies, compile_blocks=compile_model)
         if compile_model:
             model.compile_blocks()
-        return wrap_ddp(model, self.dist) if self.dist.ddp else model
+        return wrap_ddp(model, self.dist) if self.dist.torchrun else model
 
     def gradients_stay_local(self, train_model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """The context of a micro-batch before a step's last: its gradients add up on this rank, unreduced. DDP's
@@ -115,18 +115,18 @@ class Parallelism:
         micro-batch, keeping the gradients sharded); nothing to keep in one process."""
         if self.shards_parameters:
             return fsdp.no_gradient_sync(train_model) if self.gradient_sync == "step" else contextlib.nullcontext()
-        return train_model.no_sync() if self.dist.ddp else contextlib.nullcontext()
+        return train_model.no_sync() if self.dist.torchrun else contextlib.nullcontext()
 
     @property
     def gradients_to_none(self) -> bool:
         """How zero_grad clears the gradients: in place under DDP (they are views of its buckets, see wrap_ddp),
         else set to None, which frees them until the backward pass needs them again."""
-        return not self.dist.ddp or self.shards_parameters
+        return not self.dist.torchrun or self.shards_parameters
 
-    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """A DTensor's whole value on every rank (a norm of FSDP2's sharded tensors, which is Replicate: nothing to
         send), else the tensor."""
-        return fsdp.whole(tensor) if self.shards_parameters else tensor
+        return fsdp.full_tensor(tensor) if self.shards_parameters else tensor
 
     @property
     def norms_are_collective(self) -> bool:
@@ -139,7 +139,7 @@ class Parallelism:
         `flags` max-reduced over the ranks on the way, so every rank has the same flags after the same step: both
         as lists. Under torchrun the flags ride on one all-reduce of len(flags) numbers (0.6 ms per step on 2 gloo
         ranks, docs/training.md)."""
-        if not self.dist.ddp:
+        if not self.dist.torchrun:
             return values.tolist(), list(flags)
         agreed = torch.tensor(flags, device=values.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -148,7 +148,7 @@ class Parallelism:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over every rank, in place (itself in one process)."""
-        if self.dist.ddp:
+        if self.dist.torchrun:
             dist.all_reduce(tensor)
         return tensor
 
@@ -166,7 +166,7 @@ class Parallelism:
 
     # --- the optimizer
 
-    def make(self, optimizer_class: type, groups: list, **options: object) -> object:
+    def place_optimizer(self, optimizer_class: type, groups: list, **options: object) -> object:
         """optimizer_class over `groups` as this run places it: a ShardedOptimizer of it under ZeRO-1, its
         owner-computing class under FSDP2 where it has one (fsdp.OWNER_CLASSES), else itself."""
         if self.shards_optimizer_state:
@@ -175,8 +175,9 @@ class Parallelism:
             optimizer_class = fsdp.OWNER_CLASSES.get(optimizer_class, optimizer_class)
         return optimizer_class(groups, **options)
 
-    def rank_share(self, optimizer: object) -> object:
-        """The torch optimizer make() made that holds this rank's state: ZeRO-1's share of it, else itself."""
+    def local_optimizer(self, optimizer: object) -> object:
+        """The torch optimizer that holds this rank's state in one place_optimizer made: ZeRO-1's share of it, else
+        itself."""
         return optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer
 
     def local_shards(self, tensors: list) -> list:

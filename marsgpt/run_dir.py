@@ -431,7 +431,7 @@ class RunDir:
 
     def __init__(self, cfg, dist_info, signals=None, argv=None):
         self.cfg, self.dist = cfg, dist_info
-        self.continue_advice = continue_advice(argv, cfg.init_from, launched_by_torchrun=dist_info.ddp)
+        self.continue_advice = continue_advice(argv, cfg.init_from, launched_by_torchrun=dist_info.torchrun)
         self.path = cfg.out_dir
         self.lock = None  # rank 0's, from start()
         self.created = False  # out_dir was made by this launch (removed again if it ends empty)

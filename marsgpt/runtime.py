@@ -31,7 +31,7 @@ class SetupError(ValueError):
 
 @dataclasses.dataclass
 class Dist:
-    ddp: bool = False  # launched by torchrun (even with one process)
+    torchrun: bool = False  # launched by torchrun (even with one process): a process group of the ranks
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -46,7 +46,7 @@ class Dist:
         return self.rank == 0
 
 
-def resolve_device(device, ddp=False, local_rank=0):
+def resolve_device(device, torchrun=False, local_rank=0):
     """The torch device string a rank runs on: 'cpu', 'mps' or 'cuda:<index>'.
 
     'auto' is CUDA when present. Under torchrun each rank takes cuda:LOCAL_RANK, so an explicit
@@ -63,7 +63,7 @@ def resolve_device(device, ddp=False, local_rank=0):
         return device
     if not torch.cuda.is_available():
         raise SetupError(f"device={device!r} but CUDA is not available; use --device=cpu")
-    if ddp:
+    if torchrun:
         if device != "cuda":
             raise SetupError(
                 f"device={device!r} under torchrun: each rank uses cuda:LOCAL_RANK; give --device=cuda and "
@@ -92,10 +92,10 @@ def setup_distributed(cfg):
             f"across all ranks) is not divisible by the world size {world_size}; use a multiple "
             f"of {world_size} or a different number of processes"
         )
-    ddp = "RANK" in os.environ
+    torchrun = "RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(cfg.device, ddp, local_rank)
+    device = resolve_device(cfg.device, torchrun, local_rank)
     if device.startswith("cuda"):
         use_expandable_segments()
         if cfg.deterministic:
@@ -107,8 +107,8 @@ def setup_distributed(cfg):
         note = choose_cpu_threads()
         if note and rank == 0:
             print(note, flush=True)
-    info = Dist(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    if ddp:
+    info = Dist(torchrun=torchrun, rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    if torchrun:
         backend = cfg.backend
         if backend == "auto":
             backend = "nccl" if info.device_type == "cuda" else "gloo"
@@ -132,13 +132,13 @@ def is_collective_timeout(error: BaseException, dist_info: Dist | None) -> bool:
     """Whether `error` is a gloo collective that waited ddp_timeout_s in vain. (A timed-out NCCL collective never
     raises one: its watchdog ends the process, as setup_distributed chooses; docs/training.md says why.)"""
     timed_out = isinstance(error, RuntimeError) and "timed out" in str(error).lower()
-    return timed_out and dist_info is not None and dist_info.ddp
+    return timed_out and dist_info is not None and dist_info.torchrun
 
 
 def leave_process_group(dist_info: Dist | None, timed_out: bool) -> None:
     """Destroy the process group a torchrun launch joined, unless a collective timed out: then it cannot be torn
     down (destroying it waits on the dead peer) and exit_process leaves at once."""
-    if dist_info is not None and dist_info.ddp and dist.is_initialized() and not timed_out:
+    if dist_info is not None and dist_info.torchrun and dist.is_initialized() and not timed_out:
         dist.destroy_process_group()
 
 
@@ -360,7 +360,7 @@ def agree(dist_info, fn, errors):
         result, failure = fn(), None
     except errors as e:
         result, failure = None, str(e)
-    if not dist_info.ddp:
+    if not dist_info.torchrun:
         if failure is not None:
             raise SetupError(failure)
         return result
@@ -375,7 +375,7 @@ def agree(dist_info, fn, errors):
 
 def decide_on_master(dist_info, fn, errors):
     """fn() on rank 0 only, its result (or its error, as SetupError) on every rank."""
-    if not dist_info.ddp:
+    if not dist_info.torchrun:
         return agree(dist_info, fn, errors)
     outcome = [None, None]
     if dist_info.is_master:

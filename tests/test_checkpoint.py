@@ -138,7 +138,7 @@ def test_a_checkpoint_with_two_copies_of_the_tied_matrix_still_loads_tied(tmp_pa
 def test_the_copy_shares_storage_exactly_where_the_training_state_does(optimizer):
     """The model's tie is kept; the optimizer's state (which never aliases a parameter) stays apart."""
     from marsgpt.config import TrainConfig
-    from marsgpt.optimizers import build_optimizer
+    from marsgpt.training_optimizer import build_optimizer
 
     model = tied_gpt()
     cfg = dataclasses.replace(TrainConfig(), optimizer=optimizer, n_layer=1, n_head=2, n_embd=32)

@@ -72,7 +72,12 @@ def documented_step(run, it):
     and kept as the look-ahead; then the step's own gradient, unscaled by the scaler and clipped. A step
     with a non-finite norm is skipped, and the scaler still updates its scale (it lowers it when the step's
     own gradient overflowed), as scaler.step and scaler.update would."""
-    cfg, optimizer, scaler, mars = run.cfg, run.optimizer.torch_optimizer, run.scaler, run.optimizer.look_ahead
+    cfg, optimizer, scaler, mars = (
+        run.cfg,
+        run.optimizer.torch_optimizer,
+        run.optimizer.scaler,
+        run.optimizer.look_ahead,
+    )
     parameters = list(run.model.parameters())
     run.optimizer.set_lr(it)
     train.forward_backward(run, it + 1)
@@ -106,13 +111,13 @@ def test_train_step_is_the_documented_float16_exact_mars_protocol(data_path, tmp
         request.addfinalizer(run.metrics.close)
         runs.append(run)
     ours, documented = runs
-    assert ours.scaler.is_enabled() and ours.optimizer.look_ahead is not None
+    assert ours.optimizer.scaler.is_enabled() and ours.optimizer.look_ahead is not None
     skipped = []
     for it in range(20):
         result = train.train_step(ours, it)
         assert result.skipped == documented_step(documented, it), it
         skipped.append(result.skipped)
-        assert ours.scaler.state_dict() == documented.scaler.state_dict(), it
+        assert ours.optimizer.scaler.state_dict() == documented.optimizer.scaler.state_dict(), it
         for p, q in zip(ours.model.parameters(), documented.model.parameters(), strict=True):
             assert torch.equal(p, q), it
         for p, q in zip(ours.model.parameters(), documented.model.parameters(), strict=True):
@@ -120,7 +125,7 @@ def test_train_step_is_the_documented_float16_exact_mars_protocol(data_path, tmp
                 expected = documented.optimizer.state[q][key]
                 torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True, msg=f"{key} at {it}")
     assert skipped[0] and not skipped[-1]  # overflows at the initial scale, then steps
-    assert ours.scaler.get_scale() < INITIAL_SCALE
+    assert ours.optimizer.scaler.get_scale() < INITIAL_SCALE
 
 
 def test_an_overflow_in_the_look_ahead_alone_lowers_the_loss_scale(data_path, tmp_path, request, monkeypatch):
@@ -143,8 +148,8 @@ def test_an_overflow_in_the_look_ahead_alone_lowers_the_loss_scale(data_path, tm
         return loss
 
     monkeypatch.setattr(train, "forward_backward", overflowing_look_ahead)
-    scale = run.scaler.get_scale()
+    scale = run.optimizer.scaler.get_scale()
     result = train.train_step(run, it + 1)
     assert result.skipped and result.non_finite == "look-ahead gradient norm inf"
-    assert run.scaler.get_scale() == scale * run.scaler.get_backoff_factor()
+    assert run.optimizer.scaler.get_scale() == scale * run.optimizer.scaler.get_backoff_factor()
     assert not train.train_step(run, it + 2).skipped

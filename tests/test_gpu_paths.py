@@ -96,7 +96,7 @@ def test_a_torchrun_rank_on_a_gpu_node_joins_nccl_on_its_own_gpu(gpu_machine, mo
     info = runtime.setup_distributed(
         TrainConfig(device="auto", ddp_timeout_s=45, gradient_accumulation_steps=32, deterministic=True)
     )
-    assert (info.device, info.rank, info.world_size, info.ddp) == ("cuda:5", 13, 16, True)
+    assert (info.device, info.rank, info.world_size, info.torchrun) == ("cuda:5", 13, 16, True)
     assert calls.set_device == ["cuda:5"] and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     (init,) = calls.init
     assert init["backend"] == "nccl" and init["device_id"] == torch.device("cuda:5")
@@ -290,7 +290,7 @@ def compiled_ddp_rank(rank, rendezvous_env, backend, data_path, out_dir, report_
         eval_iters=2,
         compile=True,
     )
-    run, progress, _ = train.setup(cfg, runtime.Dist(ddp=True, rank=rank, world_size=2, device="cpu"))
+    run, progress, _ = train.setup(cfg, runtime.Dist(torchrun=True, rank=rank, world_size=2, device="cpu"))
     start = time.perf_counter()
     train.train_step(run, 0)
     train.evaluate(run, run.val_batches)

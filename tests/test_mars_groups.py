@@ -205,13 +205,13 @@ def test_the_trainers_numbers_are_bit_identical_to_the_previous_mars(monkeypatch
     """The trainer's groups (marsgpt.optimizers: weight_decay_1d and lr_1d in every group), its schedule from lr 0
     (set_lr), its exact look-ahead, and a resume that writes the configuration back (load_state_dict), with the changed
     learning rates a resume may bring: every parameter and state tensor equal, bit for bit, to the previous mars.py."""
-    optimizers = pytest.importorskip("marsgpt.optimizers")
+    training_optimizer = pytest.importorskip("marsgpt.training_optimizer")
     config_module = pytest.importorskip("marsgpt.config")
     Parallelism = pytest.importorskip("marsgpt.parallel").Parallelism
     from model import GPT, GPTConfig
 
     old = previous_mars()
-    root = Path(optimizers.__file__).resolve().parents[1]
+    root = Path(training_optimizer.__file__).resolve().parents[1]
     schedule = ["--warmup_iters=2", "--lr_decay_iters=8", "--max_iters=8"]
     cfg = config_module.load_config([str(root / "config" / f"train_gpt2_small_{config}.py"), *schedule, *overrides])
     resumed = config_module.load_config(
@@ -229,13 +229,13 @@ def test_the_trainers_numbers_are_bit_identical_to_the_previous_mars(monkeypatch
         monkeypatch.setitem(sys.modules, "mars", module)  # what the trainer's optimizers import where they build
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, bias=True))
-        opt = optimizers.build_optimizer(model, cfg, Parallelism.single())
+        opt = training_optimizer.build_optimizer(model, cfg, Parallelism.single())
         settings = cfg
         for it in range(8):
             if it == 4:  # a resume: a new optimizer, the checkpoint's state, this run's settings written on top
                 saved = copy.deepcopy(opt.state_dict())
                 settings = resumed
-                opt = optimizers.build_optimizer(model, settings, Parallelism.single())
+                opt = training_optimizer.build_optimizer(model, settings, Parallelism.single())
                 opt.load_state_dict(saved)
             opt.set_lr(it)
             if opt.look_ahead is not None:

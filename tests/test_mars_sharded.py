@@ -299,16 +299,16 @@ def torch_optimizer_against_one_process(rank, world, name):
     from torch.distributed.tensor.debug import CommDebugMode
 
     from marsgpt.config import TrainConfig
-    from marsgpt.optimizers import build_optimizer
     from marsgpt.parallel import Parallelism
     from marsgpt.runtime import Dist
+    from marsgpt.training_optimizer import build_optimizer
 
     cfg = TrainConfig(optimizer=name, learning_rate=2e-2, muon_adamw_lr=1e-2, weight_decay=0.1)
     net = gpt()
     reference = copy.deepcopy(net)
     sharded = shard(net)
     opt_reference = build_optimizer(reference, cfg, Parallelism.single())
-    fsdp2 = Parallelism(Dist(ddp=True, rank=rank, world_size=world), zero_stage=3)
+    fsdp2 = Parallelism(Dist(torchrun=True, rank=rank, world_size=world), zero_stage=3)
     opt = build_optimizer(sharded, cfg, fsdp2)
     data = global_batches(STEPS, world)
     counts = None

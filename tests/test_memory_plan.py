@@ -19,8 +19,8 @@ import train
 from bench.bench_fsdp import EXCHANGES, XL_SCALE, planned_exchange
 from marsgpt import memory_plan
 from marsgpt.config import TrainConfig
-from marsgpt.optimizers import build_optimizer
 from marsgpt.parallel import Parallelism
+from marsgpt.training_optimizer import build_optimizer
 from model import GPT, GPTConfig, model_args_from_config
 
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)

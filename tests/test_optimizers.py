@@ -18,15 +18,10 @@ import mars
 from mars import MARS
 from marsgpt import optimizers
 from marsgpt.config import ConfigError, TrainConfig, load_config, print_help
-from marsgpt.optimizers import (
-    OPTIMIZERS,
-    ChainedOptimizer,
-    Registry,
-    build_optimizer,
-    group_hyperparameters,
-    scheduled_lr,
-)
+from marsgpt.optim_protocol import ChainedOptimizer
+from marsgpt.optimizers import OPTIMIZERS, Registry, group_hyperparameters, scheduled_lr
 from marsgpt.parallel import Parallelism
+from marsgpt.training_optimizer import build_optimizer
 from model import GPT, PRESETS, GPTConfig, hidden_matrix_params, matrix_params, param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

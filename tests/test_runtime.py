@@ -53,7 +53,7 @@ def test_every_launch_path_gets_a_device_with_an_index(fake_cuda, device, ddp, l
 
 def test_explicit_gpu_under_torchrun_is_refused_not_ignored(fake_cuda):
     with pytest.raises(ValueError, match=r"device='cuda:1' under torchrun: each rank uses cuda:LOCAL_RANK"):
-        runtime.resolve_device("cuda:1", ddp=True, local_rank=0)
+        runtime.resolve_device("cuda:1", torchrun=True, local_rank=0)
 
 
 def test_a_gpu_that_is_not_there_is_refused(fake_cuda, monkeypatch):
@@ -69,7 +69,7 @@ def test_single_gpu_process_sets_an_indexed_device(fake_cuda, monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     info = runtime.setup_distributed(TrainConfig(device="cuda"))
-    assert (info.device, info.ddp, fake_cuda) == ("cuda:0", False, ["cuda:0"])
+    assert (info.device, info.torchrun, fake_cuda) == ("cuda:0", False, ["cuda:0"])
 
 
 def test_nccl_process_group_is_bound_to_the_rank_s_gpu(fake_cuda, monkeypatch):
@@ -251,7 +251,7 @@ def test_deterministic_mode_turns_on_deterministic_algorithms_and_math_attention
 
 
 def test_agreement_in_one_process_raises_setup_error_with_the_message():
-    one = types.SimpleNamespace(ddp=False, is_master=True)
+    one = types.SimpleNamespace(torchrun=False, is_master=True)
     assert runtime.agree(one, lambda: 3, (ValueError,)) == 3
     with pytest.raises(runtime.SetupError, match="^bad file$"):
         runtime.agree(one, lambda: (_ for _ in ()).throw(ValueError("bad file")), (ValueError,))

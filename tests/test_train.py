@@ -18,9 +18,10 @@ from train_helpers import ROOT, diverging_from, make_char_data, tiny_args
 import train
 from bench.common import rendezvous
 from marsgpt import checkpoint, checkpoint_parts, memory_plan, runtime, shards, trained_model
-from marsgpt.optimizers import build_optimizer, scheduled_lr
+from marsgpt.optimizers import scheduled_lr
 from marsgpt.parallel import Parallelism
 from marsgpt.tokens import TokenData, write_shard
+from marsgpt.training_optimizer import build_optimizer
 from model import GPT, GPTConfig, model_args_from_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,9 +20,9 @@ from bench.common import rendezvous
 from marsgpt import memory_plan
 from marsgpt.checkpoint import cpu_copy
 from marsgpt.config import TrainConfig
-from marsgpt.optimizers import build_optimizer
 from marsgpt.parallel import Parallelism
 from marsgpt.runtime import Dist
+from marsgpt.training_optimizer import build_optimizer
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,9 @@ def config(name):
 
 def placement(cfg, rank, sharded):
     """ZeRO-1 over the WORLD_SIZE ranks (each optimizer a ShardedOptimizer), or one process's optimizer."""
-    return Parallelism.of(cfg, Dist(ddp=True, rank=rank, world_size=WORLD_SIZE)) if sharded else Parallelism.single()
+    return (
+        Parallelism.of(cfg, Dist(torchrun=True, rank=rank, world_size=WORLD_SIZE)) if sharded else Parallelism.single()
+    )
 
 
 def batch(step, rank):

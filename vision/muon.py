@@ -16,7 +16,7 @@ import math
 import torch
 
 from mars import newton_schulz
-from marsgpt.optimizers import closure_loss
+from marsgpt.optim_protocol import closure_loss
 
 
 class Muon(torch.optim.Optimizer):

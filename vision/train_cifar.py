@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mars import MARS
-from marsgpt import checkpoint, launch, optimizers, run_dir, shards
+from marsgpt import checkpoint, launch, run_dir, shards, training_optimizer
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.checkpoint_parts import DataclassState, RNGState, load_model_state
 from marsgpt.config import (
@@ -61,7 +61,8 @@ from marsgpt.config import (
 )
 from marsgpt.files import atomic_writer
 from marsgpt.metrics import MetricsLog
-from marsgpt.optimizers import ChainedOptimizer, OptimizerEntry, Registry
+from marsgpt.optim_protocol import ChainedOptimizer
+from marsgpt.optimizers import OptimizerEntry, Registry
 from marsgpt.parallel import Parallelism
 from marsgpt.runtime import resolve_device
 from marsgpt.tokens import DataError
@@ -106,16 +107,18 @@ def muon_settings(cfg):
 
 
 def build_mars(groups, cfg, parallel):
-    return parallel.make(MARS, groups, mars_type=cfg.mars_type, routing=cfg.mars_routing)
+    return parallel.place_optimizer(MARS, groups, mars_type=cfg.mars_type, routing=cfg.mars_routing)
 
 
 def build_adamw(groups, cfg, parallel):
-    return parallel.make(torch.optim.AdamW, groups)
+    return parallel.place_optimizer(torch.optim.AdamW, groups)
 
 
 def build_muon(groups, cfg, parallel):
     muon, adamw = groups
-    return ChainedOptimizer(parallel.make(Muon, [muon]), parallel.make(torch.optim.AdamW, [adamw]))
+    return ChainedOptimizer(
+        parallel.place_optimizer(Muon, [muon]), parallel.place_optimizer(torch.optim.AdamW, [adamw])
+    )
 
 
 CIFAR_OPTIMIZERS = Registry(
@@ -223,9 +226,9 @@ def model_args(cfg, num_classes):
 
 
 def build_optimizer(model, cfg):
-    """The optimizer cfg names, over model's parameters (on their device): an optimizers.TrainingOptimizer."""
+    """The optimizer cfg names, over model's parameters (on their device): an training_optimizer.TrainingOptimizer."""
     device_type = next(model.parameters()).device.type
-    return optimizers.build_optimizer(model, cfg, Parallelism.single(device_type), CIFAR_OPTIMIZERS)
+    return training_optimizer.build_optimizer(model, cfg, Parallelism.single(device_type), CIFAR_OPTIMIZERS)
 
 
 def lr_factor(epoch, cfg):
@@ -259,7 +262,7 @@ class Run:
     data: CifarData
     model: torch.nn.Module
     model_args: dict
-    optimizer: optimizers.TrainingOptimizer
+    optimizer: training_optimizer.TrainingOptimizer
     rng: RNGState
     saved_epoch: int = 0  # the epoch out_dir's checkpoint holds (0: none written or resumed yet)
 
