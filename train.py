@@ -36,8 +36,9 @@ from marsgpt.compile_cache import compile_counts
 from marsgpt.config import load_config, print_help, wants_help
 from marsgpt.launch import Progress, Run, setup
 from marsgpt.metrics import LogWindow
-from marsgpt.run_dir import RunStopped, StopSignals
+from marsgpt.run_dir import RunStopped
 from marsgpt.runtime import exit_process, leave_process_group, setup_distributed
+from marsgpt.stop_signals import StopSignals
 
 # The steps after which a CUDA run prints its measured peak memory beside the plan: by then the optimizer
 # state exists and a step has run with it.

@@ -193,7 +193,7 @@ class Checkpointer:
 
     def _save(self, progress, time_s, is_best, at_evaluation):
         """Hand the state at this step boundary to the writer; a Ctrl-C meanwhile waits until it is handed over
-        (run_dir.StopSignals.deferred_interrupt), so the checkpoint the way out waits for is this one."""
+        (stop_signals.StopSignals.deferred_interrupt), so the checkpoint the way out waits for is this one."""
         with self.signals.deferred_interrupt(progress.iter_num):
             self._hand_over(progress, time_s, is_best, at_evaluation)
 

@@ -34,7 +34,7 @@ from marsgpt.memory_plan import MemoryPlan, plan_memory
 from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS, Registry
 from marsgpt.parallel import Parallelism
-from marsgpt.run_dir import RunDir, RunDirError, RunStopped, Start, StopSignals
+from marsgpt.run_dir import RunDir, RunDirError, RunStopped, Start
 from marsgpt.runtime import (
     Dist,
     SetupError,
@@ -46,6 +46,7 @@ from marsgpt.runtime import (
     set_deterministic,
     setup_precision,
 )
+from marsgpt.stop_signals import StopSignals
 from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
 from marsgpt.training_optimizer import TrainingOptimizer, build_optimizer
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops

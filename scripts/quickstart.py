@@ -12,7 +12,7 @@ import sample
 import train
 from data.prepare_common import run_prepare
 from data.stdlib_char import prepare
-from marsgpt.run_dir import StopSignals
+from marsgpt.stop_signals import StopSignals
 
 CONFIG = "config/quickstart.py"
 OUT_DIR = "out-quickstart"  # CONFIG's; an --out_dir among the arguments is where the sample is read
