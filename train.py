@@ -223,14 +223,23 @@ def log_train(run: Run, progress: Progress, window: LogWindow, result: StepResul
     run.metrics.write(line.record())
 
 
-def evaluate_all(run: Run, progress: Progress, time_s: float) -> float | None:
-    """The evaluations due at progress.iter_num: validation and train-estimate losses every eval_interval steps,
-    at the end and for eval_only (now), HellaSwag every hellaswag_interval steps. Each is recorded once: an
+def evaluations_due(run: Run, it: int) -> tuple[bool, bool]:
+    """(the losses, HellaSwag): which evaluations are due at step boundary `it`. The validation and train-estimate
+    losses every eval_interval steps, at the end and for eval_only (at once); HellaSwag every hellaswag_interval
+    steps, when the run has its examples (not for eval_only)."""
+    cfg = run.cfg
+    losses = cfg.eval_only or it % cfg.eval_interval == 0 or it == cfg.max_iters
+    hellaswag = bool(run.hellaswag_examples) and it % cfg.hellaswag_interval == 0 and not cfg.eval_only
+    return losses, hellaswag
+
+
+def evaluate_all(run: Run, progress: Progress, time_s: float, losses: bool, hellaswag: bool) -> float | None:
+    """The evaluations due at progress.iter_num (evaluations_due: `losses`, `hellaswag`). Each is recorded once: an
     evaluation its step already has in metrics.jsonl (an eval_only relaunch) is printed, not recorded again.
     Returns the validation loss, or None when it was not due."""
-    cfg, it, master = run.cfg, progress.iter_num, run.dist.is_master
+    it, master = progress.iter_num, run.dist.is_master
     record, val_loss = progress.evaluated_iter != it, None
-    if cfg.eval_only or it % cfg.eval_interval == 0 or it == cfg.max_iters:
+    if losses:
         t0 = time.perf_counter()
         val_loss = evaluate(run, run.val_batches)
         train_loss = evaluate(run, run.train_batches)
@@ -242,11 +251,11 @@ def evaluate_all(run: Run, progress: Progress, time_s: float) -> float | None:
                 entry[metrics.EVAL_S] = eval_s
             if record:
                 run.metrics.write(entry)
-    if run.hellaswag_examples and it % cfg.hellaswag_interval == 0 and not cfg.eval_only:
-        from marsgpt import hellaswag  # here: its data and tokenizer are loaded only when it is asked for
+    if hellaswag:
+        from marsgpt import hellaswag as benchmark  # here: its data and tokenizer are loaded only when asked for
 
         info = run.dist
-        result = hellaswag.evaluate(
+        result = benchmark.evaluate(
             run.model,
             run.hellaswag_examples,
             info.device,
@@ -272,7 +281,8 @@ def evaluate_all(run: Run, progress: Progress, time_s: float) -> float | None:
 
 def fit(run: Run, progress: Progress) -> None:
     """Train from progress.iter_num to max_iters: the evaluations due at each step boundary (evaluate_all), the
-    checkpoints run_dir says are due there, and an early end when it says so (a signal, a failed write)."""
+    checkpoints run_dir says are due there, and an early end when it says so (a signal, a failed write); on a GPU,
+    after step MEMORY_REPORT_STEP, the measured peak memory beside the plan."""
     cfg, directory = run.cfg, run.directory
     start_iter, start_elapsed, t_start = progress.iter_num, progress.elapsed_s, time.perf_counter()
 
@@ -282,11 +292,10 @@ def fit(run: Run, progress: Progress) -> None:
     while True:
         it = progress.iter_num
         directory.check_requests(progress, time_s())
-        evaluation_due = it % cfg.eval_interval == 0 or it == cfg.max_iters
-        hellaswag_due = run.hellaswag_examples and it % cfg.hellaswag_interval == 0
+        losses_due, hellaswag_due = evaluations_due(run, it)
         val_loss = None
-        if cfg.eval_only or ((evaluation_due or hellaswag_due) and progress.evaluated_iter != it):
-            val_loss = evaluate_all(run, progress, time_s())
+        if cfg.eval_only or ((losses_due or hellaswag_due) and progress.evaluated_iter != it):
+            val_loss = evaluate_all(run, progress, time_s(), losses_due, hellaswag_due)
             run.window.restart()
             if cfg.eval_only:
                 break
@@ -294,6 +303,8 @@ def fit(run: Run, progress: Progress) -> None:
         if it >= cfg.max_iters:
             break
         step_and_log(run, progress, run.window, time_s, first=it == start_iter)
+        if progress.iter_num == MEMORY_REPORT_STEP and run.memory_plan and run.dist.device_type == "cuda":
+            print(memory_plan.measured_peak(run.memory_plan, MEMORY_REPORT_STEP), flush=True)
 
 
 def step_and_log(
@@ -318,8 +329,6 @@ def step_and_log(
     if progress.iter_num % run.cfg.log_interval == 0:
         log_train(run, progress, window, result, time_s())
         window.restart()
-    if progress.iter_num == MEMORY_REPORT_STEP and run.memory_plan and run.dist.device_type == "cuda":
-        print(memory_plan.measured_peak(run.memory_plan, MEMORY_REPORT_STEP), flush=True)
 
 
 def record_skip(run: Run, progress: Progress, result: StepResult, time_s: float) -> None:

@@ -473,7 +473,7 @@ def exchange_plan_rows():
     for rule in ("mars-m", "mars-shampoo"):
         cfg = TrainConfig(optimizer=rule, n_layer=48, n_head=25, n_embd=1600)
         layout = memory_plan.optimizer_layout(cfg, model_args_from_config(cfg))
-        shapes = [e.newton_schulz for e in layout.parameters if e.newton_schulz is not None]
+        shapes = [e.newton_schulz for e in layout.planned_parameters if e.newton_schulz is not None]
         for where, iteration_bytes in (("GPUs, bfloat16 Newton-Schulz", 2), ("CPUs, float32", 4)):
             peak, at_once = (
                 max(memory_plan.owner_exchange_bytes(shapes, 8, 4, iteration_bytes, mib)) / 2**30
@@ -522,7 +522,9 @@ def planned_exchange(optimizer, bucket_mib, dtype, scale):
     from marsgpt import memory_plan
 
     cfg, model_args = xl_model_args(optimizer, scale)
-    shapes = [e.newton_schulz for e in memory_plan.optimizer_layout(cfg, model_args).parameters if e.newton_schulz]
+    shapes = [
+        e.newton_schulz for e in memory_plan.optimizer_layout(cfg, model_args).planned_parameters if e.newton_schulz
+    ]
     bucket = (bucket_mib or mars_sharded.BUCKET_MIB) / scale**2
     return memory_plan.owner_exchange_bytes(shapes, 8, 4, dtype.itemsize, bucket)
 

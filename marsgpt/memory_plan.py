@@ -62,7 +62,8 @@ class OptimizerLayout:
     optimizers: tuple
 
     @property
-    def parameters(self):
+    def planned_parameters(self):
+        """Every PlannedParameter, in order."""
         return [entry for groups in self.optimizers for group in groups for entry in group]
 
 
@@ -442,7 +443,7 @@ def plan(
     torchrun = world_size > 1 if torchrun is None else torchrun
     parallel = Parallelism.planned(cfg, world_size, torchrun)
     sharded = parallel.shards_optimizer_state
-    parameters = layout.parameters
+    parameters = layout.planned_parameters
     parameter_bytes = sum(e.elements for e in parameters) * 4  # float32 weights, and gradients alike
     fsdp = FSDP2.of(cfg, world_size, model_args, dtype, device_type) if parallel.shards_parameters else None
     if fsdp is not None:

@@ -99,7 +99,7 @@ class RunStopped(Exception):
     `status`; `line`, on rank 0, says what happened and where the run continues from."""
 
     def __init__(self, status, line=None):
-        super().__init__(line or "")
+        Exception.__init__(self, line or "")
         self.status, self.line = status, line
 
 

@@ -413,7 +413,7 @@ def test_newton_schulz_owners_buffers_are_planned_for_the_matrix_rules_only(opti
     float32 copy of the largest matrix the rule orthogonalises (here the MLP's 4c x c)."""
     selected = dict(optimizer=optimizer)
     owners = memory_plan.FSDP2.of(config(zero_stage=3), 2, MODEL, "bfloat16", "cuda").newton_schulz_bytes(
-        memory_plan.optimizer_layout(config(**selected), MODEL).parameters
+        memory_plan.optimizer_layout(config(**selected), MODEL).planned_parameters
     )
     if not newton_schulz:
         assert owners == 0
