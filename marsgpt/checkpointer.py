@@ -32,6 +32,7 @@ from marsgpt import checkpoint, checkpoint_parts, shards
 from marsgpt.checkpoint import CKPT_NAME, CheckpointError, CheckpointWriter
 from marsgpt.files import os_reason
 from marsgpt.run_lock import LockLost
+from marsgpt.stop_signals import say
 
 BEST_NAME = "best.pt"
 KEPT_NAME = re.compile(r"ckpt_(\d+)\.pt")
@@ -270,11 +271,10 @@ class Checkpointer:
         """Block until the checkpoint in flight is on disk (a failure was reported the moment it happened). `why`
         (e.g. 'interrupted'): rank 0 first says that it waits, when a checkpoint is in flight."""
         if why and self.dist.is_master and self.writer.in_flight:
-            print(
+            say(
                 f"{why}: waiting for the checkpoint of iter {self.writer.iteration} to reach the disk (a third "
                 "signal, or Ctrl-\\, quits at once, losing it)",
-                file=sys.stderr,
-                flush=True,
+                to_terminal=True,
             )
         with contextlib.suppress(CheckpointError):
             self.writer.wait()

@@ -46,7 +46,7 @@ from marsgpt.runtime import (
     set_deterministic,
     setup_precision,
 )
-from marsgpt.stop_signals import StopSignals
+from marsgpt.stop_signals import StopSignals, say
 from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
 from marsgpt.training_optimizer import TrainingOptimizer, build_optimizer
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
@@ -507,19 +507,9 @@ TIMED_OUT = 1  # the exit status after a collective timed out
 
 
 def say_stop(line, directory, progress, interrupted=False):
-    """The line that ends a run early, on stderr and in metrics.jsonl (metrics.STOPPED), where it stays with the
-    run. After a Ctrl-C (`interrupted`) it goes to the terminal too when stderr is not that terminal: the same
-    Ctrl-C ends a pipe's reader (`2>&1 | tee log`), which takes the line with it unread."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-        written = True
-    except OSError:  # the pipe is closed already
-        written = False
-    if interrupted or not written:
-        with contextlib.suppress(OSError, ValueError):
-            if not written or not sys.stderr.isatty():
-                with open("/dev/tty", "w") as terminal:  # ENXIO where the process has no terminal
-                    terminal.write(line + "\n")
+    """The line that ends a run early, on stderr (stop_signals.say: after a Ctrl-C, `interrupted`, on the terminal
+    too) and in metrics.jsonl (metrics.STOPPED), where it stays with the run."""
+    say(line, to_terminal=interrupted)
     if directory is not None and progress is not None:
         directory.record_stop(line, progress)
 

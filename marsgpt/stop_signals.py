@@ -6,6 +6,7 @@ marsgpt/run_dir.py acts on them at each step boundary; marsgpt/checkpointer.py d
 import contextlib
 import os
 import signal
+import sys
 import threading
 
 
@@ -118,3 +119,20 @@ class StopSignals:
         it ended a run that had stopped cleanly with status 143; an ignored signal stays ignored through it."""
         for s in self._previous:
             signal.signal(s, signal.SIG_IGN)
+
+
+def say(line, to_terminal=False):
+    """A line about a stop, on stderr, never raising: where stderr is a pipe whose reader is gone, on the terminal
+    instead, and with `to_terminal` (after a Ctrl-C) on the terminal as well when stderr is not it -- the same Ctrl-C
+    ends a pipe's reader (`2>&1 | tee log`), which takes the line with it unread."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+        written = True
+    except OSError:  # the pipe is closed already
+        written = False
+    if written and not to_terminal:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        if not written or not sys.stderr.isatty():
+            with open("/dev/tty", "w") as terminal:  # ENXIO where the process has no terminal
+                terminal.write(line + "\n")

@@ -259,30 +259,35 @@ def test_killed_during_a_sharded_save_the_run_resumes_on_two_ranks_bit_for_bit(r
     assert_same_run(out, uninterrupted)
 
 
-def test_ctrl_c_during_a_sharded_save_keeps_it_and_the_next_launch_resumes_it_bit_for_bit(runs, data_path, tmp_path):
-    """Ctrl-C (SIGINT to torchrun, which passes it on to each rank) while rank 0 renames the iteration-2 checkpoint
-    file into place, its shard directory complete: rank 0 says it waits for that checkpoint and exits (130) once
-    it is on disk. The next launch keeps the directory (a checkpoint file names it), resumes at 2 and ends bit for
-    bit as the run left alone. (Before, the process left mid-write and the next launch deleted the directory.)"""
+def test_ctrl_c_while_a_sharded_save_waits_for_a_slow_one_keeps_both_and_the_next_launch_resumes_bit_for_bit(
+    runs, data_path, tmp_path
+):
+    """Storage slower than the checkpoints: rank 0's iteration-2 save is held at the rename of its checkpoint file
+    (its shard directory complete), and the iteration-4 save waits for it. Ctrl-C then (SIGINT to torchrun, which
+    passes it on to each rank): rank 0 says it hands iteration 4's checkpoint to the disk first, both saves land
+    once the slow one is let go, and the run ends (130) naming iteration 4. The next launch keeps every directory a
+    checkpoint file names, resumes at 4 and ends bit for bit as the run left alone. (Before, the Ctrl-C dropped the
+    iteration-4 state while saying it waited for the checkpoint in flight; earlier still, the process left mid-write
+    and the next launch deleted the complete directory.)"""
     uninterrupted, _ = runs("mars-adamw-exact")
     out, release = str(tmp_path / "out"), str(tmp_path / "release")
     args = args_for(data_path, out, "mars-adamw-exact") + ["--init_from=auto"]
     proc = start_torchrun(args, TEST_HOLD_SAVE=f"2:{release}")
     try:
-        seen = wait_for_line(proc, "renaming")
+        seen = wait_for_line(proc, "waiting on the held save")  # rank 0 inside iteration 4's save
         proc.send_signal(signal.SIGINT)
-        seen += wait_for_line(proc, "interrupted: waiting for the checkpoint of iter 2 to reach the disk")
+        seen += wait_for_line(proc, "interrupted: handing the checkpoint of iter 4 to the disk first")
         open(release, "w").close()
         output = seen + proc.communicate(timeout=240)[0]
     finally:
         if proc.poll() is None:
             kill_job(proc)
     ckpt = os.path.join(out, "ckpt.pt")
-    assert re.search(rf"^interrupted at iter \d+; resume from {re.escape(ckpt)} \(iter 2\)", output, re.M), output
+    assert re.search(rf"^interrupted at iter 4; resume from {re.escape(ckpt)} \(iter 4\)", output, re.M), output
     named = os.path.join(out, torch.load(ckpt, weights_only=True)[shards.SHARDS_KEY]["directory"])
-    assert whole(ckpt)["progress"]["iter_num"] == 2  # its shard files verified and read
+    assert whole(ckpt)["progress"]["iter_num"] == 4  # its shard files verified and read
     output = torchrun(args)
-    assert f"resuming {ckpt} at iter 2" in output and f"removed {named}" not in output
+    assert f"resuming {ckpt} at iter 4" in output and f"removed {named}" not in output
     assert_same_run(out, uninterrupted)
 
 

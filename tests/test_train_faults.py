@@ -212,8 +212,10 @@ def test_ctrl_c_during_a_save_waits_for_it_and_the_run_resumes_from_it(data_path
     to the end the run left alone reaches."""
     out, release = str(tmp_path / "out"), str(tmp_path / "release")
     args = tiny_args(data_path, out, **RESUME_RUN)
-    proc = launch(args, env=subprocess_env(TEST_HOLD_SAVE=f"3:{release}"))
+    # held at its rename, and the run held before step 9, so no later save is due when the Ctrl-C comes
+    proc = launch(args, env=subprocess_env(TEST_HOLD_SAVE=f"3:{release}", TEST_FAIL="0:9:hang"))
     seen = wait_for_line(proc, "renaming")
+    seen += wait_for_line(proc, "hanging before step 9")
     proc.send_signal(signal.SIGINT)
     seen += wait_for_line(proc, "interrupted: waiting for the checkpoint of iter 8 to reach the disk")
     open(release, "w").close()

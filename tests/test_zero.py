@@ -70,24 +70,28 @@ def train(model, optimizer, forward_backward):
     """STEPS steps of train.py's protocol with the trainer's optimizer: the loss scaled by a GradScaler, as float16
     runs do (by a power of two: exact), clipping, and for exact MARS the next step's gradient first (to the MARS
     that holds this rank's share under ZeRO-1)."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for step in range(STEPS):
         if optimizer.look_ahead is not None:
-            forward_backward(step + 1, scaler)
-            optimizer.unscale(scaler, look_ahead=True)
+            forward_backward(step + 1, optimizer)
+            optimizer.unscale(look_ahead=True)
             optimizer.keep_look_ahead_gradient()
             optimizer.zero_grad()
-        forward_backward(step, scaler)
-        optimizer.unscale(scaler)
+        forward_backward(step, optimizer)
+        optimizer.unscale()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step(scaler)
+        optimizer.step()
         optimizer.zero_grad()
 
 
+def scaled_optimizer(model, cfg, parallel):
+    """The trainer's optimizer with a GradScaler of its own, as a float16 run has (its scale a power of two: exact)."""
+    return build_optimizer(model, cfg, parallel, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+
 def ddp_forward_backward(ddp_model, rank):
-    def run(step, scaler):
+    def run(step, optimizer):
         x, y = batch(step, rank)
-        scaler.scale(ddp_model(x, y)[1]).backward()
+        optimizer.scale(ddp_model(x, y)[1]).backward()
 
     return run
 
@@ -95,9 +99,9 @@ def ddp_forward_backward(ddp_model, rank):
 def one_process_forward_backward(model):
     """Both ranks' batches in one process: the mean of their losses is what DDP's averaged gradient descends."""
 
-    def run(step, scaler):
+    def run(step, optimizer):
         loss = sum(model(*batch(step, rank))[1] for rank in range(WORLD_SIZE)) / WORLD_SIZE
-        scaler.scale(loss).backward()
+        optimizer.scale(loss).backward()
 
     return run
 
@@ -159,7 +163,7 @@ def worker(rank, rendezvous_env, report_path):
         for kind in ("ddp", "single"):
             models[kind].load_state_dict(models["sharded"].state_dict())
         placements = {kind: placement(cfg, rank, kind == "sharded") for kind in models}
-        optimizers = {kind: build_optimizer(m, cfg, placements[kind]) for kind, m in models.items()}
+        optimizers = {kind: scaled_optimizer(m, cfg, placements[kind]) for kind, m in models.items()}
         passes = {kind: ddp_forward_backward(DDP(models[kind]), rank) for kind in ("sharded", "ddp")}
         passes["single"] = one_process_forward_backward(models["single"])
         for kind in models:
@@ -180,7 +184,7 @@ def worker(rank, rendezvous_env, report_path):
         continued = {}
         for kind, (shard, original, state) in resumes.items():
             model = copy.deepcopy(models[original])
-            optimizer = build_optimizer(model, cfg, placement(cfg, rank, shard))
+            optimizer = scaled_optimizer(model, cfg, placement(cfg, rank, shard))
             optimizer.load_state_dict(state)
             train(model, optimizer, ddp_forward_backward(DDP(model), rank))
             train(models[original], optimizers[original], passes[original])
