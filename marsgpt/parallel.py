@@ -213,15 +213,12 @@ class Parallelism:
 
 
 def wrap_ddp(model: torch.nn.Module, dist_info: Dist) -> torch.nn.Module:
-    """model under DDP with gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of
-    beside them, one gradient-sized copy less (6.2 GB on GPT-2 XL). That holds only while they stay there:
-    zero_grad clears them in place instead of setting them to None (Parallelism.gradients_to_none), and they exist
-    before DDP is built, so DDP places them in its buckets at once -- else the no_sync micro-batches of the first
-    step would accumulate into gradients of their own beside the buckets. No buffer sync before each forward pass:
-    the GPT's only buffers are the compiled attention's per-layer factors
-    (model.CausalSelfAttention.layer_factor_as_data), the same constants on every rank. torch 2.13 names that
-    forward_sync_buffers=False (its broadcast_buffers=False warns on every launch); earlier torch (2.11 on the
-    H200 of docs/gpu.md) knows only broadcast_buffers."""
+    """model under DDP with gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, not in a copy
+    beside them (docs/training.md, "GPUs, nodes and the global batch", has what it saves). That holds only while
+    they stay there: zero_grad clears them in place (Parallelism.gradients_to_none), and they exist before DDP is
+    built, so it places them in its buckets at once. No buffer sync before each forward pass: the GPT's only
+    buffers are the same constants on every rank (model.CausalSelfAttention.layer_factor_as_data); the keyword
+    that says so is the one this torch's DDP takes (DDP_KEYWORDS)."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     no_buffer_sync = "forward_sync_buffers" if "forward_sync_buffers" in DDP_KEYWORDS else "broadcast_buffers"
