@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         directory = RunDir(cfg, dist_info, StopSignals().install(), argv)
         run, progress, _ = setup(cfg, dist_info, directory)
         if dist_info.is_master:
-            launch.describe(run, progress)
+            launch.describe(run, progress, cfg)
         fit(run, progress)
         status = directory.finish(progress)
     except BaseException as e:

@@ -299,6 +299,9 @@ class TrainConfig:
         False, "keep only each block's input and recompute its activations in the backward pass (one more forward)"
     )
     dry_run: bool = key(False, "print the memory plan per GPU and exit: reads no data, needs no GPU")
+    verbose: bool = key(
+        False, "print every key of the run and the whole memory plan at its start (they are in out_dir/config.json)"
+    )
     gpu_memory_gb: float = key(
         0.0, "GiB of one GPU for the memory plan's verdict; 0 = the detected GPU's (none: no verdict)", non_negative
     )

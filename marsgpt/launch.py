@@ -441,13 +441,28 @@ def gather_by_rank(dist_info: Dist) -> Callable | None:
     return gather
 
 
-def describe(run: Run, progress: Progress) -> None:
-    """Print the effective configuration and the token budget."""
+# The optimizer's keys describe() names, those of them it reads
+HEADLINE_KEYS = ("learning_rate", "lr_1d", "muon_lr", "muon_adamw_lr", "weight_decay")
+
+
+def describe(run: Run, progress: Progress, asked: TrainConfig) -> None:
+    """Print what the run is, as the launch settled it: how it starts (`asked`: the configuration as given, before
+    init_from was decided), model, data, optimizer, batch, schedule and out_dir in a few lines; every key (and the
+    whole memory plan, off a GPU) only with --verbose=True, as config.json in out_dir holds them."""
     cfg = run.cfg
     micro_batches = cfg.gradient_accumulation_steps // run.dist.world_size
-    config = config_to_dict(cfg)
-    for key, value in config.items():
-        print(f"{key} = {value!r}")
+    if cfg.verbose:
+        for key, value in config_to_dict(cfg).items():
+            print(f"{key} = {value!r}")
+    print(f"start: {start_line(asked.init_from, cfg, progress)}")
+    print(
+        f"model: {run.model.get_num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers x {cfg.n_embd} wide, "
+        f"{cfg.n_head} heads, context {cfg.block_size}, vocabulary {run.model.config.vocab_size}; "
+        f"data: {os.path.join(cfg.data_path, cfg.dataset)}"
+    )
+    entry = OPTIMIZERS.entry(cfg)
+    rates = ", ".join(f"{key} {getattr(cfg, key):g}" for key in HEADLINE_KEYS if key in entry.keys)
+    print(f"optimizer: {entry.label(cfg) if entry.label else cfg.optimizer}; {rates}; grad_clip {cfg.grad_clip:g}")
     print(
         f"world size {run.dist.world_size} on {run.dist.device}; "
         f"{micro_batches} micro-batch{'es' if micro_batches != 1 else ''} per rank per step"
@@ -457,9 +472,7 @@ def describe(run: Run, progress: Progress) -> None:
         f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} x block_size {cfg.block_size}"
     )
     print(f"total tokens: {run.tokens_per_step * cfg.max_iters:,} over max_iters {cfg.max_iters:,}")
-    if cfg.scale_schedule and cfg.decay_lr:
-        warmup_iters, lr_decay_iters = optimizers.schedule_lengths(cfg)
-        print(f"schedule fitted to max_iters (scale_schedule): warmup {warmup_iters:,}, decay to {lr_decay_iters:,}")
+    print(schedule_line(cfg))
     warning = optimizers.schedule_warning(cfg)
     if warning:
         print(warning, file=sys.stderr)
@@ -468,12 +481,12 @@ def describe(run: Run, progress: Progress) -> None:
             f"nothing to train: the run is at iter {progress.iter_num:,} and max_iters is {cfg.max_iters:,}; "
             f"raise --max_iters to train further"
         )
-    print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
     note = OPTIMIZERS.ignored_settings(cfg, TrainConfig())
     if note:
         print(note)
     plan = run.memory_plan
-    print("\n".join(memory_plan.format_plan(plan)))
+    lines = memory_plan.format_plan(plan)
+    print("\n".join(lines if cfg.verbose or run.dist.device_type == "cuda" else lines[:1]))
     if plan.fits is False:
         print(
             f"warning: the memory plan ({plan.total_bytes / memory_plan.GIB:.1f} GiB per GPU) exceeds the "
@@ -486,6 +499,30 @@ def describe(run: Run, progress: Progress) -> None:
             f"note: mfu is logged as null: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name()} "
             "(model.PEAK_BF16_FLOPS)"
         )
+    if not cfg.verbose:
+        print(f"out_dir: {cfg.out_dir} (every key in its config.json; --verbose=True prints them here)")
+
+
+def start_line(asked: str, cfg: TrainConfig, progress: Progress) -> str:
+    """How the run starts: init_from as given and, where the launch decided it (auto), what it decided."""
+    decided = "" if asked == cfg.init_from else f" -> {cfg.init_from}"
+    if cfg.init_from == "resume":
+        return f"init_from={asked}{decided}: continues at iter {progress.iter_num:,} of {cfg.max_iters:,}"
+    if cfg.init_from == "scratch":
+        return f"init_from={asked}{decided}: a new run"
+    return f"init_from={asked}{decided}: a new run from its weights"
+
+
+def schedule_line(cfg: TrainConfig) -> str:
+    """The learning-rate schedule the run follows (scale_schedule's fitted lengths, when set)."""
+    if not cfg.decay_lr:
+        return "schedule: constant peak lr (decay_lr=False)"
+    warmup_iters, lr_decay_iters = optimizers.schedule_lengths(cfg)
+    if cfg.scale_schedule:
+        return f"schedule fitted to max_iters (scale_schedule): warmup {warmup_iters:,}, decay to {lr_decay_iters:,}"
+    ends = {"cosine": f"cosine to min_lr {cfg.min_lr:g} at iter {lr_decay_iters:,}", "constant": "then constant"}
+    decay = ends.get(cfg.schedule, f"{cfg.schedule}, to min_lr {cfg.min_lr:g}")
+    return f"schedule: warmup {warmup_iters:,} iters, {decay}"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,6 +19,7 @@ from train_helpers import ROOT, diverging_from, make_char_data, tiny_args
 import train
 from bench.common import rendezvous
 from marsgpt import checkpoint, memory_plan, runtime
+from marsgpt.config import TrainConfig, config_to_dict
 from marsgpt.optimizers import build_optimizer, scheduled_lr
 from marsgpt.parallel import Parallelism
 from marsgpt.tokens import TokenData, write_shard
@@ -655,6 +657,27 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
     assert resumed["model_args"] == uninterrupted["model_args"]
     for key, value in uninterrupted["model"].items():
         assert torch.equal(resumed["model"][key], value), key
+
+
+def test_the_start_is_a_short_summary_of_what_the_launch_decided_and_verbose_prints_every_key(
+    data_path, tmp_path, capsys
+):
+    """Before the first evaluation a few lines: how the run starts (init_from as given, and what auto decided),
+    model, data, optimizer, batch, schedule, out_dir; every key is in config.json, and on the terminal only with
+    --verbose=True."""
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, init_from="auto", max_iters=2, eval_interval=2), capsys)
+    head = capsys.readouterr().out.split("step 0:")[0].splitlines()
+    assert len(head) <= 12, head
+    assert head[0] == "start: init_from=auto -> scratch: a new run"
+    assert not [line for line in head if re.match(r"\w+ = ", line)]
+    assert f"out_dir: {out} (every key in its config.json; --verbose=True prints them here)" in head
+    keys = set(config_to_dict(TrainConfig()))
+    assert keys <= set(json.load(open(os.path.join(out, "config.json"))))
+    run_ok(tiny_args(data_path, out, init_from="auto", max_iters=4, eval_interval=2, verbose=True), capsys)
+    printed = capsys.readouterr().out
+    assert "start: init_from=auto -> resume: continues at iter 2 of 4" in printed
+    assert all(f"\n{key} = " in printed for key in keys)
 
 
 def test_a_run_shorter_than_its_schedule_is_warned_and_scale_schedule_fits_it(data_path, tmp_path, capsys):
