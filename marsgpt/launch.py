@@ -314,13 +314,14 @@ def config_changes(saved: dict, cfg: object, registry: Registry) -> list[str]:
 
 def build_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None) -> tuple[GPT, dict]:
     """(GPT, model_args) for init_from: a fresh model, one shaped as the checkpoint's (a resume restores its weights
-    as it restores every part: run_dir.RunDir.restore), or OpenAI's GPT-2 with its weights.
+    as it restores every part: run_dir.RunDir.restore), or a pretrained GPT-2 with its weights (OpenAI's by name, or
+    a local Hugging Face folder's).
 
     A resumed model has the shape the checkpoint was saved with: the configuration's for a run started from
     scratch (load_resume_checkpoint has checked that it still is), OpenAI's (bias, vocabulary, size) for one
     started from GPT-2. Only dropout, which may change on resume, is the configuration's.
     """
-    if cfg.init_from.startswith("gpt2"):
+    if cfg.init_from not in ("scratch", "resume"):  # pretrained weights (run_dir.Start: never auto)
         if vocab_size != GPTConfig.vocab_size:  # checked before the download
             raise ConfigError(
                 f"init_from={cfg.init_from} needs GPT-2-tokenized data, but the dataset {cfg.dataset} has its own "
@@ -455,9 +456,10 @@ def describe(run: Run, progress: Progress, asked: TrainConfig) -> None:
         for key, value in config_to_dict(cfg).items():
             print(f"{key} = {value!r}")
     print(f"start: {start_line(asked.init_from, cfg, progress)}")
+    shape = run.model.config  # the checkpoint's or the pretrained model's, which may not be the configuration's
     print(
-        f"model: {run.model.get_num_params() / 1e6:.2f}M parameters, {cfg.n_layer} layers x {cfg.n_embd} wide, "
-        f"{cfg.n_head} heads, context {cfg.block_size}, vocabulary {run.model.config.vocab_size}; "
+        f"model: {run.model.get_num_params() / 1e6:.2f}M parameters, {shape.n_layer} layers x {shape.n_embd} wide, "
+        f"{shape.n_head} heads, context {shape.block_size}, vocabulary {shape.vocab_size}; "
         f"data: {os.path.join(cfg.data_path, cfg.dataset)}"
     )
     entry = OPTIMIZERS.entry(cfg)

@@ -16,6 +16,7 @@ at most 1 - HEADROOM of the GPU's memory.
 """
 
 import dataclasses
+import json
 import math
 import os
 import typing
@@ -723,7 +724,7 @@ def plan_memory(cfg, dist_info, model_args):
 
 def planned_model_args(cfg):
     """The model a run of cfg builds, without reading tokens: the data's vocabulary when its files are there,
-    else GPT-2's (padded); OpenAI's shape for init_from=gpt2*."""
+    else GPT-2's (padded); OpenAI's shape for init_from=gpt2*, a local Hugging Face folder's for one."""
     if cfg.init_from in HF_CHECKPOINTS:
         preset = PRESETS[HF_CHECKPOINTS[cfg.init_from]]
         return {
@@ -731,6 +732,15 @@ def planned_model_args(cfg):
             **preset,
             "bias": True,
             "block_size": min(cfg.block_size, 1024),
+        }
+    if os.path.isdir(cfg.init_from):  # config.init_source: a Hugging Face GPT-2 folder, its config.json
+        with open(os.path.join(cfg.init_from, "config.json")) as f:
+            hf = json.load(f)
+        return {
+            **model_args_from_config(cfg, hf["vocab_size"]),
+            **{key: hf[key] for key in ("n_layer", "n_head", "n_embd")},
+            "bias": True,
+            "block_size": min(cfg.block_size, hf["n_positions"]),
         }
     try:
         vocab_size = model_vocab_size(TokenData(os.path.join(cfg.data_path, cfg.dataset), "train"))
