@@ -449,7 +449,8 @@ HEADLINE_KEYS = ("learning_rate", "lr_1d", "muon_lr", "muon_adamw_lr", "weight_d
 def describe(run: Run, progress: Progress, asked: TrainConfig) -> None:
     """Print what the run is, as the launch settled it: how it starts (`asked`: the configuration as given, before
     init_from was decided), model, data, optimizer, batch, schedule and out_dir in a few lines; every key (and the
-    whole memory plan, off a GPU) only with --verbose=True, as config.json in out_dir holds them."""
+    whole memory plan, with no GPU to compare it with) only with --verbose=True, as config.json in out_dir holds
+    them."""
     cfg = run.cfg
     micro_batches = cfg.gradient_accumulation_steps // run.dist.world_size
     if cfg.verbose:
@@ -488,7 +489,8 @@ def describe(run: Run, progress: Progress, asked: TrainConfig) -> None:
         print(note)
     plan = run.memory_plan
     lines = memory_plan.format_plan(plan)
-    print("\n".join(lines if cfg.verbose or run.dist.device_type == "cuda" else lines[:1]))
+    # whole where it has a GPU to compare with (on one, or --gpu_memory_gb), else its first line
+    print("\n".join(lines if cfg.verbose or plan.fits is not None else lines[:1]))
     if plan.fits is False:
         print(
             f"warning: the memory plan ({plan.total_bytes / memory_plan.GIB:.1f} GiB per GPU) exceeds the "
