@@ -165,6 +165,7 @@ COMMANDS = {
     "lm_eval --model hf --model_args pretrained=hf/ --tasks arc_easy,arc_challenge,boolq,hellaswag,openbookqa,"
     "piqa,winogrande --device cuda:0 --batch_size 16": Skip("a GPU and the hub's datasets"),
     "python -m marsgpt.export_hf out/ hf/": Run(needs=("gpt2_checkpoint",)),
+    "python -m marsgpt.export_hf": Run(quick="--help", expect="usage"),
     "python -m marsgpt.hellaswag --ckpt out --device cuda --dtype float32 --scores ours.jsonl": Run(
         fill=(("--device cuda", "--device cpu"),),
         quick="--limit 4 --overwrite",
