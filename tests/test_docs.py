@@ -73,6 +73,7 @@ COMMANDS = {
         quick="--collect-only", expect="tests collected"
     ),
     'python -m pytest -q -m "not slow"': Run(quick="--collect-only", expect="tests collected"),
+    "python -m pytest -q -n 0 tests/test_docs.py": Run(quick="--collect-only", expect="tests collected"),  # itself
     "ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE TEST_MKLDNN=0 python -m pytest -q tests/test_mars.py": Run(
         quick="-m 'not slow' -k reference", expect="passed"
     ),
