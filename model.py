@@ -456,8 +456,8 @@ class GPT(nn.Module):
                 raise
             raise ValueError(
                 f"{name} is not in the local Hugging Face cache and {HF_HUB_HOST} cannot be reached; load it once "
-                f"on a machine online (the cache is ~/.cache/huggingface, or $HF_HOME), or give a local folder "
-                f"({type(e).__name__})"
+                f"on a machine online (the cache is ~/.cache/huggingface, or $HF_HOME), or give a local Hugging Face "
+                f"GPT-2 folder: --init_from=PATH ({type(e).__name__})"
             ) from None
         return gpt_from_hf(hf_model, **override_args)
 

@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None, signals: StopSignals | None = None) -> i
         directory = launch.open_directory(cfg, dist_info, signals, argv)
         run, progress, _ = setup(cfg, dist_info, directory)
         if dist_info.is_master:
-            launch.describe(run, progress)
+            launch.describe(run, progress, cfg)
         fit(run, progress)
         status = directory.finish(progress)
     except BaseException as e:

@@ -14,6 +14,7 @@ proxy: inductor builds C++ kernels there, Triton kernels on a GPU, where gpu_che
 paper config itself. Target: per block no slower (ratio <= 1).
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -104,11 +105,15 @@ def run(quick=False):
 
 
 def main(argv):
-    if "--measure" in argv:
-        step_s, eval_s, graphs = measure(argv[argv.index("--measure") + 1], "--quick" in argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="width 32, 2 x 32 tokens")
+    p.add_argument("--measure", choices=MODES, help=argparse.SUPPRESS)  # one measurement, in_a_process's
+    args = p.parse_args(argv)
+    if args.measure:
+        step_s, eval_s, graphs = measure(args.measure, args.quick)
         print(json.dumps(dict(step_s=step_s, eval_s=eval_s, graphs=graphs)))
         return 0
-    print_table(run(quick="--quick" in argv))
+    print_table(run(quick=args.quick))
     return 0
 
 

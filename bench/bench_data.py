@@ -16,7 +16,6 @@ Rows:
 
 import contextlib
 import glob
-import importlib.util
 import io
 import os
 import subprocess
@@ -30,12 +29,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.common import print_table, row
+from bench.common import print_table, quick_flag, row
+from data.fineweb_edu import prepare as fineweb_edu_prepare
 from marsgpt.tokens import EOT_TOKEN, get_gpt2_encoding, write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-PREPARE = os.path.join(REPO, "data", "fineweb_edu", "prepare.py")
+PREPARE = "data.fineweb_edu.prepare"  # run as its docs show it, from the repository root
 SHARD_SIZE = 2_000_000  # tokens: 4 MB shards, so every corpus here makes several
 ROW_GROUP_ROWS = 100  # documents per parquet row group (the reader decodes one group at a time)
 
@@ -62,14 +62,6 @@ def make_corpus(path, megabytes, base_megabytes=8):
     return texts
 
 
-def _load_prepare():
-    spec = importlib.util.spec_from_file_location("fineweb_edu_prepare", PREPARE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # worker processes unpickle its functions by module name
-    spec.loader.exec_module(module)
-    return module
-
-
 def prepare_args(data_file, out_dir, num_proc):
     """data/fineweb_edu/prepare.py's command line for one corpus file."""
     return [
@@ -85,10 +77,9 @@ def prepare_args(data_file, out_dir, num_proc):
 
 
 def run_ours(data_file, out_dir, num_proc=2):
-    fineweb = _load_prepare()
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         t0 = time.perf_counter()
-        fineweb.main(prepare_args(data_file, out_dir, num_proc))
+        fineweb_edu_prepare.main(prepare_args(data_file, out_dir, num_proc))
         return time.perf_counter() - t0
 
 
@@ -153,7 +144,8 @@ def _tree_pss_bytes(root_pid):
 def peak_rss(data_file, out_dir, num_proc=2):
     """Peak memory (PSS) of `prepare.py` and its workers together, sampled every 20 ms, in MiB."""
     process = subprocess.Popen(
-        [sys.executable, PREPARE, *prepare_args(data_file, out_dir, num_proc)],
+        [sys.executable, "-m", PREPARE, *prepare_args(data_file, out_dir, num_proc)],
+        cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -233,4 +225,4 @@ def run(quick=False):
 
 
 if __name__ == "__main__":
-    print_table(run(quick="--quick" in sys.argv))
+    print_table(run(quick=quick_flag(__doc__)))

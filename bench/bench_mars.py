@@ -38,7 +38,7 @@ import time
 import torch
 
 import mars_triton
-from bench.common import print_table, row, time_it
+from bench.common import print_table, quick_flag, row, time_it
 from mars import MARS
 
 
@@ -435,5 +435,5 @@ def _mars_m_rows(device, n_layer, n_embd, hyper, quick):
 
 if __name__ == "__main__":
     t0 = time.perf_counter()
-    print_table(run(quick="--quick" in sys.argv))
+    print_table(run(quick=quick_flag(__doc__)))
     print(f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)

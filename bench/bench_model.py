@@ -10,12 +10,10 @@ variants share the weights and scale_attn_by_inverse_layer_idx=True (the paper's
 attention computation differs. Target: ours no slower (ratio <= 1).
 """
 
-import sys
-
 import torch
 from torch.nn import functional as F
 
-from bench.common import print_table, row, time_it
+from bench.common import print_table, quick_flag, row, time_it
 from model import GPT, CausalSelfAttention, GPTConfig
 
 
@@ -103,4 +101,4 @@ def run(quick=False):
 
 
 if __name__ == "__main__":
-    print_table(run(quick="--quick" in sys.argv))
+    print_table(run(quick=quick_flag(__doc__)))

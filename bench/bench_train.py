@@ -22,7 +22,6 @@ tokens/s and MFU with MARS and with AdamW, and the share of the step the optimiz
 import contextlib
 import math
 import os
-import sys
 import tempfile
 import time
 from collections import deque
@@ -32,7 +31,7 @@ import torch
 
 import train
 from bench.bench_model import with_explicit_attention
-from bench.common import print_table, row, time_it
+from bench.common import print_table, quick_flag, row, time_it
 from marsgpt.config import load_config
 from marsgpt.optimizers import scheduled_lr
 from marsgpt.tokens import write_bin, write_meta
@@ -235,4 +234,4 @@ def run(quick=False):
 
 
 if __name__ == "__main__":
-    print_table(run(quick="--quick" in sys.argv))
+    print_table(run(quick=quick_flag(__doc__)))

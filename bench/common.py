@@ -6,6 +6,7 @@ Each bench/bench_*.py module exposes ``run(quick=False) -> list[dict]``; a row h
 memory-bound steps, ``bandwidth`` (text; the table shows that column only when a row has it).
 """
 
+import argparse
 import contextlib
 import time
 
@@ -61,6 +62,13 @@ def print_table(rows):
     print("-+-".join("-" * w for w in widths))
     for line in cells:
         print(" | ".join(v.ljust(w) for v, w in zip(line, widths)))
+
+
+def quick_flag(doc, argv=None):
+    """The command line of a benchmark with one option, --quick (and --help: doc, the module's docstring)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats")
+    return p.parse_args(argv).quick
 
 
 @contextlib.contextmanager

@@ -58,6 +58,19 @@ def non_empty(value):
     return None if value.strip() else "must not be empty"
 
 
+INIT_FROM_NAMES = ("scratch", "resume", "auto", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def init_source(value):
+    """init_from: one of INIT_FROM_NAMES, or a folder holding a Hugging Face model (its config.json)."""
+    if value in INIT_FROM_NAMES or os.path.isfile(os.path.join(value, "config.json")):
+        return None
+    return (
+        f"is not one of: {', '.join(INIT_FROM_NAMES)}, nor a local Hugging Face GPT-2 folder (config.json and "
+        "its weights, as save_pretrained or python -m marsgpt.export_hf writes them)"
+    )
+
+
 def non_negative(value):
     return None if value >= 0 else "must be >= 0"
 
@@ -105,11 +118,13 @@ class TrainConfig:
     out_dir: str = key(
         "out", "directory of the run: ckpt.pt, best.pt, metrics.jsonl, config.json (marsgpt/run_dir.py)", non_empty
     )
-    init_from: Literal["scratch", "resume", "auto", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] = key(
+    init_from: str = key(
         "scratch",
         "scratch: a new run (refused when out_dir holds one); resume: continue out_dir's newest intact "
         "checkpoint (ckpt.pt, else a kept copy or best.pt); auto: resume when out_dir holds a checkpoint, else "
-        "scratch; gpt2*: start from OpenAI's weights",
+        "scratch; gpt2, gpt2-medium, gpt2-large, gpt2-xl: start from OpenAI's weights (the Hugging Face hub or its "
+        "cache); or a local Hugging Face GPT-2 folder: start from its weights (offline)",
+        init_source,
     )
     overwrite: bool = key(False, "with init_from=scratch: delete out_dir's previous run (checkpoints, metrics) first")
     allow_data_change: bool = key(
@@ -299,6 +314,9 @@ class TrainConfig:
         False, "keep only each block's input and recompute its activations in the backward pass (one more forward)"
     )
     dry_run: bool = key(False, "print the memory plan per GPU and exit: reads no data, needs no GPU")
+    verbose: bool = key(
+        False, "print every key of the run and the whole memory plan at its start (they are in out_dir/config.json)"
+    )
     gpu_memory_gb: float = key(
         0.0, "GiB of one GPU for the memory plan's verdict; 0 = the detected GPU's (none: no verdict)", non_negative
     )

@@ -326,13 +326,14 @@ def config_changes(saved: dict, cfg: object, registry: Registry) -> list[str]:
 
 def build_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None) -> tuple[GPT, dict]:
     """(GPT, model_args) for init_from: a fresh model, one shaped as the checkpoint's (a resume restores its weights
-    as it restores every part: run_dir.RunDir.restore), or OpenAI's GPT-2 with its weights.
+    as it restores every part: run_dir.RunDir.restore), or a pretrained GPT-2 with its weights (OpenAI's by name, or
+    a local Hugging Face folder's).
 
     A resumed model has the shape the checkpoint was saved with: the configuration's for a run started from
     scratch (load_resume_checkpoint has checked that it still is), OpenAI's (bias, vocabulary, size) for one
     started from GPT-2. Only dropout, which may change on resume, is the configuration's.
     """
-    if cfg.init_from.startswith("gpt2"):
+    if cfg.init_from not in ("scratch", "resume"):  # pretrained weights (run_dir.Start: never auto)
         if vocab_size != GPTConfig.vocab_size:  # checked before the download
             raise ConfigError(
                 f"init_from={cfg.init_from} needs GPT-2-tokenized data, but the dataset {cfg.dataset} has its own "
@@ -453,13 +454,30 @@ def gather_by_rank(dist_info: Dist) -> Callable | None:
     return gather
 
 
-def describe(run: Run, progress: Progress) -> None:
-    """Print the effective configuration and the token budget."""
+# The optimizer's keys describe() names, those of them it reads
+HEADLINE_KEYS = ("learning_rate", "lr_1d", "muon_lr", "muon_adamw_lr", "weight_decay")
+
+
+def describe(run: Run, progress: Progress, asked: TrainConfig) -> None:
+    """Print what the run is, as the launch settled it: how it starts (`asked`: the configuration as given, before
+    init_from was decided), model, data, optimizer, batch, schedule and out_dir in a few lines; every key (and the
+    whole memory plan, with no GPU to compare it with) only with --verbose=True, as config.json in out_dir holds
+    them."""
     cfg = run.cfg
     micro_batches = cfg.gradient_accumulation_steps // run.dist.world_size
-    config = config_to_dict(cfg)
-    for key, value in config.items():
-        print(f"{key} = {value!r}")
+    if cfg.verbose:
+        for key, value in config_to_dict(cfg).items():
+            print(f"{key} = {value!r}")
+    print(f"start: {start_line(asked.init_from, cfg, progress)}")
+    shape = run.model.config  # the checkpoint's or the pretrained model's, which may not be the configuration's
+    print(
+        f"model: {run.model.get_num_params() / 1e6:.2f}M parameters, {shape.n_layer} layers x {shape.n_embd} wide, "
+        f"{shape.n_head} heads, context {shape.block_size}, vocabulary {shape.vocab_size}; "
+        f"data: {os.path.join(cfg.data_path, cfg.dataset)}"
+    )
+    entry = OPTIMIZERS.entry(cfg)
+    rates = ", ".join(f"{key} {getattr(cfg, key):g}" for key in HEADLINE_KEYS if key in entry.keys)
+    print(f"optimizer: {entry.label(cfg) if entry.label else cfg.optimizer}; {rates}; grad_clip {cfg.grad_clip:g}")
     print(
         f"world size {run.dist.world_size} on {run.dist.device}; "
         f"{micro_batches} micro-batch{'es' if micro_batches != 1 else ''} per rank per step"
@@ -469,9 +487,7 @@ def describe(run: Run, progress: Progress) -> None:
         f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} x block_size {cfg.block_size}"
     )
     print(f"total tokens: {run.tokens_per_step * cfg.max_iters:,} over max_iters {cfg.max_iters:,}")
-    if cfg.scale_schedule and cfg.decay_lr:
-        warmup_iters, lr_decay_iters = optimizers.schedule_lengths(cfg)
-        print(f"schedule fitted to max_iters (scale_schedule): warmup {warmup_iters:,}, decay to {lr_decay_iters:,}")
+    print(schedule_line(cfg))
     warning = optimizers.schedule_warning(cfg)
     if warning:
         print(warning, file=sys.stderr)
@@ -480,12 +496,13 @@ def describe(run: Run, progress: Progress) -> None:
             f"nothing to train: the run is at iter {progress.iter_num:,} and max_iters is {cfg.max_iters:,}; "
             f"raise --max_iters to train further"
         )
-    print(f"model parameters: {run.model.get_num_params() / 1e6:.2f}M")
     note = OPTIMIZERS.ignored_settings(cfg, TrainConfig())
     if note:
         print(note)
     plan = run.memory_plan
-    print("\n".join(memory_plan.format_plan(plan)))
+    lines = memory_plan.format_plan(plan)
+    # whole where it has a GPU to compare with (on one, or --gpu_memory_gb), else its first line
+    print("\n".join(lines if cfg.verbose or plan.fits is not None else lines[:1]))
     if plan.fits is False:
         print(
             f"warning: the memory plan ({plan.total_bytes / memory_plan.GIB:.1f} GiB per GPU) exceeds the "
@@ -498,6 +515,30 @@ def describe(run: Run, progress: Progress) -> None:
             f"note: mfu is logged as null: no peak bf16 FLOP/s is known for {torch.cuda.get_device_name()} "
             "(model.PEAK_BF16_FLOPS)"
         )
+    if not cfg.verbose:
+        print(f"out_dir: {cfg.out_dir} (every key in its config.json; --verbose=True prints them here)")
+
+
+def start_line(asked: str, cfg: TrainConfig, progress: Progress) -> str:
+    """How the run starts: init_from as given and, where the launch decided it (auto), what it decided."""
+    decided = "" if asked == cfg.init_from else f" -> {cfg.init_from}"
+    if cfg.init_from == "resume":
+        return f"init_from={asked}{decided}: continues at iter {progress.iter_num:,} of {cfg.max_iters:,}"
+    if cfg.init_from == "scratch":
+        return f"init_from={asked}{decided}: a new run"
+    return f"init_from={asked}{decided}: a new run from its weights"
+
+
+def schedule_line(cfg: TrainConfig) -> str:
+    """The learning-rate schedule the run follows (scale_schedule's fitted lengths, when set)."""
+    if not cfg.decay_lr:
+        return "schedule: constant peak lr (decay_lr=False)"
+    warmup_iters, lr_decay_iters = optimizers.schedule_lengths(cfg)
+    if cfg.scale_schedule:
+        return f"schedule fitted to max_iters (scale_schedule): warmup {warmup_iters:,}, decay to {lr_decay_iters:,}"
+    ends = {"cosine": f"cosine to min_lr {cfg.min_lr:g} at iter {lr_decay_iters:,}", "constant": "then constant"}
+    decay = ends.get(cfg.schedule, f"{cfg.schedule}, to min_lr {cfg.min_lr:g}")
+    return f"schedule: warmup {warmup_iters:,} iters, {decay}"
 
 
 # ---------------------------------------------------------------------------------------------------

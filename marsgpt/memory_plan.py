@@ -16,6 +16,7 @@ at most 1 - HEADROOM of the GPU's memory.
 """
 
 import dataclasses
+import json
 import math
 import os
 import typing
@@ -107,7 +108,8 @@ def zero_partition(groups, world_size):
 @dataclasses.dataclass(frozen=True)
 class Activations:
     """The formula's per-token and fixed terms for one model and dtype (docs/memory.md, "How the plan is
-    computed"), for the CUDA kernels a run takes, or (device_type="cpu", what the tests measure) the CPU's."""
+    computed"), for the CUDA kernels a run takes, or (device_type="cpu", what the tests measure) the CPU's with
+    torch's own bfloat16 matmul: oneDNN's keeps buffers that depend on the processor (tests/test_memory_plan.py)."""
 
     cfg: GPTConfig
     element_bytes: int  # a
@@ -118,7 +120,6 @@ class Activations:
     math_attention: bool = False  # the math attention kernel (--deterministic=True on CUDA)
     device_type: str = "cuda"
     compiled: bool = False  # the blocks and the loss's chunks compiled (model.GPT.compile_blocks)
-    onednn_bfloat16_matmul: bool = False  # on the CPU: cpu_bfloat16_matmul_is_onednns() where the plan is made
 
     @property
     def cast(self):
@@ -175,8 +176,7 @@ class Activations:
         and the matmul's two gradients, the MLP hidden layer's and the weight's (in the autocast dtype; cast to
         float32 after the matmul has freed more than that)."""
         c, a = self.cfg.n_embd, self.element_bytes
-        packed = 4 * c * c * a * self.cast * self.onednn_bfloat16_matmul  # oneDNN's matmul repacks the weight
-        return tokens * (4 * c + 4 * a * c + a * c * max(self.cast, self.dropout)) + 4 * c * c * a + packed
+        return tokens * (4 * c + 4 * a * c + a * c * max(self.cast, self.dropout)) + 4 * c * c * a
 
     def mlp_dropout(self, tokens):
         """The MLP dropout's mask, freed by its backward step, the first of the block's."""
@@ -345,17 +345,7 @@ def activations_for(model_args, dtype, math_attention=False, device_type="cuda",
         math_attention=math_attention,
         device_type=device_type,
         compiled=compiled,
-        onednn_bfloat16_matmul=device_type == "cpu" and cpu_bfloat16_matmul_is_onednns(),
     )
-
-
-def cpu_bfloat16_matmul_is_onednns():
-    """Whether a bfloat16 matmul on the CPU runs oneDNN's kernel, which copies the weight into a layout of its own
-    (a buffer the size of the weight), or torch's, which does not. Torch takes oneDNN's where it is enabled and has
-    bfloat16 kernels for the processor (AVX-512 or newer on x86-64: not on AMD's Zen 2 and 3, for one), the check
-    torch's matmul makes (mkldnn_bf16_device_check, which asks oneDNN about the processor)."""
-    mkldnn = torch.backends.mkldnn
-    return mkldnn.is_available() and mkldnn.enabled and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -784,7 +774,7 @@ def plan_memory(cfg, dist_info, model_args):
 
 def planned_model_args(cfg):
     """The model a run of cfg builds, without reading tokens: the data's vocabulary when its files are there,
-    else GPT-2's (padded); OpenAI's shape for init_from=gpt2*."""
+    else GPT-2's (padded); OpenAI's shape for init_from=gpt2*, a local Hugging Face folder's for one."""
     if cfg.init_from in HF_CHECKPOINTS:
         preset = PRESETS[HF_CHECKPOINTS[cfg.init_from]]
         return {
@@ -792,6 +782,15 @@ def planned_model_args(cfg):
             **preset,
             "bias": True,
             "block_size": min(cfg.block_size, 1024),
+        }
+    if os.path.isdir(cfg.init_from):  # config.init_source: a Hugging Face GPT-2 folder, its config.json
+        with open(os.path.join(cfg.init_from, "config.json")) as f:
+            hf = json.load(f)
+        return {
+            **model_args_from_config(cfg, hf["vocab_size"]),
+            **{key: hf[key] for key in ("n_layer", "n_head", "n_embd")},
+            "bias": True,
+            "block_size": min(cfg.block_size, hf["n_positions"]),
         }
     try:
         vocab_size = model_vocab_size(TokenData(os.path.join(cfg.data_path, cfg.dataset), "train"))

@@ -5,6 +5,7 @@ scripts/gpu_check.py and vision/cpu_study.py with read_records. Every record has
 `time_s` (the x axes) and some of the names below; the same records go to wandb, plotted against `iter`.
 """
 
+import collections
 import dataclasses
 import json
 import math
@@ -232,6 +233,9 @@ def format_duration(seconds):
     return f"{seconds} s"
 
 
+PACE_WINDOW_S = 300  # the time left goes by the pace of the last 5 minutes' train lines (LogWindow.progress)
+
+
 @dataclasses.dataclass
 class LogWindow:
     """Steps since the last train line: their losses (on the device) and wall-clock time.
@@ -251,7 +255,8 @@ class LogWindow:
     rank: int = 0
     world_size: int = 1
     gather: object = None  # this rank's loss sum -> every rank's
-    first_line: tuple | None = None  # (iter, time) of this process's first train line: where its pace starts
+    # (iter, time) of this process's recent train lines, the oldest PACE_WINDOW_S or more before the newest: the pace
+    lines: collections.deque = dataclasses.field(default_factory=collections.deque)
 
     def add(self, loss, skipped):
         self.steps += 1
@@ -264,15 +269,19 @@ class LogWindow:
 
     def progress(self, iter_num, max_iters):
         """'3.6% done, 14 min 37 s left' for the train line at iter_num (before restart()). The pace is this
-        process's since its first train line, evaluations and checkpoints included, so the time left counts them
-        and neither a compiled model's first step (it compiles) nor a resume's start weighs on it; the first
-        line, with nothing before it, goes by its own steps."""
+        process's over its recent train lines, the last PACE_WINDOW_S seconds of them (from the line before, when
+        that was longer ago): evaluations and checkpoints between them are counted, neither a compiled model's
+        first step (it compiles) nor a resume's start weighs on it, and when other work slows the machine down,
+        or stops doing so, the estimate follows within that window. The first line, with nothing before it, goes
+        by its own steps."""
         now = time.perf_counter()
-        if self.first_line is None:
-            self.first_line = (iter_num, now)
+        self.lines.append((iter_num, now))
+        while len(self.lines) > 2 and now - self.lines[1][1] >= PACE_WINDOW_S:
+            self.lines.popleft()
+        if len(self.lines) == 1:
             step_s = (now - self.t0) / self.steps
         else:
-            step_s = (now - self.first_line[1]) / (iter_num - self.first_line[0])
+            step_s = (now - self.lines[0][1]) / (iter_num - self.lines[0][0])
         left = max(max_iters - iter_num, 0) * step_s
         return f"{iter_num / max_iters:.1%} done, {format_duration(left)} left"
 

@@ -8,13 +8,24 @@ import argparse
 import os
 import sys
 
-import matplotlib
+from marsgpt.metrics import LOSS_SERIES as SERIES
+from marsgpt.metrics import read_metrics
 
-matplotlib.use("Agg")  # files only: no display needed on a cluster node
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from marsgpt.metrics import LOSS_SERIES as SERIES  # noqa: E402
-from marsgpt.metrics import read_metrics  # noqa: E402
+def pyplot():
+    """matplotlib.pyplot, drawing into files only (no display needed on a cluster node). matplotlib is an optional
+    requirement, which a train-only set-up does not install: its absence is an ImportError that says so."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "plots need matplotlib, one of the optional requirements: pip install -r requirements-extra.txt "
+            "-c constraints.txt"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def default_labels(run_dirs):
@@ -33,7 +44,7 @@ def plot_runs(run_dirs, out, labels=None, ylim=None):
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs; give one label per run")
     runs = [read_metrics(d) for d in run_dirs]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col", squeeze=False)
+    fig, axes = pyplot().subplots(2, 2, figsize=(12, 8), sharex="col", squeeze=False)
     for row, name in enumerate(SERIES):
         for col, (x_index, x_label, scale) in enumerate([(1, "tokens (M)", 1e-6), (2, "time (min)", 1 / 60)]):
             ax = axes[row][col]
@@ -72,7 +83,7 @@ def main(argv=None):
         args.out += ".png"  # what matplotlib would write: say the name it gets
     try:
         plot_runs(args.run_dirs, args.out, args.labels, args.ylim)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")

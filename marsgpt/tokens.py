@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import pickle
+import shlex
 import tempfile
 
 import numpy as np
@@ -234,11 +235,14 @@ def split_files(data_dir, split):
 
 
 def _prepare_hint(data_dir):
+    """The prepare command that writes data_dir: the dataset's script, into data_dir when that is not its default."""
     name = os.path.basename(os.path.normpath(data_dir))
-    script = os.path.join(REPOSITORY, "data", name, "prepare.py")
-    if os.path.exists(script):
+    default = os.path.join(REPOSITORY, "data", name)
+    if not os.path.exists(os.path.join(default, "prepare.py")):
+        return "run a data/<name>/prepare.py (the quickstart: python -m data.stdlib_char.prepare)"
+    if os.path.abspath(data_dir) == default:
         return f"run: python -m data.{name}.prepare"
-    return "run a data/<name>/prepare.py (the quickstart: python -m data.stdlib_char.prepare)"
+    return f"run: python -m data.{name}.prepare --output_dir={shlex.quote(os.path.abspath(data_dir))}"
 
 
 class TokenData:

@@ -1250,9 +1250,10 @@ def warm_up(work, logs, budget_s):
     """The warm-up worker, before the device read and the checks, as the table's first row; a warm-up that
     fails or runs out of time is a failed row, and the checks still run."""
     path, t0 = os.path.join(work, "warm.json"), time.monotonic()
-    finished = run_command([sys.executable, *WORKER, "warm", path], os.path.join(logs, "warm.log"), budget_s)
+    argv = [sys.executable, *WORKER, "warm", path]
+    finished = run_command(argv, os.path.join(logs, "warm.log"), budget_s)
     what = "warm-up: the modules imported, a CUDA context and cuBLAS on every GPU"
-    command = "python -m scripts.gpu_check_worker warm"
+    command = short_command(argv, work)
     if finished.ok:
         result = read_json(path)
         text = f"{result['seconds']:.1f} s ({result['import_s']:.1f} s importing), on {', '.join(result['devices'])}"

@@ -587,7 +587,7 @@ def write_results(optimizers, out_root, budgets, seeds, max_step, losses, extra,
                 labels=[f"{o} ({lrs_text(o, brackets[o][steps].best)})" for o in settled],
                 ylim=(floor - 0.3, floor + 1.2) if math.isfinite(floor) else None,
             )
-            plot.plt.close(fig)
+            plot.pyplot().close(fig)
     return text
 
 

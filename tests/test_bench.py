@@ -1,4 +1,10 @@
-"""The byte counts behind bench/bench_mars.py's bandwidth column and read floors, and its check of the kernel."""
+"""The byte counts behind bench/bench_mars.py's bandwidth column and read floors, and its check of the kernel; every
+benchmark's --help."""
+
+import glob
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -6,6 +12,8 @@ import torch
 import mars_triton
 from bench import bench_mars
 from bench.bench_mars import traffic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_traffic_counts_each_rule_s_passes_and_gives_1d_tensors_adamw_s():
@@ -31,3 +39,15 @@ def test_the_kernel_check_is_rounding_for_the_kernel_and_large_for_a_wrong_rule(
     assert all(0 <= r["ours"] <= 1e-4 and r["target"] == bench_mars.EQUALITY_TARGET for r in rows)
     monkeypatch.setitem(mars_triton._KERNEL_RULES, "adamw", mars_triton._KERNEL_RULES["lion"])
     assert bench_mars.equality_rows("cpu", shapes, hyper)[0]["ours"] > 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "bench", "bench_*.py")))
+)
+def test_every_benchmark_s_help_prints_its_usage_and_runs_nothing(name):
+    done = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stdout + done.stderr
+    assert "|" not in done.stdout  # no table: nothing was measured

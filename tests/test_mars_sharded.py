@@ -291,7 +291,7 @@ TORCH_OPTIMIZERS = ("adamw", "muon", "moonlight")
 
 
 def torch_optimizer_against_one_process(rank, world, name):
-    """The trainer's other optimizers as the registry builds them (marsgpt.optimizers.build_optimizer: AdamW through
+    """The trainer's other optimizers as the registry builds them (training_optimizer.build_optimizer: AdamW through
     DTensor's dispatch, Muon and Moonlight's matrices through ShardedMuon's owners) over the sharded GPT, against
     the same entry over the plain one: (max |difference| after STEPS steps, the collectives of the second step).
     torch's Muon runs Newton-Schulz in bfloat16: its owner computes it on the whole matrix from the same float64

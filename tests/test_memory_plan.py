@@ -103,11 +103,26 @@ SHAPES = {
 
 
 def formula_against_allocator(
-    monkeypatch, shape, dtype, checkpointing, batch_size, loss_rows, math_attention, dropout, compiled=False
+    monkeypatch,
+    shape,
+    dtype,
+    checkpointing,
+    batch_size,
+    loss_rows,
+    math_attention,
+    dropout,
+    compiled=False,
+    onednn=False,
 ):
     """(formula, measured) peak bytes. loss_rows: the loss's chunk (None: the default, one chunk here; a few
     dozen rows: many chunks, as GPT-2's vocabulary makes of a micro-batch; compiled, 4 times as many rows, as
-    COMPILED_LOSS_CHUNK_SCORES is to LOSS_CHUNK_SCORES). compiled: model.GPT.compile_blocks, with inductor."""
+    COMPILED_LOSS_CHUNK_SCORES is to LOSS_CHUNK_SCORES). compiled: model.GPT.compile_blocks, with inductor.
+
+    The formula models torch's own kernels, which allocate the same on every processor: with onednn=False the
+    bfloat16 matmuls are torch's too (oneDNN off), otherwise oneDNN's where torch picks them, whose buffers
+    depend on the processor (test_onednns_bfloat16_matmul_adds_at_most_a_float32_copy_of_one_output)."""
+    if not onednn:
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     if loss_rows:
         monkeypatch.setattr(model_module, "LOSS_CHUNK_SCORES", loss_rows * shape["vocab_size"])
         monkeypatch.setattr(model_module, "COMPILED_LOSS_CHUNK_SCORES", 4 * loss_rows * shape["vocab_size"])
@@ -137,6 +152,37 @@ def test_activation_formula_is_the_cpu_allocators_peak(monkeypatch, shape, dtype
     )
     # within 0.5%: what the formula leaves out is the loss's scalars and the CPU matmuls' small workspaces
     assert formula == pytest.approx(peak, rel=5e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape, checkpointing, math_attention, dropout, compiled",
+    [
+        ("4x256", False, False, 0.0, False),  # the peak: the loss in the forward pass
+        ("4x256", True, False, 0.0, False),
+        ("4x256", True, True, 0.1, False),  # a recomputed block's backward pass
+        ("2x128-long", False, True, 0.1, False),  # the math attention kernel's backward pass
+        ("2x128-bias", False, False, 0.0, True),  # the compiled loss
+    ],
+)
+def test_onednns_bfloat16_matmul_adds_at_most_a_float32_copy_of_one_output(
+    monkeypatch, shape, checkpointing, math_attention, dropout, compiled
+):
+    """Where the processor has the instructions, torch runs a bfloat16 matmul on oneDNN's kernel, whose buffers
+    depend on the processor: with AMX it packs the weight into a copy; with AVX-512 BF16 (an AMD EPYC) it takes a
+    scratchpad, 99,328 bytes beside a 1 MiB output; with plain AVX-512 (no bfloat16 instructions:
+    ATEN_CPU_CAPABILITY=avx512, which holds oneDNN to AVX512_CORE) it accumulates the output in float32, a buffer
+    twice the output's size. So the formula of torch's own kernel, exact above, holds there as a lower bound and,
+    with a float32 copy of the pass's largest matmul output (the MLP's hidden layer, a chunk of the loss's
+    scores or the output weight's gradient), an upper one."""
+    shape = SHAPES[shape]
+    formula, peak = formula_against_allocator(
+        monkeypatch, shape, "bfloat16", checkpointing, 4, 48, math_attention, dropout, compiled, onednn=True
+    )
+    c, v, tokens = shape["n_embd"], shape["vocab_size"], 4 * shape["block_size"]
+    loss_rows = min(tokens, (4 if compiled else 1) * 48)
+    largest_output = max(tokens * 4 * c, loss_rows * v, v * c)
+    assert formula * (1 - 5e-3) <= peak <= (formula + 4 * largest_output) * (1 + 5e-3)
 
 
 @pytest.mark.slow

@@ -108,17 +108,27 @@ def test_durations_read_in_two_units_at_most(seconds, text):
     assert metrics.format_duration(2 * 86_400 + 5 * 3600 + 59) == "2 d 5 h"
 
 
-def test_progress_goes_by_the_pace_since_the_first_train_line(monkeypatch):
-    """The first line has only its own steps to go by; later lines the whole time since the first, so a slow first
-    step (a compile) or an evaluation between lines weighs as much as it will over the rest of the run."""
-    clock = iter([110.0, 110.0, 130.0])  # the line at iter 10, the window's restart, the line at iter 20
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+def test_progress_goes_by_the_pace_of_the_recent_train_lines(monkeypatch):
+    """The first line has only its own steps to go by; later lines the time since the oldest line of the last
+    PACE_WINDOW_S seconds (an evaluation between lines counted), so when the machine slows down the time left
+    follows the new pace within the window, not the average since the run began."""
+    now = [110.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     window = metrics.LogWindow(t0=100.0)
     for _ in range(10):
         window.add(torch.tensor(1.0), skipped=False)
     assert window.progress(10, 1000) == "1.0% done, 16 min 30 s left"  # 1 s a step, 990 steps left
     window.restart()
+    now[0] = 130.0
     assert window.progress(20, 1000) == "2.0% done, 32 min 40 s left"  # 20 s over 10 steps: 2 s a step
+    for it in range(30, 210, 10):  # steady at 2 s a step: 180 steps, 360 s
+        now[0] += 20.0
+        window.progress(it, 1000)
+    for it in range(210, 410, 10):  # then 6 s a step (other work took the cores): 200 steps, 1200 s
+        now[0] += 60.0
+        line = window.progress(it, 1000)
+    assert line == "40.0% done, 1 h left"  # 600 steps at 6 s, not the 4.2 s a step since iter 10
+    assert now[0] - window.lines[1][1] < metrics.PACE_WINDOW_S <= now[0] - window.lines[0][1]
 
 
 def write_records(out_dir, records):

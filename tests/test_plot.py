@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 
 import pytest
 
@@ -101,3 +102,17 @@ def test_missing_empty_and_corrupt_metrics_are_clear_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     assert not (tmp_path / "e.png").exists()
+
+
+def test_without_matplotlib_the_plot_command_names_the_requirement(tmp_path, monkeypatch, capsys):
+    """A train-only set-up (requirements.txt) has no matplotlib: the plot command every finished run prints is one
+    line naming what to install, exit 2, no file."""
+    write_run(tmp_path / "a", [3.0, 2.0])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert plot.main([str(tmp_path / "a"), "--out", str(tmp_path / "a.png")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "error: plots need matplotlib, one of the optional requirements: pip install -r "
+        "requirements-extra.txt -c constraints.txt\n"
+    )
+    assert not (tmp_path / "a.png").exists()

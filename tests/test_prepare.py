@@ -313,6 +313,30 @@ def test_shakespeare_char_from_a_local_file(tmp_path):
     assert "".join(data.meta["itos"][i] for i in first) == "First Citizen:"
 
 
+@pytest.mark.slow
+def test_each_script_runs_by_its_path_from_any_folder_as_with_python_m(tmp_path, corpus):
+    """python data/<name>/prepare.py, as nanoGPT users type it, from another folder too: the same files as
+    python -m data.<name>.prepare writes (fineweb_edu with worker processes, which import the script again)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "cache"))
+    runs = {
+        "stdlib_char": ["--chars", "20000"],
+        "fineweb_edu": ["--data_files", *map(str, corpus[1]), "--shard_size", "2000", "--num_proc", "2"],
+    }
+    for name, args in runs.items():
+        script = os.path.join(REPO, "data", name, "prepare.py")
+        for how, argv, cwd in (
+            ("path", [script], tmp_path),
+            ("module", ["-m", f"data.{name}.prepare"], REPO),
+        ):
+            command = [sys.executable, *argv, *args, "--output_dir", str(tmp_path / name / how)]
+            done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+        by_path, by_module = tmp_path / name / "path", tmp_path / name / "module"
+        names = sorted(f for f in os.listdir(by_module) if f.endswith((".bin", ".pkl")))
+        assert names and sorted(f for f in os.listdir(by_path) if f.endswith((".bin", ".pkl"))) == names
+        assert filecmp.cmpfiles(by_path, by_module, names, shallow=False)[0] == names
+
+
 def run_openwebtext(tmp_path, texts):
     """data/openwebtext/prepare.py on a local parquet file of texts, offline, in a subprocess."""
     pq.write_table(pa.table(dict(text=texts)), tmp_path / "owt.parquet")

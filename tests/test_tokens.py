@@ -190,6 +190,22 @@ def test_missing_and_empty_directories_name_the_prepare_command(tmp_path):
         TokenData(str(tmp_path), "test")
 
 
+@pytest.mark.slow
+def test_a_dataset_elsewhere_is_named_the_command_that_writes_it_there(tmp_path):
+    """A --data_path that is not data/: the hint's command, run as printed, prepares the folder asked for."""
+    elsewhere = tmp_path / "my data" / "stdlib_char"
+    with pytest.raises(DataError) as excinfo:
+        TokenData(str(elsewhere), "train")
+    command = str(excinfo.value).split("; run: ", 1)[1]
+    assert command.startswith("python -m data.stdlib_char.prepare --output_dir=")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    subprocess.run(command, shell=True, cwd=tokens.REPOSITORY, env=env, check=True, capture_output=True)
+    assert TokenData(str(elsewhere), "train").paths == [str(elsewhere / "train.bin")]
+    # data/'s own folder: the script's default
+    default = os.path.join(tokens.REPOSITORY, "data", "stdlib_char")
+    assert tokens._prepare_hint(default) == "run: python -m data.stdlib_char.prepare"
+
+
 def test_split_shorter_than_a_window(tmp_path):
     write_bin(tmp_path / "val.bin", np.arange(64))
     data = TokenData(str(tmp_path), "val")

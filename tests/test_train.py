@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,6 +19,7 @@ from train_helpers import ROOT, diverging_from, make_char_data, tiny_args
 import train
 from bench.common import rendezvous
 from marsgpt import checkpoint, checkpoint_parts, memory_plan, runtime, shards, trained_model
+from marsgpt.config import TrainConfig, config_to_dict
 from marsgpt.optimizers import scheduled_lr
 from marsgpt.parallel import Parallelism
 from marsgpt.tokens import TokenData, write_shard
@@ -629,6 +631,36 @@ def test_init_from_gpt2_without_the_network_or_the_cache_is_one_error_line(tmp_p
 
 
 @pytest.mark.slow
+def test_the_offline_hint_a_local_hugging_face_folder_trains(tmp_path, tiny_checkpoint):
+    """The offline error offers --init_from=PATH: a Hugging Face GPT-2 folder (here python -m marsgpt.export_hf's
+    of a one-layer GPT-2-vocabulary model) starts a run from its weights with the hub off, as --dry_run plans it;
+    a folder that is not one is refused in one line before any work."""
+    pytest.importorskip("transformers")
+    tiny_checkpoint(tmp_path / "pretrained", 50257, block_size=64)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "empty_cache"), OMP_NUM_THREADS="1")
+    hf = str(tmp_path / "hf")
+    command = [sys.executable, "-m", "marsgpt.export_hf", str(tmp_path / "pretrained"), hf]
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+    out = tmp_path / "out"
+    args = tiny_args(gpt2_tokenized_data(tmp_path), str(out), dataset="bpe", init_from=hf, max_iters=2, eval_interval=2)
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"start: init_from={hf}: a new run from its weights" in done.stdout
+    assert "0.81M parameters, 1 layers x 16 wide, 2 heads" in done.stdout  # the folder's, not tiny_args' 2 x 64
+    plan = train.main([*args, "--dry_run=True"])
+    assert plan == 0
+    refused = subprocess.run(
+        [sys.executable, "train.py", *tiny_args(str(tmp_path), str(tmp_path / "o"), init_from=str(tmp_path))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "nor a local Hugging Face GPT-2 folder" in refused.stderr
+
+
+@pytest.mark.slow
 def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
     """init_from=gpt2 builds OpenAI's shape (biases, the unpadded 50257 tokens), not the configuration's: a
     resume rebuilds the checkpoint's model. A tiny stand-in for GPT-2 replaces the download."""
@@ -656,6 +688,27 @@ def test_a_run_started_from_gpt2_resumes_exactly(tmp_path, monkeypatch):
     assert resumed["model_args"] == uninterrupted["model_args"]
     for key, value in uninterrupted["model"].items():
         assert torch.equal(resumed["model"][key], value), key
+
+
+def test_the_start_is_a_short_summary_of_what_the_launch_decided_and_verbose_prints_every_key(
+    data_path, tmp_path, capsys
+):
+    """Before the first evaluation a few lines: how the run starts (init_from as given, and what auto decided),
+    model, data, optimizer, batch, schedule, out_dir; every key is in config.json, and on the terminal only with
+    --verbose=True."""
+    out = str(tmp_path / "out")
+    run_ok(tiny_args(data_path, out, init_from="auto", max_iters=2, eval_interval=2), capsys)
+    head = capsys.readouterr().out.split("step 0:")[0].splitlines()
+    assert len(head) <= 12, head
+    assert head[0] == "start: init_from=auto -> scratch: a new run"
+    assert not [line for line in head if re.match(r"\w+ = ", line)]
+    assert f"out_dir: {out} (every key in its config.json; --verbose=True prints them here)" in head
+    keys = set(config_to_dict(TrainConfig()))
+    assert keys <= set(json.load(open(os.path.join(out, "config.json"))))
+    run_ok(tiny_args(data_path, out, init_from="auto", max_iters=4, eval_interval=2, verbose=True), capsys)
+    printed = capsys.readouterr().out
+    assert "start: init_from=auto -> resume: continues at iter 2 of 4" in printed
+    assert all(f"\n{key} = " in printed for key in keys)
 
 
 def test_a_run_shorter_than_its_schedule_is_warned_and_scale_schedule_fits_it(data_path, tmp_path, capsys):

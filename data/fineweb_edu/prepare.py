@@ -21,9 +21,13 @@ import collections
 import json
 import multiprocessing
 import os
+import sys
 
 import numpy as np
 from tqdm import tqdm
+
+if not __package__:  # run by its path (python data/<name>/prepare.py, as nanoGPT's): import from the repository
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data.prepare_common import (
     add_data_files,

@@ -7,7 +7,11 @@ python -m data.shakespeare_char.prepare --input PATH      # a local copy, no net
 import argparse
 import http.client
 import os
+import sys
 import urllib.request
+
+if not __package__:  # run by its path (python data/<name>/prepare.py, as nanoGPT's): import from the repository
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data.prepare_common import add_output_dir, run_prepare, write_char_corpus
 from marsgpt.files import atomic_write_bytes

@@ -10,7 +10,11 @@ vocabulary) beside this file, or in --output_dir.
 
 import argparse
 import os
+import sys
 import sysconfig
+
+if not __package__:  # run by its path (python data/<name>/prepare.py, as nanoGPT's): import from the repository
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data.prepare_common import add_output_dir, run_prepare, write_char_corpus
 from marsgpt.tokens import DataError
