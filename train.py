@@ -33,7 +33,8 @@ import torch
 
 from marsgpt import launch, memory_plan, metrics
 from marsgpt.compile_cache import compile_counts
-from marsgpt.config import load_config, print_help, wants_help
+from marsgpt.config import load_config, print_help
+from marsgpt.config_schema import wants_help
 from marsgpt.launch import Progress, Run, setup
 from marsgpt.metrics import LogWindow
 from marsgpt.run_dir import RunStopped

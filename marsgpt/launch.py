@@ -29,7 +29,8 @@ from marsgpt.checkpoint import CheckpointError
 from marsgpt.checkpoint_parts import RNGState
 from marsgpt.checkpointer import DATA_FINGERPRINT, METRICS_SIZE
 from marsgpt.compile_cache import CompileCache
-from marsgpt.config import ConfigError, TrainConfig, config_to_dict, current_keys, fixed_keys
+from marsgpt.config import TrainConfig
+from marsgpt.config_schema import ConfigError, config_to_dict, current_keys, fixed_keys
 from marsgpt.memory_plan import MemoryPlan, plan_memory
 from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS, Registry

@@ -78,7 +78,7 @@ from marsgpt.checkpointer import (
     checkpoint_files,
     is_checkpoint,
 )
-from marsgpt.config import ConfigError, config_to_dict
+from marsgpt.config_schema import ConfigError, config_to_dict
 from marsgpt.files import atomic_writer, copy_file, os_reason, remove_stale_temporaries
 from marsgpt.run_lock import LockError, RunLock
 from marsgpt.stop_signals import StopSignals

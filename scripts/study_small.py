@@ -45,7 +45,8 @@ import sys
 import time
 
 from marsgpt import plot
-from marsgpt.config import ConfigError, load_config
+from marsgpt.config import load_config
+from marsgpt.config_schema import ConfigError
 from marsgpt.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

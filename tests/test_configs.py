@@ -12,7 +12,8 @@ from train_helpers import tiny_args
 
 import train
 from marsgpt import metrics
-from marsgpt.config import config_to_dict, current_keys, load_config
+from marsgpt.config import current_keys, load_config
+from marsgpt.config_schema import config_to_dict
 from model import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

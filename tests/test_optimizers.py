@@ -17,7 +17,8 @@ from reference_runs import PAPER_RUNS, reference_get_lr, reference_run
 import mars
 from mars import MARS
 from marsgpt import optimizers
-from marsgpt.config import ConfigError, TrainConfig, load_config, print_help
+from marsgpt.config import TrainConfig, load_config, print_help
+from marsgpt.config_schema import ConfigError
 from marsgpt.optim_protocol import ChainedOptimizer
 from marsgpt.optimizers import OPTIMIZERS, Registry, group_hyperparameters, scheduled_lr
 from marsgpt.parallel import Parallelism

@@ -9,7 +9,8 @@ import re
 import signal
 import subprocess
 
-from marsgpt.config import config_to_dict, load_config
+from marsgpt.config import load_config
+from marsgpt.config_schema import config_to_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "scripts", "slurm_mars_small.sbatch")

@@ -19,7 +19,8 @@ from train_helpers import ROOT, diverging_from, make_char_data, tiny_args
 import train
 from bench.common import rendezvous
 from marsgpt import checkpoint, checkpoint_parts, memory_plan, runtime, shards, trained_model
-from marsgpt.config import TrainConfig, config_to_dict
+from marsgpt.config import TrainConfig
+from marsgpt.config_schema import config_to_dict
 from marsgpt.optimizers import scheduled_lr
 from marsgpt.parallel import Parallelism
 from marsgpt.tokens import TokenData, write_shard

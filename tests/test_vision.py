@@ -25,7 +25,7 @@ from PIL import Image
 from train_helpers import wait_for_line
 
 from marsgpt import checkpoint
-from marsgpt.config import load_config
+from marsgpt.config_schema import load_config
 from vision import bench_loader, cifar, cpu_study, train_cifar
 from vision.bench_loader import PerImageCifar, pil_crop_and_flip, pil_to_normalized_tensor
 from vision.cifar import DATASETS, CifarData, crop_and_flip, read_cifar, write_binary_split

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from marsgpt.config import device_check
+from marsgpt.config_schema import device_check
 from marsgpt.runtime import resolve_device
 from vision.cifar import CROP_PADDING, DATASETS, CifarData
 from vision.cli import ArgumentParser, UsageError

@@ -46,7 +46,7 @@ from mars import MARS
 from marsgpt import checkpoint, launch, run_dir, shards, training_optimizer
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.checkpoint_parts import DataclassState, RNGState, load_model_state
-from marsgpt.config import (
+from marsgpt.config_schema import (
     ConfigError,
     betas,
     config_to_dict,
