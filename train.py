@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from marsgpt import launch, memory_plan, metrics
+from marsgpt import exits, launch, memory_plan, metrics
 from marsgpt.compile_cache import compile_counts
 from marsgpt.config import load_config, print_help
 from marsgpt.config_schema import wants_help
@@ -368,7 +368,7 @@ def record_skip(run: Run, progress: Progress, result: StepResult, time_s: float)
 
 
 def main(argv: list[str] | None = None, signals: StopSignals | None = None) -> int:
-    """Train as `argv` (train.py's arguments) configures; the exit status (launch.exit_status: the one line on
+    """Train as `argv` (train.py's arguments) configures; the exit status (exits.exit_status: the one line on
     stderr and the status of whatever ended the run). `signals`: the StopSignals the caller installed and keeps
     (the command line's, until the process exits: a signal that arrives as it ends is answered, not fatal); by
     default main installs its own and puts the previous handlers back as it returns."""
@@ -391,13 +391,13 @@ def main(argv: list[str] | None = None, signals: StopSignals | None = None) -> i
         fit(run, progress)
         status = directory.finish(progress)
     except BaseException as e:
-        status = launch.exit_status(e, cfg, dist_info, directory, progress)
+        status = exits.exit_status(e, cfg, dist_info, directory, progress)
         if status is None:
             raise
     finally:
         if directory is not None:
             directory.close()  # the checkpoint in flight on disk, the lock released
-        leave_process_group(dist_info, timed_out=status == launch.TIMED_OUT)
+        leave_process_group(dist_info, timed_out=status == exits.TIMED_OUT)
         if own_signals:
             signals.restore()
     return status

@@ -1,13 +1,12 @@
-"""How a training run starts: the run's state (Progress, Run) and setup, which builds it from the configuration
-before its first step -- what a resume must keep and may change, the data, the model, the optimizer, the parts a
-checkpoint holds -- and how it ends: the exit status of whatever ended it (exit_status).
+"""How a training run is built before its first step: the run's state (Progress, Run) and setup, which makes it from
+the configuration -- the data, the resume (marsgpt/resume.py), the model, the optimizer, the parallelism, the parts a
+checkpoint holds -- and the summary the start prints (describe).
 
 What init_from means for out_dir -- its lock, which checkpoint a resume continues, when a fresh start is
 refused -- is marsgpt/run_dir.py's; rank 0 decides it, and every rank then loads the checkpoint chosen and
-checks it here (resolve_run). A resume applies the configuration it is given: changed
+checks it (resume.resolve_run). A resume applies the configuration it is given: changed
 hyperparameters (learning rates, weight decays, betas, clip, ...) take effect, each printed as
-`resume: key old -> new`; keys that cannot change mid-run (config's fixed keys: the model shape, the
-optimizer) are refused, and a key the run's optimizer does not read is neither.
+`resume: key old -> new`.
 
 Every check on the user's input happens before the first step and before any file in out_dir changes.
 Whatever a rank reads from disk or the network is agreed on by all ranks (runtime.agree), so a rank that
@@ -24,38 +23,33 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from marsgpt import checkpoint, checkpoint_parts, memory_plan, metrics, optimizers, shards, tokens, trained_model
+from marsgpt import checkpoint, checkpoint_parts, memory_plan, metrics, optimizers, trained_model
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.checkpoint_parts import RNGState
-from marsgpt.checkpointer import DATA_FINGERPRINT, METRICS_SIZE
+from marsgpt.checkpointer import METRICS_SIZE
 from marsgpt.compile_cache import CompileCache
 from marsgpt.config import TrainConfig
-from marsgpt.config_schema import ConfigError, config_to_dict, current_keys, fixed_keys
+from marsgpt.config_schema import ConfigError, config_to_dict
+from marsgpt.exits import USER_ERRORS
 from marsgpt.memory_plan import MemoryPlan, plan_memory
-from marsgpt.metrics import LogWindow, MetricsError, MetricsLog
-from marsgpt.optimizers import OPTIMIZERS, Registry
+from marsgpt.metrics import LogWindow, MetricsLog
+from marsgpt.optimizers import OPTIMIZERS
 from marsgpt.parallel import Parallelism
-from marsgpt.run_dir import RunDir, RunDirError, RunStopped, Start
+from marsgpt.resume import config_changes, resolve_run
+from marsgpt.run_dir import RunDir, Start
 from marsgpt.runtime import (
     Dist,
-    SetupError,
     agree,
     decide_on_master,
-    is_collective_timeout,
     resolve_compile,
     resolve_dtype,
     set_deterministic,
     setup_precision,
 )
-from marsgpt.stop_signals import StopSignals, say
-from marsgpt.tokens import DataError, TokenData, get_gpt2_encoding
+from marsgpt.stop_signals import StopSignals
+from marsgpt.tokens import TokenData, get_gpt2_encoding
 from marsgpt.training_optimizer import TrainingOptimizer, build_optimizer
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, model_args_from_config, model_vocab_size, peak_flops
-
-# The errors a user's input, a missing or damaged file or an unusable out_dir can cause: each is one `error:`
-# line and exit status 2.
-USER_ERRORS = (ConfigError, DataError, CheckpointError, SetupError, RunDirError, MetricsError)
-
 
 # ---------------------------------------------------------------------------------------------------
 # The run: what it carries from step to step, the objects it is built from, and setup, which builds them.
@@ -193,136 +187,6 @@ def load_data(cfg: TrainConfig) -> tuple[TokenData, TokenData, int]:
     train_data.check_vocab(vocab_size)
     val_data.check_vocab(vocab_size)
     return train_data, val_data, vocab_size
-
-
-# Hashing more data than this at a launch (files no manifest.json records as they are) prints a note naming the
-# command that records them, so that the next launch reads nothing.
-HASH_NOTE_BYTES = 1 << 30
-
-
-def resolve_run(
-    cfg: TrainConfig, dist_info: Dist, directory: RunDir, vocabulary: str, parallel: Parallelism
-) -> tuple[TrainConfig, Start, dict | None]:
-    """(cfg with init_from decided, the run_dir.Start, the checkpoint to resume or None), agreed on by every
-    rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), every rank fingerprints the data (the
-    Start's `data`), then every rank loads the checkpoint rank 0 chose and checks it against this launch's
-    configuration and data (`vocabulary`: TokenData.vocabulary; the fingerprint: the Start's `data_change` says
-    how it changed, when allow_data_change lets it). `parallel`: the run's parallel.Parallelism, whose sharded
-    model reads a sharded checkpoint's rows later (run_dir.RunDir.restore) instead of whole tensors here."""
-    start = decide_on_master(dist_info, lambda: directory.start(cfg), USER_ERRORS)
-    cfg = dataclasses.replace(cfg, init_from=start.init_from)
-    # Every rank, each its own: none waits in a collective while another hashes data no manifest records (that
-    # may take minutes), and a node whose copy of the data differs is named when it resumes.
-    data = agree(dist_info, lambda: data_fingerprint(cfg, dist_info.is_master), USER_ERRORS)
-    start = dataclasses.replace(start, data=data)
-    ckpt = None
-    if start.path is not None:
-
-        def load():
-            ckpt = load_resume_checkpoint(cfg, start.path, dist_info, vocabulary, whole=not parallel.shards_parameters)
-            return ckpt, data_change(cfg, start.path, ckpt, start.data)
-
-        ckpt, change = agree(dist_info, load, USER_ERRORS)
-        start = dataclasses.replace(start, data_change=change)
-    return cfg, start, ckpt
-
-
-def data_fingerprint(cfg: TrainConfig, is_master: bool) -> dict:
-    """tokens.fingerprint of the run's dataset, with a note (rank 0's) when making it read much of the data."""
-    data_dir = os.path.join(cfg.data_path, cfg.dataset)
-    data, hashed = tokens.fingerprint(data_dir)
-    if is_master and hashed >= HASH_NOTE_BYTES:
-        print(
-            f"note: hashed {hashed / 2**30:.1f} GiB of {data_dir} to fingerprint it (its {tokens.MANIFEST_NAME} "
-            f"does not record those files as they are); `python -m data.manifest {data_dir}` records them, so "
-            "that the next launch reads nothing",
-            flush=True,
-        )
-    return data
-
-
-def data_change(cfg: TrainConfig, path: str, ckpt: dict, data: dict) -> str:
-    """How the data changed since the checkpoint at `path` was written ('' when it did not, or the checkpoint
-    predates fingerprints); CheckpointError naming the change unless allow_data_change."""
-    if DATA_FINGERPRINT not in ckpt:
-        return ""
-    changes = tokens.data_changes(ckpt[DATA_FINGERPRINT], data)
-    if changes and not cfg.allow_data_change:
-        data_dir = os.path.join(cfg.data_path, cfg.dataset)
-        raise CheckpointError(
-            f"{path} was trained on other data than {data_dir} holds now ({', '.join(changes)}); resume on the "
-            "data it was trained on, continue on this data on purpose with --allow_data_change=True (metrics.jsonl "
-            "records the change), or start a new run in a new out_dir"
-        )
-    return ", ".join(changes)
-
-
-def load_resume_checkpoint(cfg: TrainConfig, path: str, dist_info: Dist, vocabulary: str, whole: bool) -> dict:
-    """The checkpoint at `path`, checked for keys the configuration may not change and for the data's vocabulary
-    (its parts are checked as they are restored). Rank 0 verified its checksum while choosing it; the other ranks
-    verify it here. A sharded checkpoint's tensors are read whole here (`whole`) for an unsharded run; a sharded
-    run reads its rows of them later (run_dir.RunDir.restore), once its model is sharded."""
-    ckpt = shards.load_checkpoint(
-        path,
-        mmap=dist_info.device_type == "cuda",
-        verify_checksum=not dist_info.is_master,
-        whole=whole,
-    )
-    if "config" not in ckpt:  # its parts are checked as they are restored (run_dir.RunDir.restore)
-        raise CheckpointError(
-            f"{path} lacks config: it was not written by this train.py, so it cannot be resumed (init_from=resume); "
-            "start a new run from its weights instead"
-        )
-    changed = fixed_changes(ckpt["config"], cfg, OPTIMIZERS)
-    if changed:
-        key, old, new = changed[0]
-        raise CheckpointError(
-            f"{path} was trained with {key}={old!r} but the config gives {key}={new!r}; a resumed run cannot "
-            f"change {key}: resume with --{key}={old!r}, or start a new run in a new out_dir"
-        )
-    if ckpt.get("vocabulary", vocabulary) != vocabulary:
-        data_dir = os.path.join(cfg.data_path, cfg.dataset)
-        raise CheckpointError(
-            f"{path} was trained on another vocabulary than {data_dir}'s (its ids map to other tokens: fingerprint "
-            f"{ckpt['vocabulary']}, the data's {vocabulary}; was the dataset prepared again from other text?); "
-            "resume on the data it was trained on, or start a new run in a new out_dir"
-        )
-    return ckpt
-
-
-def fixed_changes(saved: dict, cfg: object, registry: Registry) -> list[tuple]:
-    """(key, saved value, new value) for each key of cfg's class declared fixed=True that cfg changes from the
-    checkpoint's configuration `saved`: the resume rule. Every other key may change (config_changes names
-    them), and so may a fixed key the run's optimizer (in `registry`, an optimizers.Registry) does not read
-    (muon_matrices in a MARS run)."""
-    saved, unused = current_keys(saved, type(cfg)), registry.unused_keys(cfg)
-    changes = []
-    for key in fixed_keys(type(cfg)):
-        new = getattr(cfg, key)
-        old = saved_value(saved, key, new)
-        if old != new and key not in unused:
-            changes.append((key, old, new))
-    return changes
-
-
-def saved_value(saved: dict, key: str, new: object) -> object:
-    """A key's value in a checkpoint's configuration, as comparable with the new value `new` (a tuple, when
-    it is one); `new` itself when the checkpoint predates the key."""
-    old = saved.get(key, new)
-    return tuple(old) if isinstance(new, tuple) else old
-
-
-def config_changes(saved: dict, cfg: object, registry: Registry) -> list[str]:
-    """`resume: key old -> new` for every key the resumed run's configuration changes (a key the run's
-    optimizer, in `registry`, does not read says so)."""
-    saved, unused = current_keys(saved, type(cfg)), registry.unused_keys(cfg)
-    lines = []
-    for key, new in config_to_dict(cfg).items():
-        old = saved_value(saved, key, new)
-        if key not in ("init_from", "overwrite", "allow_data_change") and old != new:
-            note = f" (not used by {registry.selected_by(cfg)})" if key in unused else ""
-            lines.append(f"resume: {key} {old!r} -> {new!r}{note}")
-    return lines
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None) -> tuple[GPT, dict]:
@@ -540,58 +404,3 @@ def schedule_line(cfg: TrainConfig) -> str:
     ends = {"cosine": f"cosine to min_lr {cfg.min_lr:g} at iter {lr_decay_iters:,}", "constant": "then constant"}
     decay = ends.get(cfg.schedule, f"{cfg.schedule}, to min_lr {cfg.min_lr:g}")
     return f"schedule: warmup {warmup_iters:,} iters, {decay}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# How a run ends: the exit status of whatever ended it.
-
-TIMED_OUT = 1  # the exit status after a collective timed out
-
-
-def say_stop(line, directory, progress, interrupted=False):
-    """The line that ends a run early, on stderr (stop_signals.say: after a Ctrl-C, `interrupted`, on the terminal
-    too) and in metrics.jsonl (metrics.STOPPED), where it stays with the run."""
-    say(line, to_terminal=interrupted)
-    if directory is not None and progress is not None:
-        directory.record_stop(line, progress)
-
-
-def exit_status(
-    error: BaseException,
-    cfg: TrainConfig | None,
-    dist_info: Dist | None,
-    directory: RunDir | None,
-    progress: Progress | None,
-) -> int | None:
-    """The exit status for the exception that ended train.main (`directory`, `progress`: the run's, None before
-    they exist), after its one line on stderr; None for an exception that is not one of this repository's (it
-    keeps its traceback)."""
-    master = dist_info is None or dist_info.is_master
-    if isinstance(error, USER_ERRORS):
-        # a setup decision every rank took together fails on every rank: rank 0 says it once
-        if master or not isinstance(error, SetupError):
-            print(f"error: {error}", file=sys.stderr)
-        return 2
-    if isinstance(error, RunStopped):  # a signal, divergence, a failed write: rank 0 knows the checkpoints
-        if error.line:
-            say_stop(error.line, directory, progress)
-        return error.status
-    if isinstance(error, KeyboardInterrupt):  # Ctrl-C (torchrun passes it to every rank): one line, no traceback
-        if master and directory is None:  # while reading the configuration or joining the ranks
-            say_stop("interrupted before the run started", None, None)
-        elif master:
-            directory.checkpoints.wait("interrupted")  # a save in flight is the newest checkpoint
-            where = "before the first step" if progress is None else f"at iter {progress.iter_num}"
-            say_stop(
-                f"interrupted {where}; {directory.checkpoints.resume_advice()}", directory, progress, interrupted=True
-            )
-        return 130
-    if is_collective_timeout(error, dist_info):
-        say_stop(
-            f"error: rank {dist_info.rank}: a collective timed out after ddp_timeout_s={cfg.ddp_timeout_s} s "
-            f"(another rank died or hangs); {directory.checkpoints.resume_advice()}",
-            directory,
-            progress,
-        )
-        return TIMED_OUT
-    return None

@@ -48,7 +48,7 @@ DATA_CHANGE, LOST_RECORDS = "data_change", "lost_records"
 
 LOSS_SERIES = (TRAIN_LOSS, VAL_LOSS)  # what marsgpt/plot.py draws
 FILE_NAME = "metrics.jsonl"
-STOPPED = "stopped"  # a record's line saying what stopped the run early and where it continues (launch.say_stop)
+STOPPED = "stopped"  # a record's line saying what stopped the run early and where it continues (exits.say_stop)
 
 
 class MetricsError(ValueError):

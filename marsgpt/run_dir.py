@@ -258,7 +258,7 @@ def prepare_out_dir(cfg, start, ckpt=None, changes=(), at=None):
     """Rank 0, once every check has passed: the first changes to out_dir. What a killed save left goes,
     --overwrite=True removes the old run, and a resume says which checkpoint it continues and why (the
     files passed over), where (`at`; by default the checkpoint's iteration) and what its configuration
-    changes (`changes`: launch.config_changes' lines)."""
+    changes (`changes`: resume.config_changes' lines)."""
     remove_stale_temporaries(cfg.out_dir)
     if cfg.overwrite and start.init_from != "resume":
         for path in run_files(cfg.out_dir):

@@ -458,7 +458,7 @@ def _file_entries(data_dir):
 def fingerprint(data_dir):
     """(fingerprint, bytes hashed to make it): what a run trains on, {"files": {name: {"size", "sha256"}}} for each
     file of dataset_files. Checkpoints and config.json record it, so that a resume on data that changed is
-    named (launch.load_resume_checkpoint). With a manifest (the prepare scripts write one) a launch reads
+    named (resume.load_resume_checkpoint). With a manifest (the prepare scripts write one) a launch reads
     nothing but the manifest and each file's size and modification time; without one it hashes every file."""
     entries, hashed = _file_entries(data_dir)
     files = {name: dict(size=entry["size"], sha256=entry["sha256"]) for name, entry in entries.items()}

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mars import MARS
-from marsgpt import checkpoint, launch, run_dir, shards, training_optimizer
+from marsgpt import checkpoint, resume, run_dir, shards, training_optimizer
 from marsgpt.checkpoint import CheckpointError
 from marsgpt.checkpoint_parts import DataclassState, RNGState, load_model_state
 from marsgpt.config_schema import (
@@ -289,7 +289,7 @@ def load_resume_checkpoint(cfg):
             f"{path} lacks {', '.join(missing)}: it was not written by vision/train_cifar.py, so it cannot be "
             "resumed; start a new run in a new --out_dir"
         )
-    changed = launch.fixed_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS)
+    changed = resume.fixed_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS)
     if changed:
         key, old, new = changed[0]
         raise CheckpointError(
@@ -332,7 +332,7 @@ def setup(cfg):
         run.saved_epoch = progress.epoch
     # Everything is checked: the first change to out_dir, as train.py makes it (what a killed save left goes,
     # --overwrite=True removes the old run, a resume says where it continues and what it changes).
-    changes = launch.config_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS) if ckpt is not None else ()
+    changes = resume.config_changes(ckpt["config"], cfg, CIFAR_OPTIMIZERS) if ckpt is not None else ()
     run_dir.prepare_out_dir(cfg, start, ckpt, changes, at=f"epoch {progress.epoch}")
     return run, progress, ckpt is not None
 
