@@ -181,9 +181,9 @@ def evaluate(run: Run, batches: list) -> float:
     return run.parallel.all_reduce_sum(loss_sum).item() / run.cfg.eval_iters
 
 
-def stamp(progress: Progress, time_s: float) -> dict:
+def axes(progress: Progress, time_s: float) -> dict:
     """The x axes of a record made at this step boundary."""
-    return metrics.stamp(progress.iter_num, progress.tokens, time_s)
+    return metrics.record_axes(progress.iter_num, progress.tokens, time_s)
 
 
 def step_mfu(run: Run, step_s: float) -> tuple[float | None, float | None]:
@@ -195,20 +195,18 @@ def step_mfu(run: Run, step_s: float) -> tuple[float | None, float | None]:
 
 
 def log_train(run: Run, progress: Progress, window: LogWindow, result: StepResult, time_s: float) -> None:
-    """A train line (metrics.TrainLine): the mean loss of the window's steps (every rank joins its all-reduce),
-    the parameters' norm and the optimizer's state norms (collectives where they are sharded)."""
-    loss = torch.full((), math.nan, device=run.dist.device)  # no step of the window counted (all skipped)
-    if window.losses:
-        loss = run.parallel.all_reduce_sum(window.loss_sum / window.losses) / run.dist.world_size
-    state_norms, param_norm = run.optimizer.state_norms(), None
-    if run.parallel.norms_are_collective or run.dist.is_master:
-        param_norm = run.parallel.full_tensor(torch.nn.utils.get_total_norm(list(run.model.parameters())))
+    """A train line (metrics.TrainLine): the mean loss of the window's steps, the parameters' norm and the
+    optimizer's state norms -- each a collective every rank joins where the run makes it one (the parallelism's
+    all-reduce, FSDP2's and the sharded state's norms)."""
+    loss = window.mean_loss(run.parallel.all_reduce_sum)
+    state_norms = run.optimizer.state_norms()
+    param_norm = run.parallel.parameter_norm(run.model)
     if not run.dist.is_master:
         return
     step_s = (time.perf_counter() - window.t0) / window.steps
     values = torch.stack([v.float() for v in (loss, param_norm, *state_norms.values())]).tolist()
     line = metrics.TrainLine(
-        at=stamp(progress, time_s),
+        at=axes(progress, time_s),
         loss=values[0],
         lr=run.optimizer.lr,
         grad_norm=result.grad_norm,
@@ -247,7 +245,7 @@ def evaluate_all(run: Run, progress: Progress, time_s: float, losses: bool, hell
         eval_s = time.perf_counter() - t0  # a compiled model's first evaluation includes compiling its graph
         if master:
             print(f"step {it}: train loss {train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
-            entry = {**stamp(progress, time_s), metrics.VAL_LOSS: val_loss, metrics.EVAL_TRAIN_LOSS: train_loss}
+            entry = {**axes(progress, time_s), metrics.VAL_LOSS: val_loss, metrics.EVAL_TRAIN_LOSS: train_loss}
             if run.compiled:
                 entry[metrics.EVAL_S] = eval_s
             if record:
@@ -271,7 +269,7 @@ def evaluate_all(run: Run, progress: Progress, time_s: float, losses: bool, hell
                 f"acc {result['acc']:.4f}, acc_norm_tokens {result['acc_norm_tokens']:.4f} (n={result['n']})",
                 flush=True,
             )
-            run.metrics.write({**stamp(progress, time_s), metrics.HELLASWAG: result["acc_norm"]})
+            run.metrics.write({**axes(progress, time_s), metrics.HELLASWAG: result["acc_norm"]})
     progress.evaluated_iter = it
     return val_loss
 
@@ -322,7 +320,7 @@ def step_and_log(
     window.add(result.loss, result.skipped)
     if first and run.compiled and run.dist.is_master:
         first_step = {metrics.FIRST_STEP_S: time.perf_counter() - t0, **compile_counts()}
-        run.metrics.write({**stamp(progress, time_s()), **first_step})
+        run.metrics.write({**axes(progress, time_s()), **first_step})
     if result.skipped:
         record_skip(run, progress, result, time_s())
     else:
@@ -344,7 +342,7 @@ def record_skip(run: Run, progress: Progress, result: StepResult, time_s: float)
             f"({progress.bad_steps} in a row, {progress.skipped_steps} in the run)",
             flush=True,
         )
-        run.metrics.write({**stamp(progress, time_s), metrics.SKIPPED_STEPS: progress.skipped_steps})
+        run.metrics.write({**axes(progress, time_s), metrics.SKIPPED_STEPS: progress.skipped_steps})
     if progress.bad_steps < run.cfg.max_bad_steps:
         return
     checkpoints, lr = run.directory.checkpoints, run.cfg.learning_rate

@@ -79,7 +79,7 @@ class Checkpointer:
         self.parts, self.extras = {}, {}
         self.metrics = None  # the run's MetricsLog, synced before each checkpoint (rank 0)
         self.compile_cache = None  # a compiled run's compile_cache.CompileCache, saved with a checkpoint (rank 0)
-        self.data = None  # the fingerprint of the data (rank 0, from the launch's Start)
+        self.data = None  # the fingerprint of the data (rank 0, from the launch's LaunchDecision)
         self.latest = None  # (path, iteration) of the newest intact checkpoint on disk (rank 0)
         self.saved_iter = None  # the iteration of the newest checkpoint written or resumed
         self.held_back = None  # why a due checkpoint was not written (a suspect state), until one is

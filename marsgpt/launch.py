@@ -36,7 +36,7 @@ from marsgpt.metrics import LogWindow, MetricsLog
 from marsgpt.optimizers import OPTIMIZERS
 from marsgpt.parallel import Parallelism
 from marsgpt.resume import config_changes, resolve_run
-from marsgpt.run_dir import RunDir, Start
+from marsgpt.run_dir import LaunchDecision, RunDir
 from marsgpt.runtime import (
     Dist,
     agree,
@@ -198,7 +198,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None) -> tuple[G
     scratch (load_resume_checkpoint has checked that it still is), OpenAI's (bias, vocabulary, size) for one
     started from GPT-2. Only dropout, which may change on resume, is the configuration's.
     """
-    if cfg.init_from not in ("scratch", "resume"):  # pretrained weights (run_dir.Start: never auto)
+    if cfg.init_from not in ("scratch", "resume"):  # pretrained weights (run_dir.LaunchDecision: never auto)
         if vocab_size != GPTConfig.vocab_size:  # checked before the download
             raise ConfigError(
                 f"init_from={cfg.init_from} needs GPT-2-tokenized data, but the dataset {cfg.dataset} has its own "
@@ -231,7 +231,9 @@ def eval_windows(cfg: TrainConfig, data: TokenData, dist_info: Dist) -> list:
     return batches[dist_info.rank :: dist_info.world_size]
 
 
-def open_metrics(cfg: TrainConfig, dist_info: Dist, progress: Progress, start: Start, ckpt: dict | None) -> MetricsLog:
+def open_metrics(
+    cfg: TrainConfig, dist_info: Dist, progress: Progress, start: LaunchDecision, ckpt: dict | None
+) -> MetricsLog:
     """The run's MetricsLog (metrics.jsonl and wandb on rank 0); a resumed run continues its records (an
     eval_only launch, which trains nothing, cuts none) and its wandb run (or the one --wandb_run_id names),
     whose id progress then carries.
@@ -259,7 +261,7 @@ def open_metrics(cfg: TrainConfig, dist_info: Dist, progress: Progress, start: S
     if lost and progress.evaluated_iter == progress.iter_num:
         progress.evaluated_iter = -1
     if dist_info.is_master:
-        at = metrics.stamp(progress.iter_num, progress.tokens, progress.elapsed_s)
+        at = metrics.record_axes(progress.iter_num, progress.tokens, progress.elapsed_s)
         for line in log.repairs:
             print(f"note: {line}", flush=True)
         if lost:

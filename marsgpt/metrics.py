@@ -267,6 +267,14 @@ class LogWindow:
     def restart(self):
         self.loss_sum, self.losses, self.steps, self.t0 = None, 0, 0, time.perf_counter()
 
+    def mean_loss(self, sum_over_ranks):
+        """The mean loss of the window's counted steps over every rank (a 0-d tensor on the device; nan when every
+        step was skipped): each rank's mean, added up by `sum_over_ranks` -- the run's all-reduce, which every rank
+        joins -- over the world size."""
+        if not self.losses:
+            return torch.full((), math.nan, device=self.device)
+        return sum_over_ranks(self.loss_sum / self.losses) / self.world_size
+
     def progress(self, iter_num, max_iters):
         """'3.6% done, 14 min 37 s left' for the train line at iter_num (before restart()). The pace is this
         process's over its recent train lines, the last PACE_WINDOW_S seconds of them (from the line before, when
@@ -302,14 +310,14 @@ class LogWindow:
             self.loss_sum = torch.tensor(mine, dtype=torch.float32, device=self.device)
 
 
-def stamp(iter_num: int, tokens: int, time_s: float) -> dict:
+def record_axes(iter_num: int, tokens: int, time_s: float) -> dict:
     """The x axes every record carries."""
     return {ITER: iter_num, TOKENS: tokens, TIME_S: time_s}
 
 
 @dataclasses.dataclass
 class TrainLine:
-    """A train line: how the steps since the previous one went (`at`: their last step's stamp), as the record
+    """A train line: how the steps since the previous one went (`at`: their last step's record_axes), as the record
     metrics.jsonl holds and the line printed for it."""
 
     at: dict

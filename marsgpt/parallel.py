@@ -128,11 +128,13 @@ class Parallelism:
         send), else the tensor."""
         return fsdp.full_tensor(tensor) if self.shards_parameters else tensor
 
-    @property
-    def norms_are_collective(self) -> bool:
-        """Whether a norm of the parameters is a collective every rank joins (FSDP2: one all-reduce of the shards'
-        sums of squares), rather than rank 0's alone."""
-        return self.shards_parameters
+    def parameter_norm(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """The norm of the model's parameters (a 0-d tensor on the device): under FSDP2 a collective every rank joins
+        (one all-reduce of the shards' sums of squares) and every rank gets; else rank 0's alone, None on the
+        others."""
+        if not (self.shards_parameters or self.dist.is_master):
+            return None
+        return self.full_tensor(torch.nn.utils.get_total_norm(list(model.parameters())))
 
     def read_agreed(self, values: torch.Tensor, flags: list[float]) -> tuple[list[float], list[float]]:
         """The step's `values` (on the device) read to the host -- the step's one synchronisation -- and this rank's

@@ -16,7 +16,7 @@ from marsgpt.config_schema import config_to_dict, current_keys, fixed_keys
 from marsgpt.exits import USER_ERRORS
 from marsgpt.optimizers import OPTIMIZERS, Registry
 from marsgpt.parallel import Parallelism
-from marsgpt.run_dir import RunDir, Start
+from marsgpt.run_dir import LaunchDecision, RunDir
 from marsgpt.runtime import Dist, agree, decide_on_master
 
 # Hashing more data than this at a launch (files no manifest.json records as they are) prints a note naming the
@@ -26,11 +26,11 @@ HASH_NOTE_BYTES = 1 << 30
 
 def resolve_run(
     cfg: TrainConfig, dist_info: Dist, directory: RunDir, vocabulary: str, parallel: Parallelism
-) -> tuple[TrainConfig, Start, dict | None]:
-    """(cfg with init_from decided, the run_dir.Start, the checkpoint to resume or None), agreed on by every
+) -> tuple[TrainConfig, LaunchDecision, dict | None]:
+    """(cfg with init_from decided, the run_dir.LaunchDecision, the checkpoint to resume or None), agreed on by every
     rank: rank 0 holds out_dir and decides (run_dir.RunDir.start), every rank fingerprints the data (the
-    Start's `data`), then every rank loads the checkpoint rank 0 chose and checks it against this launch's
-    configuration and data (`vocabulary`: TokenData.vocabulary; the fingerprint: the Start's `data_change` says
+    LaunchDecision's `data`), then every rank loads the checkpoint rank 0 chose and checks it against this launch's
+    configuration and data (`vocabulary`: TokenData.vocabulary; the fingerprint: the LaunchDecision's `data_change` says
     how it changed, when allow_data_change lets it). `parallel`: the run's parallel.Parallelism, whose sharded
     model reads a sharded checkpoint's rows later (run_dir.RunDir.restore) instead of whole tensors here."""
     start = decide_on_master(dist_info, lambda: directory.start(cfg), USER_ERRORS)

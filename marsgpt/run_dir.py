@@ -117,7 +117,7 @@ def run_files(out_dir, names=RUN_FILE_NAMES):
 
 
 @dataclasses.dataclass
-class Start:
+class LaunchDecision:
     """What a launch does in out_dir, decided before anything there changes (picklable: rank 0 decides)."""
 
     init_from: str  # scratch, resume or gpt2*: never auto
@@ -161,7 +161,7 @@ def refuse_misplaced(out_dir):
 
 
 def decide_start(cfg, names=RUN_FILE_NAMES):
-    """What init_from means for this launch in out_dir (a Start): 'auto' resumes when out_dir holds a
+    """What init_from means for this launch in out_dir (a LaunchDecision): 'auto' resumes when out_dir holds a
     checkpoint, else starts fresh; 'resume' resumes (the newest intact checkpoint: choose_checkpoint) or fails.
 
     A fresh start into an out_dir that holds a run (run_files with `names`) is refused unless overwrite is
@@ -180,9 +180,9 @@ def decide_start(cfg, names=RUN_FILE_NAMES):
         raise CheckpointError(f"no checkpoint at {os.path.join(cfg.out_dir, CKPT_NAME)}; {RESUME_ADVICE}")
     init_from = "scratch" if cfg.init_from == "auto" else cfg.init_from
     if not previous or cfg.overwrite:
-        return Start(init_from)
+        return LaunchDecision(init_from)
     if not checkpoints and SAVES_NAME not in map(os.path.basename, previous) and not evaluated_only(cfg.out_dir):
-        return Start(init_from, notes=(nothing_saved(cfg.out_dir),))
+        return LaunchDecision(init_from, notes=(nothing_saved(cfg.out_dir),))
     if not checkpoints:  # the checkpoints deleted: the records are all that is left of the run
         raise ConfigError(
             f"out_dir {cfg.out_dir} holds {os.path.basename(previous[0])} but no {CKPT_NAME} to "
@@ -232,9 +232,9 @@ def checkpoint_order(path):
 
 
 def choose_checkpoint(out_dir, paths):
-    """The Start that resumes the newest intact checkpoint among `paths` (in checkpoint_order). A file is
+    """The LaunchDecision that resumes the newest intact checkpoint among `paths` (in checkpoint_order). A file is
     intact when its bytes match its checksum and torch reads it (memory-mapped: its tensors are not read).
-    The files passed over, and why, become the Start's notes; CheckpointError when none is intact."""
+    The files passed over, and why, become the LaunchDecision's notes; CheckpointError when none is intact."""
     passed = []
     for path in sorted(paths, key=checkpoint_order):
         try:
@@ -245,7 +245,7 @@ def choose_checkpoint(out_dir, paths):
         if os.path.basename(path) != CKPT_NAME and CKPT_NAME not in map(os.path.basename, paths):
             passed.insert(0, f"{os.path.join(out_dir, CKPT_NAME)} is missing")
         notes = tuple(f"{note}; resuming the newest intact checkpoint instead" for note in passed)
-        return Start("resume", path, checkpoint.iteration(ckpt), trailer is not None, notes)
+        return LaunchDecision("resume", path, checkpoint.iteration(ckpt), trailer is not None, notes)
     if len(passed) == 1:
         raise DamagedCheckpoint(f"{passed[0]}; start a new run with --overwrite=True or in a new --out_dir")
     raise CheckpointError(
@@ -436,8 +436,8 @@ class RunDir:
     def record_stop(self, line, progress):
         """Rank 0: the line that stopped the run, as a record of metrics.jsonl (metrics.STOPPED)."""
         if self.dist.is_master and self.metrics is not None:
-            stamp = metrics.stamp(progress.iter_num, progress.tokens, progress.elapsed_s)
-            self.metrics.write({**stamp, metrics.STOPPED: line})
+            axes = metrics.record_axes(progress.iter_num, progress.tokens, progress.elapsed_s)
+            self.metrics.write({**axes, metrics.STOPPED: line})
 
     def finish(self, progress):
         """The end of a run that reached max_iters (or evaluated, eval_only): its exit status once the last
