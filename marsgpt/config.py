@@ -185,8 +185,7 @@ class TrainConfig:
     mars_fused: bool = key(
         False,
         "MARS: its Triton kernel (mars.MARS(fused=True): every tensor in two launches per step), CUDA only (a CPU "
-        "run refuses it). The default on CUDA once scripts/gpu_check.sh's optimizer rows pass on a GPU "
-        "(docs/gpu.md); until then the default (foreach) path",
+        "run refuses it); docs/mars.md says which path to train with",
     )
     # --- Muon baseline: torch.optim.Muon on matrices, AdamW on the rest (defaults: the reference's)
     muon_lr: float = key(2e-2, "Muon: lr of the matrices", non_negative)
