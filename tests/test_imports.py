@@ -1,7 +1,7 @@
-"""How the repository's modules import one another: one way, with no circle (an import inside a function counts;
-one under TYPE_CHECKING, for annotations only, does not), and through public names only. And the configuration
-machinery stands on its own: marsgpt/config.py and the registry it names the optimizers from load no torch,
-model.py or mars.py, so --help and `python -m marsgpt.config` answer without them."""
+"""How the repository's modules import one another: one way, with no circle (an import inside a function counts, and
+so would one under TYPE_CHECKING, for annotations only: none is needed), and through public names only. And the
+configuration machinery stands on its own: marsgpt/config.py and the registry it names the optimizers from load no
+torch, model.py or mars.py, so --help and `python -m marsgpt.config` answer without them."""
 
 import ast
 import os
@@ -34,17 +34,11 @@ def repository_module(name):
     return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in MODULES), None)
 
 
-def runtime_imports(path):
-    """(module imported, the names taken from it) for every import statement of the file, those under
-    `if TYPE_CHECKING:` aside."""
+def imports(path):
+    """(module imported, the names taken from it) for every import statement of the file: at module level, inside a
+    function, or under `if TYPE_CHECKING:` (an import kept for annotations is still a dependency)."""
     tree = ast.parse(open(path).read(), path)
-    type_only = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            type_only.update(id(n) for n in ast.walk(node))
-    for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
         if isinstance(node, ast.Import):
             yield from ((alias.name, ()) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -56,7 +50,7 @@ def import_graph():
     graph = {}
     for module, path in MODULES.items():
         targets = set()
-        for imported, names in runtime_imports(path):
+        for imported, names in imports(path):
             targets.update(repository_module(f"{imported}.{name}") for name in names)
             targets.add(repository_module(imported))
         graph[module] = targets - {None, module}
@@ -86,6 +80,12 @@ def test_no_module_imports_itself_through_others():
     assert circles(import_graph()) == []
 
 
+def test_no_module_hides_an_import_behind_type_checking():
+    """An import under `if TYPE_CHECKING:` is a module that needs its neighbour and holds two ideas (STYLE.md)."""
+    hiding = [name for name, path in MODULES.items() if "TYPE_CHECKING" in open(path).read()]
+    assert hiding == []
+
+
 def test_the_circle_finder_finds_a_circle_through_an_import_inside_a_function():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c", "a"]]
@@ -100,7 +100,7 @@ def test_no_module_imports_a_private_name_of_another():
         if module.startswith("bench."):
             continue
         imported_modules = {}  # local name -> repository module
-        for imported, names in runtime_imports(path):
+        for imported, names in imports(path):
             for name in names:
                 if name.startswith("_") and repository_module(imported) not in (None, module):
                     reached.append(f"{module}: from {imported} import {name}")
