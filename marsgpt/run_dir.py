@@ -1,57 +1,32 @@
-"""The run directory (out_dir): one run's files, and the rules that keep them through the accidents of a shared
-cluster -- preemption, a second launch, a full disk, a damaged or deleted file, divergence, a requeue on
-another node. docs/training.md has the table of what survives what.
+"""The run directory (out_dir): its layout, what a launch does there, and the requests that end a run early -- the
+rules that keep a run's files through the accidents of a shared cluster: preemption, a second launch, a full disk,
+a damaged or deleted file, divergence, a requeue on another node. docs/training.md has the table of what survives
+what, and of what each file is ("What a run directory holds").
 
-    ckpt.pt            the newest checkpoint: what a resume continues
-    best.pt            the checkpoint of the best evaluation so far (save_best)
-    ckpt_<iter>.pt     a checkpoint kept every keep_every_n_evals evaluations
-    previous.pt        a sharded run's ckpt.pt before its newest save, kept until the next (shards.PREVIOUS_NAME)
-    shards/            a sharded run's (zero_stage=3): the directory of each checkpoint above, holding every
-                       rank's rows of the parameters and optimizer state (marsgpt/shards.py)
+    ckpt.pt, best.pt, ckpt_<iter>.pt, previous.pt, shards/, checkpoints.jsonl
+                       the checkpoints and their record (marsgpt/checkpointer.py)
     metrics.jsonl      the run's records (marsgpt/metrics.py)
-    checkpoints.jsonl  a line for each checkpoint written: the run's record that it saved something
     config.json        the run's configuration and its data's fingerprint: written when it starts and when a
                        resume changes either
-    run.lock           who holds the directory (machine, pid, since when, which directory, its lock_timeout_s),
-                       refreshed while it runs (marsgpt/run_lock.py)
+    run.lock           who holds the directory (marsgpt/run_lock.py)
     compile_cache.bin  what a compiled run compiled, signed with this user's key (marsgpt/compile_cache.py)
 
-The rules, each in one place below:
+The rules here, each in one place:
 - Every file here is data. Nothing read from out_dir runs code: checkpoints through torch.load(weights_only=True),
   a sharded checkpoint's dcp metadata through an unpickler that finds only dcp's classes, the compile cache only
-  when this user's key signed it (docs/training.md, "What a run directory holds"). A name of the run's holding
-  something it can neither read nor replace (a directory, a dangling symlink) is refused in one line.
-- One run per out_dir (marsgpt/run_lock.py). A launch holds the directory for the run's life; a second one is
-  refused in one line naming the holder; a lock left by a dead run, or copied along with a run's directory, is
-  taken over with a message; a holder whose lock was taken writes nothing more.
-- What a launch does there (decide_start), before anything in it changes. init_from=auto resumes the
-  newest intact checkpoint (ckpt.pt, else the newest kept copy or best.pt) and never starts over on top of
-  a run's files, unless that run never completed a checkpoint (nothing to continue: the same command starts
-  it over); nothing else of an earlier run is deleted or overwritten without --overwrite=True.
-- Integrity: every checkpoint carries the checksum of its bytes (marsgpt/checkpoint.py), and a sharded one of
-  each file of its directory, and is verified when loaded; a damaged one is named and passed over for the
-  newest intact one. Readers verify and load through one open file, so a file renamed over it meanwhile is not
-  called damaged.
-- Copies: best.pt and the kept ckpt_<iter>.pt are copies that share nothing with ckpt.pt (files.copy_file; a
-  sharded checkpoint's directory is copied too). A sharded run keeps the checkpoint before its newest as
-  previous.pt, with its directory, until the next save: a plain `cp -r` taken mid-save holds one of the two
-  whole. A sharded directory no checkpoint file names (replaced, or left
-  by a crash) is removed after each save and at each launch. copy_run copies a whole run directory so that the
-  copy resumes, also while a run trains in it.
-- When a checkpoint is written (RunDir.save_if_due): after every evaluation, every checkpoint_interval
-  steps, every checkpoint_minutes minutes, and when a signal stops the run -- never from a suspect state
-  (steps being skipped as non-finite, non-finite weights, a non-finite evaluation).
-- Signals (StopSignals): SIGTERM, SIGUSR1 or SIGHUP on any rank ends the run at the next step boundary with one
-  checkpoint all ranks agree on, exit status 0 and one line saying where it is; Ctrl-C stops it at once (130),
-  but not inside a save, and the way out waits for the checkpoint in flight, naming its iteration. A second
-  signal is answered with a line; a third quits at once.
-- Failed writes (a checkpoint, a copy, metrics.jsonl) are reported at once, one line naming the file and
-  the OS reason, and stop the run at the next step boundary: training on without a checkpoint burns GPU
-  hours that the next preemption takes back, where a stopped job is seen at once and continues, with
-  nothing else lost, once there is room.
-
-train.py hands its stateful parts to a RunDir once (register) and asks it to restore them, to save at each
-step boundary and to say where a stopped run continues: what a checkpoint holds is written once, there.
+  when this user's key signed it. A name of the run's holding something it can neither read nor replace (a
+  directory, a dangling symlink) is refused in one line (refuse_misplaced).
+- What a launch does there (decide_start), before anything in it changes. init_from=auto resumes the newest
+  intact checkpoint (ckpt.pt, else the newest of the others) and never starts over on top of a run's files,
+  unless that run never completed a checkpoint (nothing to continue: the same command starts it over); nothing
+  else of an earlier run is deleted or overwritten without --overwrite=True. A damaged checkpoint is named and
+  passed over for the newest intact one.
+- The requests every rank agrees on at each step (RunDir.requests, agree): a stop signal (marsgpt/stop_signals.py)
+  ends the run at the next step boundary with a checkpoint and exit status 0; a failed write (a checkpoint, a copy,
+  metrics.jsonl: reported at once in one line naming the file and the OS reason) stops it with 1, as training on
+  without checkpoints burns GPU hours the next preemption takes back; a lock another launch took stops it without
+  writing more. Each stop ends with one line saying where the run continues.
+- copy_run copies a whole run directory so that the copy resumes, also while a run trains in it.
 """
 
 import contextlib
