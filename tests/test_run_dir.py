@@ -757,3 +757,20 @@ def test_an_evaluation_of_a_run_whose_records_end_in_a_torn_line_stays_readable(
 def test_the_advice_after_a_stop_is_the_command_that_continues(monkeypatch, argv, init_from, torchrun, advice):
     monkeypatch.chdir(ROOT)  # where the README runs everything: train.py's path is relative to the cwd
     assert run_dir.continue_advice(argv, init_from, launched_by_torchrun=torchrun) == advice
+
+
+@pytest.mark.slow
+def test_a_run_directory_written_before_it_was_split_into_lock_checkpointer_and_layout_resumes(tmp_path, capsys):
+    """tests/fixtures/run_of_107abb0: a run of 4 steps written by this repository at 107abb0, before run_dir.py became
+    run_lock.py, checkpointer.py and run_dir.py (tiny_args with n_layer=1, n_head=2, n_embd=16, block_size=16,
+    max_iters=4, eval_interval=2, eval_iters=2, lr_decay_iters=6 on make_char_data's corpus). The same command with
+    max_iters=6 resumes its ckpt.pt -- its parts, its records, its data's fingerprint -- and trains on."""
+    data_path = make_char_data(tmp_path / "data")
+    out = str(tmp_path / "out")
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "run_of_107abb0"), out)
+    shape = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, eval_interval=2, eval_iters=2, lr_decay_iters=6)
+    status, printed, err = run(tiny_args(data_path, out, **shape, max_iters=6, init_from="auto"), capsys)
+    assert status == 0, printed + err
+    assert f"resuming {out}/ckpt.pt at iter 4" in printed and "Traceback" not in err
+    assert iteration_of(os.path.join(out, "ckpt.pt")) == 6
+    assert [r["iter"] for r in records(out) if "val/loss" in r] == [0, 2, 4, 6]
