@@ -31,6 +31,8 @@ import threading
 import time
 import uuid
 
+from marsgpt.files import process_alive
+
 LOCK_NAME = "run.lock"
 CLAIM_SUFFIX = ".takeover"
 
@@ -70,14 +72,8 @@ def _alive_here(record, mine):
     if not isinstance(record, dict) or (record.get("host"), record.get("machine")) != (mine["host"], mine["machine"]):
         return None
     pid = record.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
+    if not isinstance(pid, int) or pid <= 0 or not process_alive(pid):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
     return _process_start(pid) in (None, record.get("process_start"))
 
 

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from train_helpers import Payload
 
 from marsgpt import checkpoint, checkpoint_parts, shards, trained_model
 from marsgpt.files import file_digest
@@ -502,14 +503,6 @@ def sharded_checkpoint(out_dir, weights):
 
 def file_record(path):
     return {"sha256": file_digest(path), "size": os.path.getsize(path)}
-
-
-class Payload:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def test_a_sharded_checkpoint_s_dcp_metadata_is_read_as_data(tmp_path):

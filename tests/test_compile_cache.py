@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from train_helpers import launch, make_char_data, subprocess_env, tiny_args
+from train_helpers import Payload, launch, make_char_data, subprocess_env, tiny_args
 
 from marsgpt import compile_cache, metrics, user_key
 from marsgpt.compile_cache import CompileCache
@@ -104,16 +104,6 @@ def test_a_failed_write_is_one_warning_line_naming_the_file_and_the_run_goes_on(
     path = os.path.join(tmp_path, compile_cache.FILE_NAME)
     assert err == f"warning: cannot write {path}: [EISDIR] Is a directory; a resume will compile again\n"
     assert os.listdir(tmp_path) == [compile_cache.FILE_NAME]  # no temporary file left beside it
-
-
-class Payload:
-    """Unpickled, it creates the file `marker`: what a hostile pickle could do instead."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def hostile_blob(marker):

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from train_helpers import ROOT, make_char_data, start_torchrun, subprocess_env, tiny_args
+from train_helpers import ROOT, Payload, make_char_data, start_torchrun, subprocess_env, tiny_args
 
 import train
 from marsgpt import compile_cache, run_lock, shards
@@ -90,16 +90,6 @@ EXPECTED = {
 BASE = dict(max_iters=4, eval_interval=2, keep_every_n_evals=1, lr_decay_iters=6, log_interval=2)
 RELAUNCH = dict(BASE, max_iters=6, init_from="auto")
 A_DEAD_PID = 2**22 + 17  # above the default pid_max: no process has it
-
-
-class Payload:
-    """Unpickled, it creates the file `marker`: what a hostile pickle could do instead."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def damage(path, how, marker):

@@ -211,6 +211,17 @@ def kill_job(proc, timeout=60):
         time.sleep(0.05)
 
 
+class Payload:
+    """Unpickled, it creates the file `marker`: what a hostile pickle could do instead (the run directory's and the
+    data folder's files are data: a test holds that none of them is unpickled into running this)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
 def diverging_from(forward_backward, first_step):
     """train.forward_backward whose every step from `first_step` on ends with infinite gradients: divergence
     injected at a chosen step, so the steps a test asserts follow from the injection, not from where one
