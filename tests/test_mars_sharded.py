@@ -211,7 +211,7 @@ BUCKETS = (1e-6, 2e-3, math.inf)
 # The 4-rank cases: (mesh, case)
 HSDP = [
     (mesh, dict(model=model, mars_type=mars_type, exact=exact, **bucket))
-    for mesh, models in (("HSDP 2 x 2", ("gpt",)), ("FSDP over 4", tuple(MODELS)))
+    for mesh, models in (("HSDP 2 x 2", ("gpt",)), ("FSDP over 4", tuple(MODELS)), ("FSDP over 3", tuple(MODELS)))
     for model in models
     for mars_type in RULES
     for exact in (None, "protocol")
@@ -535,12 +535,17 @@ def hsdp_worker(rank, world, store, report_path):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     report = {}
     try:
-        meshes = {
-            "HSDP 2 x 2": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
-            # 4 shards: 9 rows split 3, 3, 3, 0; the Toy's (5, 7) and (1, 3) matrices 2, 2, 1, 0 and 1, 0, 0, 0
-            "FSDP over 4": init_device_mesh("cpu", (4,)),
-        }
+        if world == 4:
+            meshes = {
+                "HSDP 2 x 2": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+                # 4 shards: 9 rows split 3, 3, 3, 0; the Toy's (5, 7) and (1, 3) matrices 2, 2, 1, 0 and 1, 0, 0, 0
+                "FSDP over 4": init_device_mesh("cpu", (4,)),
+            }
+        else:  # 3 shards: 9 rows split 3, 3, 3; the Toy's (5, 7) and (1, 3) matrices 2, 2, 1 and 1, 0, 0
+            meshes = {"FSDP over 3": init_device_mesh("cpu", (3,))}
         for mesh_name, case in HSDP:
+            if mesh_name not in meshes:
+                continue
             key = (mesh_name, label(case))
             recorded(report, key, sharded_against_one_process, rank, world, case, meshes[mesh_name])
     finally:
@@ -565,6 +570,11 @@ def two_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     return spawn(hsdp_worker, 4, tmp_path_factory.mktemp("four_ranks"))
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    return spawn(hsdp_worker, 3, tmp_path_factory.mktemp("three_ranks"))
 
 
 def results(reports, key):
@@ -659,13 +669,26 @@ def test_checkpoints_reshard_and_resume_as_the_uninterrupted_run(two_ranks, name
         assert params_difference(one_process[(name, "2 -> 1, full-state file")], uninterrupted) <= TOL
 
 
+FOUR = [(mesh, case) for mesh, case in HSDP if mesh != "FSDP over 3"]
+THREE = [(mesh, case) for mesh, case in HSDP if mesh == "FSDP over 3"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,case", HSDP, ids=[f"{m}: {label(c)}" for m, c in HSDP])
+@pytest.mark.parametrize("mesh,case", FOUR, ids=[f"{m}: {label(c)}" for m, c in FOUR])
 def test_four_ranks_hsdp_and_empty_shards(four_ranks, mesh, case):
     """A 2 x 2 (replicate, shard) mesh, whose replicas each run the rule on their shard group, and a 1-D mesh of 4
     with empty shards: equal to one process, with the same collectives per step (buckets on the shard group)."""
     for difference, counts in results(four_ranks, (mesh, label(case))):
         assert difference <= TOL and counts == expected_counts(case, world=2 if mesh.startswith("HSDP") else 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,case", THREE, ids=[f"{m}: {label(c)}" for m, c in THREE])
+def test_three_ranks_an_odd_number_of_owners(three_ranks, mesh, case):
+    """A 1-D mesh of 3: every matrix split in torch.chunk's uneven sizes and the owners balanced over an odd number of
+    ranks: equal to one process, with the same collectives per step."""
+    for difference, counts in results(three_ranks, (mesh, label(case))):
+        assert difference <= TOL and counts == expected_counts(case, world=3)
 
 
 def fsdp2_example_in_one_process():
