@@ -10,8 +10,8 @@ Muon and Moonlight (ShardedMuon's owners) equal to one process to 1e-12 as well;
 
 The 2-rank part runs once for the whole module, in two spawned processes that meet through a file (no port to
 race for); each case's result or error goes into a per-rank report that the tests read. The 4-rank 2 x 2 HSDP
-mesh (and a 1-D mesh of 4) has a spawn of its own, and so has a 1-D mesh of 3. Without ranks (the quick tier): the owner's Newton-Schulz against mars.newton_schulz,
-the buckets and the timeline.
+mesh (and a 1-D mesh of 4) has a spawn of its own, and so has a 1-D mesh of 3. Without ranks (the quick tier):
+the owner's Newton-Schulz against mars.newton_schulz, the buckets and the timeline.
 """
 
 import contextlib
