@@ -2,10 +2,12 @@
 
 import dataclasses
 import os
+import signal
 import tempfile
 
 import pytest
 import torch
+import train_helpers
 from train_helpers import choose_kernels, make_char_data
 
 from marsgpt.checkpoint import save_checkpoint
@@ -35,6 +37,12 @@ def interpret_triton_kernels_as_gpus_round():
     interpreter._convert_float = convert_float
 
 
+# A shell's background job (`bash .ci/run &`, nohup ... &) starts with SIGINT ignored, and every process a test starts
+# would inherit that: the Ctrl-C tests' SIGINT would reach no one. The test session takes Ctrl-C as a terminal's
+# foreground job does, and what it starts gets the default disposition back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # The user's signing key (marsgpt/user_key.py) in a folder of the test session's, not the real ~/.config; the runs a
 # test launches inherit it.
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="marsgpt-test-config-")
@@ -55,6 +63,18 @@ def backend_flags_settable():
     the trainer makes (runtime.set_deterministic), so the session lets them be set, as a training run can."""
     with getattr(torch.backends, "__allow_nonbracketed_mutation")():
         yield
+
+
+@pytest.fixture(autouse=True)
+def no_launched_run_outlives_its_test():
+    """A run a test launched and still running when the test ends (it failed while the run was held, or hanging by
+    TEST_FAIL) is killed with what it started: it would otherwise wait for nobody, holding memory and its lock."""
+    yield
+    while train_helpers.LAUNCHED:
+        proc = train_helpers.LAUNCHED.pop()
+        if proc.poll() is None:
+            train_helpers.kill_tree(proc)
+            proc.wait()
 
 
 @pytest.fixture

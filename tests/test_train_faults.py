@@ -27,6 +27,7 @@ from train_helpers import (
     kill_job,
     launch,
     start_torchrun,
+    started,
     subprocess_env,
     tiny_args,
     torchrun_command,
@@ -190,6 +191,18 @@ def test_a_fresh_run_stopped_by_sigterm_prints_the_command_that_continues_it(dat
     assert_same_run(out, uninterrupted)
 
 
+def test_a_wait_for_a_line_that_never_comes_fails_at_its_deadline():
+    """wait_for_line's deadline holds although the process prints nothing more (the read would block for ever):
+    the process is killed at the deadline and the test fails saying what it saw, instead of hanging the suite (a
+    Ctrl-C that reached no one did, under a shell's background job)."""
+    code = "import time; print('first', flush=True); time.sleep(600)"
+    proc = started(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True))
+    begun = time.monotonic()
+    with pytest.raises(AssertionError, match="no line starting with 'second' within 1 s in:\nfirst"):
+        wait_for_line(proc, "second", timeout=1)
+    assert time.monotonic() - begun < 30 and proc.wait(timeout=30) == -signal.SIGKILL
+
+
 def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes_identical(data_path, uninterrupted, tmp_path):
     out = str(tmp_path / "out")
     args = tiny_args(data_path, out, **RESUME_RUN)
@@ -339,6 +352,13 @@ def read_until(fd, text):
     return seen.decode(errors="replace")
 
 
+def a_terminal_session():
+    """In the started process: run_side its controlling terminal, and SIGHUP as a login shell leaves it (a test
+    session under nohup ignores SIGHUP, which its processes would inherit)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 def test_an_ssh_session_that_drops_stops_the_run_at_a_checkpoint_which_resumes_identical(
     data_path, uninterrupted, tmp_path
 ):
@@ -357,7 +377,7 @@ def test_an_ssh_session_that_drops_stops_the_run_at_a_checkpoint_which_resumes_i
         stdout=run_side,
         stderr=run_side,
         start_new_session=True,  # a session of its own, whose controlling terminal run_side becomes
-        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        preexec_fn=a_terminal_session,
     )
     os.close(run_side)
     try:

@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -115,17 +116,29 @@ def subprocess_env(**extra):
     return env
 
 
+# Every process launch() and start_torchrun() started: tests/conftest.py ends any still running after its test, so a
+# test that fails while a run waits (held, or hanging by TEST_FAIL) leaves nothing behind.
+LAUNCHED = []
+
+
 def launch(args, env=None, **popen):
     """Start `python tests/train_helpers.py args` (train.py under the hooks) in the repository root."""
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), *args],
-        cwd=ROOT,
-        env=env or subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **popen,
+    return started(
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *args],
+            cwd=ROOT,
+            env=env or subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            **popen,
+        )
     )
+
+
+def started(proc):
+    LAUNCHED.append(proc)
+    return proc
 
 
 def torchrun_command(args, nproc=2):
@@ -136,21 +149,26 @@ def torchrun_command(args, nproc=2):
 def start_torchrun(args, **env):
     """The torchrun job of 2 ranks, started (its output one pipe), with test hooks from `env`."""
     pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.Popen(torchrun_command(args), cwd=ROOT, env=subprocess_env(**env), **pipe)
+    return started(subprocess.Popen(torchrun_command(args), cwd=ROOT, env=subprocess_env(**env), **pipe))
 
 
 def wait_for_line(proc, prefix, timeout=120):
     """Read proc's output until a line holds `prefix` (a line's start, or after another process's text: torchrun's
     ranks print unbuffered, each print's text and newline in two writes, so two ranks' lines can share one);
     return everything read."""
-    seen, deadline = [], time.time() + timeout
-    for line in proc.stdout:
-        seen.append(line)
-        if prefix in line:
-            return "".join(seen)
-        if time.time() > deadline:
-            break
-    raise AssertionError(f"no line starting with {prefix!r} in:\n{''.join(seen)}")
+    seen = []
+    # A process that prints nothing more would hold the read below forever: at the deadline it is killed, which
+    # ends its output, and the test fails saying what it saw.
+    killer = threading.Timer(timeout, kill_tree, (proc,))
+    killer.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if prefix in line:
+                return "".join(seen)
+    finally:
+        killer.cancel()
+    raise AssertionError(f"no line starting with {prefix!r} within {timeout} s in:\n{''.join(seen)}")
 
 
 @contextlib.contextmanager
@@ -196,6 +214,18 @@ def children(pid):
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             found.append(int(entry))
     return found
+
+
+def kill_tree(proc):
+    """kill -9 `proc` and every process below it (torchrun's ranks hold its output open after it is gone)."""
+    pids, seen = [proc.pid], []
+    while pids:
+        pid = pids.pop()
+        seen.append(pid)
+        pids += children(pid)
+    for pid in seen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def kill_job(proc, timeout=60):
@@ -288,13 +318,22 @@ def _install_hooks():
             real_replace(src, dst)
 
         checkpoint.os.replace = replace  # the os module: only this process, only for this test
-        real_wait = checkpoint.CheckpointWriter.wait
+        real_start, real_wait, saves = checkpoint.CheckpointWriter._start, checkpoint.CheckpointWriter.wait, [0]
+
+        def start(writer, path, write, iteration):
+            saves[0] += str(path).endswith(run_dir.CKPT_NAME)  # the N-th save of ckpt.pt makes its N-th rename
+            return real_start(writer, path, write, iteration)
 
         def wait(writer):
-            if writer.in_flight and renames[0] == int(hold) and not os.path.exists(release):
+            # by the save, not by the renames counted so far: on a loaded machine the writer's thread may not have
+            # reached the held rename yet when the next save starts to wait for it (the renames it has made: the
+            # process that renames ckpt.pt, not another rank)
+            held = saves[0] == int(hold) and renames[0] >= int(hold) - 1
+            if writer.in_flight and held and not os.path.exists(release):
                 print("waiting on the held save", flush=True)
             return real_wait(writer)
 
+        checkpoint.CheckpointWriter._start = start
         checkpoint.CheckpointWriter.wait = wait
 
     if os.environ.get("TEST_FAIL"):
