@@ -369,15 +369,17 @@ def test_an_ssh_session_that_drops_stops_the_run_at_a_checkpoint_which_resumes_i
     out, pause = str(tmp_path / "out"), str(tmp_path / "pause")
     args = tiny_args(data_path, out, **RESUME_RUN) + ["--init_from=auto"]
     terminal, run_side = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tests", "train_helpers.py"), *args],
-        cwd=ROOT,
-        env=subprocess_env(TEST_PAUSE=f"0:10:{pause}"),
-        stdin=run_side,
-        stdout=run_side,
-        stderr=run_side,
-        start_new_session=True,  # a session of its own, whose controlling terminal run_side becomes
-        preexec_fn=a_terminal_session,
+    proc = started(  # killed when the test ends, should it fail while the run is paused
+        subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "train_helpers.py"), *args],
+            cwd=ROOT,
+            env=subprocess_env(TEST_PAUSE=f"0:10:{pause}"),
+            stdin=run_side,
+            stdout=run_side,
+            stderr=run_side,
+            start_new_session=True,  # a session of its own, whose controlling terminal run_side becomes
+            preexec_fn=a_terminal_session,
+        )
     )
     os.close(run_side)
     try:
